@@ -1,0 +1,206 @@
+"""Typed views of a checkpoint's config.json and generation_config.json.
+
+Both the original Qwen3 layout (`rope_theta` and `rope_scaling` at the top level) and the
+transformers 5 layout (`rope_parameters`) are accepted. Anything missing or contradictory is
+a ConfigError that names the field and the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanoqwen.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_ROPE_TYPES = ("default", "yarn")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Read a JSON object from `path`, turning every failure into a ConfigError naming the file."""
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: a Qwen3 model folder needs {path.name}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); re-download or rewrite the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _require(raw: dict, name: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if name not in raw or raw[name] is None:
+        raise ConfigError(f"{where}: required field '{name}' is missing")
+    value = raw[name]
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        raise ConfigError(f"{where}: field '{name}' must be {_kind_name(kind)}, found {value!r}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """The fields of a Qwen3 config.json that the model math needs (names as in transformers)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] | None = None  # None, or {"rope_type": "yarn", "factor": ..., ...}
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    torch_dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    architectures: tuple[str, ...] = ("Qwen3ForCausalLM",)
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads per key/value head (the GQA ratio)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> Qwen3Config:
+        archs = raw.get("architectures") or []
+        if not archs:
+            raise ConfigError(f"{where}: field 'architectures' is missing; expected ['Qwen3ForCausalLM']")
+        if archs[0] not in SUPPORTED_ARCHITECTURES:
+            hint = " (Qwen3-MoE support is planned)" if archs[0] == "Qwen3MoeForCausalLM" else ""
+            raise ConfigError(
+                f"{where}: architecture {archs[0]!r} is not supported{hint}; "
+                f"nanoqwen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        ints = {
+            name: _require(raw, name, int, where)
+            for name in (
+                "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "max_position_embeddings",
+            )
+        }
+        for name, value in ints.items():
+            if value <= 0:
+                raise ConfigError(f"{where}: field '{name}' must be positive, found {value}")
+        heads = ints["num_attention_heads"]
+        kv_heads = raw.get("num_key_value_heads") or heads
+        if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+            raise ConfigError(
+                f"{where}: num_key_value_heads={kv_heads!r} must be a positive divisor of "
+                f"num_attention_heads={heads}"
+            )
+        head_dim = raw.get("head_dim") or ints["hidden_size"] // heads
+        if not isinstance(head_dim, int) or head_dim % 2:
+            raise ConfigError(f"{where}: head_dim={head_dim!r} must be an even integer (RoPE rotates pairs)")
+        if raw.get("use_sliding_window"):
+            raise ConfigError(f"{where}: use_sliding_window=true is not supported (no Qwen3 checkpoint uses it)")
+        rope_theta, rope_scaling = _rope_fields(raw, where)
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+        if dtype not in DTYPE_NAMES:
+            raise ConfigError(f"{where}: torch_dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+        return cls(
+            **ints,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            torch_dtype=dtype,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=eos_ids,
+            architectures=tuple(archs),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Qwen3Config:
+        path = Path(path)
+        return cls.from_dict(read_json(path), where=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json content in the original Qwen3 layout (as the official files are)."""
+        d = asdict(self)
+        d["architectures"] = list(self.architectures)
+        d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id
+        d.update(model_type="qwen3", hidden_act="silu", use_sliding_window=False, sliding_window=None,
+                 max_window_layers=self.num_hidden_layers, attention_dropout=0.0, use_cache=True)
+        return dict(sorted(d.items()))
+
+
+def _rope_fields(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either config layout; refuse a layout that contradicts itself."""
+    params = raw.get("rope_parameters")
+    top_theta = raw.get("rope_theta")
+    top_scaling = raw.get("rope_scaling")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConfigError(f"{where}: field 'rope_parameters' must be an object, found {params!r}")
+        theta = params.get("rope_theta", top_theta)
+        if top_theta is not None and theta is not None and float(theta) != float(top_theta):
+            raise ConfigError(
+                f"{where}: rope_theta={top_theta} contradicts rope_parameters.rope_theta={theta}; keep one"
+            )
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if top_scaling and scaling.get("rope_type", "default") == "default":
+            raise ConfigError(f"{where}: rope_scaling={top_scaling} contradicts rope_parameters={params}")
+    else:
+        theta = top_theta
+        scaling = dict(top_scaling) if top_scaling else {}
+    if theta is None:
+        raise ConfigError(f"{where}: required field 'rope_theta' (or rope_parameters.rope_theta) is missing")
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"{where}: rope type {rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return float(theta), None
+    for name in ("factor", "original_max_position_embeddings"):
+        if name not in scaling:
+            raise ConfigError(f"{where}: yarn rope scaling needs field '{name}'")
+    return float(theta), {"rope_type": rope_type, **scaling}
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """generation_config.json: default stop ids and the model's recommended sampling values."""
+
+    eos_token_id: list[int] = field(default_factory=list)
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    do_sample: bool = True
+
+    @classmethod
+    def from_file(cls, path: str | Path, fallback_eos: list[int] | None = None) -> GenerationConfig:
+        path = Path(path)
+        if not path.is_file():
+            return cls(eos_token_id=list(fallback_eos or []))
+        raw = read_json(path)
+        eos = raw.get("eos_token_id", fallback_eos)
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if not all(isinstance(i, int) for i in eos_ids):
+            raise ConfigError(f"{path}: eos_token_id must be an integer or a list of integers, found {eos!r}")
+        return cls(
+            eos_token_id=eos_ids,
+            temperature=raw.get("temperature"),
+            top_k=raw.get("top_k"),
+            top_p=raw.get("top_p"),
+            min_p=raw.get("min_p"),
+            do_sample=bool(raw.get("do_sample", True)),
+        )

@@ -1,0 +1,21 @@
+"""Exceptions nanoqwen raises for bad input. Each message names the thing and the fix."""
+
+
+class NanoQwenError(Exception):
+    """Base class of every error nanoqwen raises on purpose."""
+
+
+class ModelNotFoundError(NanoQwenError):
+    """The model folder or hub id could not be found or reached."""
+
+
+class ConfigError(NanoQwenError):
+    """config.json / generation_config.json / tokenizer files are missing or invalid."""
+
+
+class WeightsError(NanoQwenError):
+    """The safetensors files are missing, corrupt, or do not match the config."""
+
+
+class InvalidRequestError(NanoQwenError, ValueError):
+    """A prompt or sampling parameter is invalid (empty, too long, out of range)."""

@@ -1,0 +1,134 @@
+"""Write complete Qwen3 model folders with random weights, so everything runs offline.
+
+The folder has what a hub checkpoint has: config.json and generation_config.json, the
+official Qwen3 tokenizer files (shipped in nanoqwen/assets), and the weights under the
+official tensor names in model.safetensors, or in shards with model.safetensors.index.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from nanoqwen.config import Qwen3Config, read_json
+from nanoqwen.errors import ConfigError
+from nanoqwen.loader import write_index
+
+ASSETS = Path(str(resources.files("nanoqwen") / "assets"))
+QWEN3_0_6B = ASSETS / "qwen3-0.6b"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _official(name: str) -> dict:
+    path = QWEN3_0_6B / "config.json" if name == "Qwen3-0.6B" else ASSETS / "configs" / f"{name}.json"
+    return read_json(path)
+
+
+def _tiny() -> dict:
+    """A 2-layer model with the real vocabulary: seconds to load, every code path of the big ones."""
+    return {**_official("Qwen3-0.6B"), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+
+
+PRESETS = {
+    "tiny": _tiny,
+    "qwen3-0.6b": lambda: _official("Qwen3-0.6B"),
+    "qwen3-1.7b": lambda: _official("Qwen3-1.7B"),
+    "qwen3-4b": lambda: _official("Qwen3-4B"),
+    "qwen3-8b": lambda: _official("Qwen3-8B"),
+    "qwen3-14b": lambda: _official("Qwen3-14B"),
+    "qwen3-32b": lambda: _official("Qwen3-32B"),
+}
+
+
+def preset_config(preset: str) -> dict:
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[preset]()
+
+
+def checkpoint_shapes(config: Qwen3Config) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(official tensor name, shape) of every tensor a Qwen3 checkpoint with this config holds."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv, inter = config.num_attention_heads * d, config.num_key_value_heads * d, config.intermediate_size
+    yield "model.embed_tokens.weight", (config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "self_attn.q_proj.weight", (q, h)
+        yield p + "self_attn.k_proj.weight", (kv, h)
+        yield p + "self_attn.v_proj.weight", (kv, h)
+        if config.attention_bias:
+            yield from ((p + f"self_attn.{n}_proj.bias", (s,)) for n, s in (("q", q), ("k", kv), ("v", kv)))
+        yield p + "self_attn.o_proj.weight", (h, q)
+        if config.attention_bias:
+            yield p + "self_attn.o_proj.bias", (h,)
+        yield p + "self_attn.q_norm.weight", (d,)
+        yield p + "self_attn.k_norm.weight", (d,)
+        yield p + "post_attention_layernorm.weight", (h,)
+        yield p + "mlp.gate_proj.weight", (inter, h)
+        yield p + "mlp.up_proj.weight", (inter, h)
+        yield p + "mlp.down_proj.weight", (h, inter)
+    yield "model.norm.weight", (h,)
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", (config.vocab_size, h)
+
+
+def random_tensor(name: str, shape: tuple[int, ...], std: float, generator: torch.Generator) -> torch.Tensor:
+    if name.endswith("norm.weight"):  # norms near 1, but not exactly, so a mis-loaded norm shows
+        return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+    return std * torch.randn(shape, generator=generator)
+
+
+def write_random_model(out_dir: str | Path, config: dict | str = "tiny", dtype: str = "bfloat16",
+                       std: float = 0.02, seed: int = 0, max_shard_bytes: int = 2 << 30) -> Path:
+    """Write a model folder with config (a preset name or a config.json dict) and N(0, std) weights."""
+    raw = preset_config(config) if isinstance(config, str) else dict(config)
+    raw["torch_dtype"] = dtype
+    cfg = Qwen3Config.from_dict(raw, where="config")  # validates before anything is written
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    for name in TOKENIZER_FILES + ("generation_config.json",):
+        shutil.copyfile(QWEN3_0_6B / name, out / name)
+    generator = torch.Generator().manual_seed(seed)
+    torch_dtype = getattr(torch, dtype)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+    for name, shape in checkpoint_shapes(cfg):
+        t = random_tensor(name, shape, std, generator).to(torch_dtype)
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            _flush(out, shards, final=False)
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size, total = size + nbytes, total + nbytes
+    _flush(out, shards, final=True, total_size=total)
+    return out
+
+
+def _flush(out: Path, shards: list[dict[str, torch.Tensor]], final: bool, total_size: int = 0) -> None:
+    """Write the last shard (freeing its tensors); on the final call, name the files and write the index."""
+    n = len(shards)
+    save_file(shards[-1], out / f"shard-{n}.tmp", metadata={"format": "pt"})
+    shards[-1] = {k: None for k in shards[-1]}  # keep the names, drop the tensors
+    if not final:
+        return
+    for stale in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    if n == 1:
+        (out / "shard-1.tmp").rename(out / "model.safetensors")
+        return
+    names = {}
+    for i in range(1, n + 1):
+        file = f"model-{i:05d}-of-{n:05d}.safetensors"
+        (out / f"shard-{i}.tmp").rename(out / file)
+        names[file] = list(shards[i - 1])
+    write_index(out, names, total_size)

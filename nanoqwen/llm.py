@@ -1,0 +1,91 @@
+"""LLM: the offline Python API, shaped like vLLM's (`LLM(model).generate(prompts, params)`)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from nanoqwen.engine.llm_engine import LLMEngine
+from nanoqwen.errors import InvalidRequestError
+from nanoqwen.loader import DEFAULT_MODEL
+from nanoqwen.outputs import RequestOutput
+from nanoqwen.sampling_params import SamplingParams
+from nanoqwen.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Load a Qwen3 checkpoint (folder or hub id) and generate for many prompts at once."""
+
+    def __init__(self, model: str | Path = DEFAULT_MODEL, *, dtype: str | torch.dtype | None = None,
+                 device: str | torch.device | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int = 16, max_num_batched_tokens: int = 2048, seed: int | None = 0) -> None:
+        self.llm_engine = LLMEngine(model, dtype=dtype, device=device, max_model_len=max_model_len,
+                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                    seed=seed)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.default_sampling_params()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for strings (tokenized as is, no chat template) or token-id lists; outputs keep input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             enable_thinking: bool = True, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Render one conversation (or a list of them) with the model's chat template and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template(conv, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                 enable_thinking=enable_thinking, **(chat_template_kwargs or {}))
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [f"llm-{next(self._request_counter)}" for _ in prompts]
+        # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
+        for prompt in prompts:
+            engine.validate_prompt(engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
+        for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+            engine.add_request(request_id, prompt, p)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm or len(prompts) < 8)
+        with bar:
+            try:
+                while len(finished) < len(prompts):
+                    for out in engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+            finally:
+                for request_id in ids:  # on error or Ctrl-C, leave nothing half-run in the engine
+                    if request_id not in finished:
+                        engine.abort_request(request_id)
+        return [finished[i] for i in ids]

@@ -1,0 +1,229 @@
+"""From `--model` to a model on its device: find the folder, read the config, load the weights.
+
+Weights are read from model.safetensors or a sharded model.safetensors.index.json through
+safetensors' memory map, one tensor at a time, and copied straight into parameters that were
+allocated once on the target device in the target dtype. Peak memory therefore stays near the
+size of the weights: there is never a second full copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from nanoqwen.config import Qwen3Config, read_json
+from nanoqwen.errors import ConfigError, ModelNotFoundError, WeightsError
+from nanoqwen.models.qwen3 import Qwen3ForCausalLM
+
+DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.md"]
+PROGRESS_BAR_MIN_BYTES = 1 << 30  # show a loading bar for checkpoints of 1 GiB and more
+
+# checkpoint name (after "model.layers.{i}.") -> (our parameter, index of its slice in a stacked matrix)
+STACKED_PARAMS = {
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj", 2),
+    "self_attn.q_proj.bias": ("self_attn.qkv_bias", 0),
+    "self_attn.k_proj.bias": ("self_attn.qkv_bias", 1),
+    "self_attn.v_proj.bias": ("self_attn.qkv_bias", 2),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj", 1),
+}
+RENAMED_PARAMS = {
+    "self_attn.o_proj.weight": "self_attn.o_proj",
+    "self_attn.o_proj.bias": "self_attn.o_bias",
+    "mlp.down_proj.weight": "mlp.down_proj",
+}
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local folder as is; anything else shaped like `org/name` through the Hugging Face hub cache."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelNotFoundError(f"--model {model}: expected a model folder, found a file")
+        return path
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        raise ModelNotFoundError(
+            f"model folder {model} does not exist; pass a folder with config.json and *.safetensors, "
+            "a hub id like Qwen/Qwen3-0.6B, or make one with `nanoqwen init-random DIR`")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=HUB_FILE_PATTERNS, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass  # not cached yet: download
+    try:
+        return Path(snapshot_download(model, allow_patterns=HUB_FILE_PATTERNS))
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(f"{model} is not a model on the Hugging Face hub (or needs a token: "
+                                 "run `hf auth login`)") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise ModelNotFoundError(
+            f"cannot download {model}: the Hugging Face hub is not reachable ({type(e).__name__}); "
+            "pass a local folder with --model PATH, or make a random-weight one with "
+            "`nanoqwen init-random DIR`") from None
+
+
+def load_config(model_dir: Path) -> Qwen3Config:
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"{model_dir} has no config.json: is this a Qwen3 model folder?")
+    return Qwen3Config.from_file(model_dir / "config.json")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files of a folder: the shards an index lists, or the single model.safetensors."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise WeightsError(f"{index} has no 'weight_map' object")
+        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{model_dir} has no model.safetensors (or model.safetensors.index.json)")
+    for f in files:
+        if not f.is_file():
+            raise WeightsError(f"{f} is listed in model.safetensors.index.json but missing")
+    return files
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the files, read lazily from the memory map."""
+    for f in files:
+        try:
+            with safe_open(f, framework="pt", device="cpu") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise WeightsError(f"{f} is not a readable safetensors file ({e}); re-download it") from None
+        except Exception as e:  # safetensors_rust.SafetensorError does not derive from the above
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise WeightsError(f"{f} is truncated or corrupt ({e}); re-download it") from None
+
+
+def checkpoint_to_param(name: str) -> tuple[str, int | None] | None:
+    """Our parameter name (and stacked slice) for a checkpoint tensor name; None if it has no place."""
+    if name == "lm_head.weight":
+        return "lm_head", None
+    if not name.startswith("model."):
+        return None
+    name = name[len("model."):]
+    if name == "embed_tokens.weight":
+        return "embed_tokens", None
+    if name == "norm.weight":
+        return name, None
+    parts = name.split(".", 2)
+    if len(parts) != 3 or parts[0] != "layers":
+        return None
+    prefix, rest = f"layers.{parts[1]}.", parts[2]
+    if rest in STACKED_PARAMS:
+        param, shard = STACKED_PARAMS[rest]
+        return prefix + param, shard
+    return prefix + RENAMED_PARAMS.get(rest, rest), None
+
+
+def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: int | None) -> torch.Tensor:
+    """The part of `param` that checkpoint tensor `shard` fills (the whole tensor when not stacked)."""
+    if shard is None:
+        return param
+    if "qkv" in name:
+        sizes = model.get_submodule(name.rsplit(".", 1)[0]).split_sizes
+    else:
+        sizes = [param.shape[0] // 2] * 2
+    start = sum(sizes[:shard])
+    return param.narrow(0, start, sizes[shard])
+
+
+def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool | None = None) -> None:
+    """Copy every checkpoint tensor into its parameter; error on missing, unexpected or misshaped ones."""
+    params = dict(model.named_parameters())
+    expected = {(n, s) for n, s in _expected_slices(model)}
+    loaded: set[tuple[str, int | None]] = set()
+    total = sum(f.stat().st_size for f in files)
+    if show_progress is None:
+        show_progress = total >= PROGRESS_BAR_MIN_BYTES
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not show_progress)
+    with bar, torch.no_grad():
+        for ckpt_name, tensor in iter_checkpoint(files):
+            target = checkpoint_to_param(ckpt_name)
+            if target is None or target[0] not in params:
+                if ckpt_name == "lm_head.weight" and model.lm_head is None:
+                    continue  # tied checkpoints may still store the head: the embedding is used instead
+                raise WeightsError(f"unexpected tensor {ckpt_name!r} in the checkpoint: it has no place in a "
+                                   f"Qwen3 model with this config.json")
+            dest = _slice(params[target[0]], model, target[0], target[1])
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise WeightsError(f"tensor {ckpt_name!r} has shape {list(tensor.shape)} in the checkpoint, "
+                                   f"but config.json implies {list(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(target)
+            bar.update(tensor.numel() * tensor.element_size())
+    missing = sorted(expected - loaded, key=str)
+    if missing:
+        names = [_checkpoint_name(n, s) for n, s in missing]
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        raise WeightsError(f"tensor {names[0]!r} is missing from the checkpoint (missing: {', '.join(names[:5])}"
+                           f"{more})")
+
+
+def _expected_slices(model: Qwen3ForCausalLM) -> Iterator[tuple[str, int | None]]:
+    for name, _ in model.named_parameters():
+        if name.endswith(("qkv_proj", "qkv_bias")):
+            yield from ((name, i) for i in range(3))
+        elif name.endswith("gate_up_proj"):
+            yield from ((name, i) for i in range(2))
+        elif not name.endswith(("o_bias",)) or model.config.attention_bias:
+            yield name, None
+
+
+def _checkpoint_name(param: str, shard: int | None) -> str:
+    """The checkpoint tensor name for one of our parameters (for error messages)."""
+    if param == "lm_head":
+        return "lm_head.weight"
+    for ckpt, (ours, s) in STACKED_PARAMS.items():
+        if param.endswith(ours) and s == shard:
+            return f"model.{param[: -len(ours)]}{ckpt}"
+    for ckpt, ours in RENAMED_PARAMS.items():
+        if param.endswith(ours):
+            return f"model.{param[: -len(ours)]}{ckpt}"
+    return f"model.{param}" + (".weight" if param == "embed_tokens" else "")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device: torch.device,
+               max_model_len: int | None = None) -> Qwen3ForCausalLM:
+    """Build the model with uninitialised parameters on `device` in `dtype`, then fill them from disk."""
+    files = safetensors_files(model_dir)
+    with _default_dtype(dtype), torch.device(device):
+        model = Qwen3ForCausalLM(config, max_model_len)
+    load_weights(model, files)
+    return model.eval()
+
+
+def write_index(model_dir: Path, shards: dict[str, list[str]], total_size: int) -> None:
+    """Write model.safetensors.index.json for shards {file name: [tensor names]}."""
+    weight_map = {name: file for file, names in shards.items() for name in names}
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,224 @@
+"""The Qwen3 dense decoder, written from plain tensor operations.
+
+Read top to bottom: RMSNorm -> RoPE -> attention (QK-norm, GQA) -> SwiGLU MLP -> decoder
+layer -> the whole model. It computes what transformers' Qwen3ForCausalLM computes.
+
+Two layout choices, both made so one batch can mix sequences of different lengths:
+- Tokens are flat: a batch of sequences is one [num_tokens, hidden] tensor, so every matmul
+  runs once over all tokens with no padding. Only attention needs to know where each
+  sequence starts; `AttentionMetadata` (nanoqwen/engine/kv_cache.py) tells it.
+- The checkpoint's q/k/v projections are stored as one `qkv_proj` matrix and gate/up as one
+  `gate_up_proj` (stacked at load time), so each layer does two big matmuls instead of five.
+
+Shapes: N = tokens in the batch, H = hidden_size, Hq/Hkv = query/key-value heads,
+D = head_dim, I = intermediate_size, V = vocab_size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoqwen.config import Qwen3Config
+
+if TYPE_CHECKING:
+    from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, normalised in float32 like transformers."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(config: Qwen3Config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [D/2] and the cos/sin scale, for default RoPE or YaRN."""
+    dim, base = config.head_dim, config.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv_freq = 1.0 / pos_freqs
+    if config.rope_scaling is None:
+        return inv_freq, 1.0
+    # YaRN: interpolate the low frequencies by `factor`, keep the high ones, ramp in between.
+    s = config.rope_scaling
+    factor, original_len = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(original_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    scale = s.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return inv_freq, float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with cos/sin precomputed for every position up to max_len."""
+
+    def __init__(self, config: Qwen3Config, max_len: int) -> None:
+        super().__init__()
+        inv_freq, scale = rope_inv_freq(config)
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [L, D/2]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [L, D]: both halves use the same angle
+        self.register_buffer("cos", angles.cos() * scale, persistent=False)
+        self.register_buffer("sin", angles.sin() * scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # [N, D] each, in the activation dtype as transformers casts them
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D]; cos/sin [N, D], shared by every head."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """Grouped-query attention, the documented reference path.
+
+    q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask [B or 1, 1, T, S] bool (True = may attend) or None.
+    Each group of Hq/Hkv query heads shares one key/value head: the query heads are viewed as
+    [B, Hkv, G, T, D] so K/V broadcast over G and are never repeated in memory.
+    """
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    qg = q.view(b, hkv, hq // hkv, t, d)
+    scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * d**-0.5  # [B, Hkv, G, T, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs @ v.unsqueeze(2)).view(b, hq, t, d)
+
+
+def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   causal: bool = False) -> torch.Tensor:
+    """The same function as attention_reference through torch's fused kernel (faster)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Parameter(torch.empty(q_size + 2 * kv_size, config.hidden_size), requires_grad=False)
+        self.o_proj = nn.Parameter(torch.empty(config.hidden_size, q_size), requires_grad=False)
+        self.qkv_bias = (nn.Parameter(torch.zeros(q_size + 2 * kv_size), requires_grad=False)
+                         if config.attention_bias else None)
+        self.o_bias = nn.Parameter(torch.zeros(config.hidden_size), requires_grad=False) if config.attention_bias \
+            else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # per head, before RoPE
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split(self.split_sizes, dim=-1)
+        q = apply_rope(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)  # [N, Hq, D]
+        k = apply_rope(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)  # [N, Hkv, D]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        kv_cache.store(self.layer_idx, k, v, meta)
+        out = torch.empty_like(q)  # [N, Hq, D]
+        # Decode tokens (one query per sequence) are batched into one attention call.
+        if meta.num_decode_tokens:
+            k_ctx, v_ctx = kv_cache.decode_context(self.layer_idx, meta)  # [B, Hkv, S, D]
+            qd = q[: meta.num_decode_tokens].unsqueeze(2)  # [B, Hq, 1, D]
+            out[: meta.num_decode_tokens] = attention_sdpa(qd, k_ctx, v_ctx, meta.decode_mask).squeeze(2)
+        # Prompt chunks attend causally to their own tokens and to what the cache already held.
+        for seq in meta.prefills:
+            k_ctx, v_ctx = kv_cache.sequence_context(self.layer_idx, seq.slot, seq.context_len)  # [1, Hkv, S, D]
+            qp = q[seq.query_start: seq.query_start + seq.query_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
+            causal = seq.context_len == seq.query_len  # no cached prefix: the plain causal mask
+            o = attention_sdpa(qp, k_ctx, v_ctx, None if causal else seq.mask, causal=causal)
+            out[seq.query_start: seq.query_start + seq.query_len] = o.squeeze(0).transpose(0, 1)
+        return F.linear(out.view(n, -1), self.o_proj, self.o_bias)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up stacked in one matrix [2I, H]."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * config.intermediate_size, config.hidden_size),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(config.hidden_size, config.intermediate_size),
+                                      requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Embedding -> decoder layers -> final norm; `compute_logits` applies the LM head."""
+
+    def __init__(self, config: Qwen3Config, max_model_len: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # A tied head is the embedding matrix itself: one tensor, not a copy.
+        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.rotary = RotaryEmbedding(config, max_model_len or config.max_position_embeddings)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [N] -> final hidden states [N, H]."""
+        x = self.embed_tokens[input_ids]
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, H] -> float32 logits [M, V]; call it only on the positions that get sampled."""
+        return F.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,68 @@
+"""Shared test helpers: random-weight checkpoints of small Qwen3 shapes, and running nanoqwen's model directly."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never try the network in tests
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache  # noqa: E402
+from nanoqwen.init_random import preset_config, write_random_model  # noqa: E402
+
+# Small shapes covering what the math must get right (names are used as test ids).
+SHAPES = {
+    # head_dim 32 != hidden/heads = 16, GQA ratio 1, tied head
+    "gqa1-tied-headdim": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                              intermediate_size=96, tie_word_embeddings=True),
+    # GQA ratio 2, untied head, head_dim == hidden/heads
+    "gqa2-untied": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        intermediate_size=128, tie_word_embeddings=False),
+    # GQA ratio 4, untied, weights sharded over several files
+    "gqa4-sharded": dict(hidden_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=24,
+                         intermediate_size=160, tie_word_embeddings=False, num_hidden_layers=3),
+}
+
+
+def tiny_config(**overrides) -> dict:
+    raw = preset_config("tiny")
+    raw.update(overrides)
+    return raw
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(name, dtype=..., std=..., shard_bytes=...) -> folder, written once per session."""
+    cache: dict[tuple, Path] = {}
+
+    def make(name: str, dtype: str = "float32", std: float = 0.08, max_shard_bytes: int = 2 << 30,
+             **overrides) -> Path:
+        key = (name, dtype, std, max_shard_bytes, json.dumps(overrides, sort_keys=True))
+        if key not in cache:
+            raw = tiny_config(**SHAPES.get(name, {}), **overrides)
+            out = tmp_path_factory.mktemp(name)
+            cache[key] = write_random_model(out, raw, dtype=dtype, std=std, max_shard_bytes=max_shard_bytes)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(checkpoint) -> Path:
+    return checkpoint("tiny", dtype="float32")
+
+
+def prompt_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """nanoqwen's float32 logits [T, V] for every position of one prompt (one prefill, fresh cache)."""
+    c = model.config
+    cache = KVCache(c.num_hidden_layers, 1, len(token_ids) + 1, c.num_key_value_heads, c.head_dim,
+                    model.embed_tokens.dtype, model.embed_tokens.device)
+    meta = AttentionMetadata.build([], [(0, 0, len(token_ids))], model.embed_tokens.device)
+    with torch.inference_mode():
+        hidden = model(torch.tensor(token_ids), meta.positions, cache, meta)
+        return model.compute_logits(hidden)
