@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +89,26 @@ class LLM:
                     if request_id not in finished:
                         engine.abort_request(request_id)
         return [finished[i] for i in ids]
+
+    def stream(self, prompt: Prompt,
+               sampling_params: SamplingParams | None = None) -> Iterator[tuple[str, RequestOutput]]:
+        """Generate for one prompt, yielding (new text, output so far) as tokens arrive.
+
+        Text is yielded only once its UTF-8 is complete. Closing the iterator early (break, Ctrl-C)
+        aborts the request and frees its KV-cache slot.
+        """
+        engine = self.llm_engine
+        request_id = f"llm-{next(self._request_counter)}"
+        engine.add_request(request_id, prompt, sampling_params)
+        printed = 0
+        try:
+            while True:
+                for out in engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    delta, printed = out.text[printed:], len(out.text)
+                    yield delta, out
+                    if out.finished:
+                        return
+        finally:
+            engine.abort_request(request_id)

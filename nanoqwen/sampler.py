@@ -25,7 +25,7 @@ def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[to
     logits = logits / temperature[:, None]
     top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
-    if max(top_k) < vocab or (top_p < 1).any():
+    if min(top_k) < vocab or (top_p < 1).any():
         logits, token_ids = logits.topk(min(max(top_k), vocab), dim=-1)  # sorted, largest first
         rank = torch.arange(logits.shape[1], device=device)[None, :]
         logits = logits.masked_fill(rank >= torch.tensor(top_k, device=device)[:, None], float("-inf"))
@@ -49,9 +49,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if not rows:
         return tokens
     probs, token_ids = filter_probs(logits[rows], [params[i] for i in rows])
-    noise = torch.empty_like(probs)
+    # Noise is drawn for the whole vocabulary in token order, so a row's draw does not depend on
+    # how many candidates the other rows of the batch made us keep.
+    noise = torch.empty(len(rows), logits.shape[1], device=logits.device)
     for j, i in enumerate(rows):
         noise[j].exponential_(generator=generators[i])
-    choice = (probs / noise).argmax(dim=-1, keepdim=True)
+    choice = (probs / noise.gather(1, token_ids)).argmax(dim=-1, keepdim=True)
     tokens[rows] = token_ids.gather(1, choice).squeeze(1)
     return tokens

@@ -4,12 +4,18 @@ The cache is allocated once: for every layer, `max_num_seqs` slots of `max_model
 positions, laid out [slot, kv_head, position, head_dim] so that the keys of one sequence and
 head are contiguous and attention can read a slot as a view, without copying. Each running
 sequence owns one slot; a step writes its new keys/values at their positions (no torch.cat
-growth). On CPU torch.empty memory is only backed by RAM once written, so unused capacity
-costs address space, not memory.
+growth).
+
+The cache starts as zeros, never as uninitialised memory: batched decode reads (and masks) the
+positions between a short sequence's end and the longest one's, and a masked NaN left in
+memory would still poison the output (0 * NaN = NaN). On CPU the zeros come from an anonymous
+memory map, which the OS backs with RAM only where it is written, so unused capacity costs
+address space, not memory.
 """
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -79,8 +85,7 @@ class KVCache:
     def __init__(self, num_layers: int, num_slots: int, max_model_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_layers, num_slots, num_kv_heads, max_model_len, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k, self.v = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
         self.num_slots, self.max_model_len = num_slots, max_model_len
 
     @staticmethod
@@ -103,3 +108,14 @@ class KVCache:
     def sequence_context(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [1, Hkv, length, D] of one sequence, as a view."""
         return self.k[layer, slot: slot + 1, :, :length], self.v[layer, slot: slot + 1, :, :length]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU backed by an anonymous mmap so only the pages written ever use RAM."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for n in shape:
+        numel *= n
+    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize))
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor keeps the map alive

@@ -1,0 +1,124 @@
+"""The `nanoqwen` command: chat, generate, init-random."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from nanoqwen.errors import NanoQwenError
+from nanoqwen.loader import DEFAULT_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model folder or Hugging Face hub id (default: {DEFAULT_MODEL})")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="weights and activations dtype (auto: the checkpoint's on GPU, bfloat16 on CPU)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + answer in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults: the model's generation_config.json)")
+    g.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: no limit)")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+
+
+def build_llm(args: argparse.Namespace):
+    from nanoqwen.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+               max_num_seqs=1, seed=args.seed)
+
+
+def sampling_params(llm, args: argparse.Namespace):
+    """The model's recommended sampling, with every flag the user gave on top."""
+    from dataclasses import replace
+
+    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p")
+             if getattr(args, name) is not None}
+    return replace(llm.get_default_sampling_params(), max_tokens=args.max_tokens, **given)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    llm = build_llm(args)
+    params = sampling_params(llm, args)
+    if not args.no_chat_template:
+        prompt = llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=True, enable_thinking=not args.no_think)
+    for delta, _ in llm.stream(prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from nanoqwen.chat import chat_loop
+
+    llm = build_llm(args)
+    chat_loop(llm, sampling_params(llm, args), enable_thinking=not args.no_think, system=args.system)
+
+
+def cmd_init_random(args: argparse.Namespace) -> None:
+    from nanoqwen.init_random import write_random_model
+
+    out = write_random_model(args.dir, args.preset, dtype=args.dtype, std=args.std, seed=args.seed)
+    print(f"wrote a random-weight {args.preset} model to {out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from nanoqwen.init_random import PRESETS
+
+    parser = argparse.ArgumentParser(prog="nanoqwen", description="Run Qwen3 models: chat, generate, serve.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.add_argument("--no-think", action="store_true", help="start with thinking off (/think turns it on)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("generate", help="one answer to one prompt, streamed to stdout")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.add_argument("--prompt", required=True, help="the prompt text, or - to read it from stdin")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--no-think", action="store_true", help="answer without a thinking part")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("init-random", help="write a model folder with random weights (for offline use)")
+    p.add_argument("dir", help="output folder")
+    p.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--std", type=float, default=0.02, help="standard deviation of the random weights")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_init_random)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], None] = args.func
+    try:
+        func(args)
+    except NanoQwenError as e:
+        print(f"nanoqwen: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

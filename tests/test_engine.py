@@ -1,0 +1,152 @@
+"""The engine around the model: KV cache, batching, chunked prefill, queueing, streaming, abort."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import prompt_logits
+
+from nanoqwen import LLM, SamplingParams
+from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache
+
+PROMPTS = [
+    [9707, 11, 847, 829, 374],
+    [785, 6722, 315, 9625, 374, 264, 1293, 11652, 9934, 13, 576, 1156, 374],
+    [40],
+    [3838, 374, 279, 7290, 315, 2272, 30, 358, 1744, 432, 374, 220, 19, 17, 13, 2055, 1128, 30, 1084, 220],
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint("gqa2-untied", dtype="float32"), dtype="float32", device="cpu", max_model_len=256)
+
+
+def test_kv_cache_decode_equals_full_recomputation(llm):
+    model = llm.llm_engine.model
+    c = model.config
+    tokens = list(PROMPTS[1])
+    cache = KVCache(c.num_hidden_layers, 2, 64, c.num_key_value_heads, c.head_dim, torch.float32, torch.device("cpu"))
+    slot = 1  # not slot 0, so slot indexing is exercised
+    with torch.inference_mode():
+        meta = AttentionMetadata.build([], [(slot, 0, len(tokens))], torch.device("cpu"))
+        hidden = model(torch.tensor(tokens), meta.positions, cache, meta)
+        step_logits = [model.compute_logits(hidden[-1:])[0]]
+        for _ in range(12):
+            tokens.append(int(step_logits[-1].argmax()))
+            meta = AttentionMetadata.build([(slot, len(tokens))], [], torch.device("cpu"))
+            hidden = model(torch.tensor(tokens[-1:]), meta.positions, cache, meta)
+            step_logits.append(model.compute_logits(hidden)[0])
+    full = prompt_logits(model, tokens)  # the whole sequence recomputed without a cache
+    n = len(PROMPTS[1])
+    torch.testing.assert_close(torch.stack(step_logits), full[n - 1:], atol=1e-4, rtol=0)
+
+
+def test_cached_prefix_chunk_equals_full_prefill(llm):
+    """A prompt split into chunks (the later ones attending to the cached earlier ones) gives the same logits."""
+    model = llm.llm_engine.model
+    c = model.config
+    tokens = PROMPTS[3]
+    cache = KVCache(c.num_hidden_layers, 1, 64, c.num_key_value_heads, c.head_dim, torch.float32, torch.device("cpu"))
+    outs = []
+    with torch.inference_mode():
+        for start, end in [(0, 7), (7, 8), (8, 20)]:
+            meta = AttentionMetadata.build([], [(0, start, end - start)], torch.device("cpu"))
+            outs.append(model.compute_logits(model(torch.tensor(tokens[start:end]), meta.positions, cache, meta)))
+    torch.testing.assert_close(torch.cat(outs), prompt_logits(model, tokens), atol=1e-4, rtol=0)
+
+
+def test_batch_of_different_lengths_matches_each_prompt_alone(llm):
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
+    together = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert together == alone
+    assert len({tuple(t) for t in alone}) == len(PROMPTS)  # the prompts really produce different answers
+
+
+def test_chunked_prefill_and_queueing_give_the_same_tokens(checkpoint, llm):
+    expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    small = LLM(checkpoint("gqa2-untied", dtype="float32"), dtype="float32", device="cpu", max_model_len=256,
+                max_num_seqs=2, max_num_batched_tokens=3)
+    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    assert not small.llm_engine.has_unfinished_requests()
+    assert sorted(small.llm_engine.scheduler.free_slots) == [0, 1]
+
+
+def test_mixed_prefill_and_decode_steps(llm):
+    """A request added while another decodes shares its steps and still gets its own greedy tokens."""
+    engine = llm.llm_engine
+    expected = {i: llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for i, p in enumerate(PROMPTS[:2])}
+    engine.add_request("a", PROMPTS[0], GREEDY)
+    for _ in range(5):
+        engine.step()
+    engine.add_request("b", PROMPTS[1], GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert done == {"a": expected[0], "b": expected[1]}
+
+
+def test_stop_token_and_finish_reasons(llm):
+    first = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
+    assert first.finish_reason == "length" and len(first.token_ids) == GREEDY.max_tokens
+    stop_at = first.token_ids[5]
+    k = first.token_ids.index(stop_at)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == first.token_ids[: k + 1]
+
+
+def test_eos_from_generation_config_stops(llm):
+    engine = llm.llm_engine
+    assert engine.eos_token_ids == {151645, 151643}  # Qwen3-0.6B's generation_config.json lists two
+    prompt = PROMPTS[0]
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    engine.eos_token_ids = {first[3]}
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+        ignored = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    finally:
+        engine.eos_token_ids = {151645, 151643}
+    assert out.finish_reason == "stop" and out.token_ids == first[: first.index(first[3]) + 1]
+    assert ignored.token_ids == first
+
+
+def test_max_model_len_ends_generation(checkpoint):
+    llm = LLM(checkpoint("gqa2-untied", dtype="float32"), dtype="float32", device="cpu", max_model_len=12)
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(PROMPTS[0]) + len(out.token_ids) == 12
+
+
+def test_seeded_sampling_is_reproducible_alone_or_in_batch(llm):
+    params = SamplingParams(temperature=1.0, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].token_ids
+    batch = llm.generate(PROMPTS, [GREEDY, params, SamplingParams(temperature=1.0, max_tokens=8), GREEDY],
+                         use_tqdm=False)
+    assert batch[1].token_ids == alone
+    other = llm.generate([PROMPTS[1]], SamplingParams(temperature=1.0, top_k=50, max_tokens=16, seed=99,
+                                                      ignore_eos=True), use_tqdm=False)[0].token_ids
+    assert other != alone
+
+
+def test_stream_yields_text_deltas_and_abort_frees_the_slot(llm):
+    engine = llm.llm_engine
+    deltas, final = [], None
+    for delta, out in llm.stream(PROMPTS[0], GREEDY):
+        deltas.append(delta)
+        final = out
+    assert final.finished and "".join(deltas) == final.text
+    assert final.text == llm.get_tokenizer().decode(final.token_ids, skip_special_tokens=True)
+    stream = llm.stream(PROMPTS[0], GREEDY)
+    next(stream)
+    stream.close()  # what a Ctrl-C or a dropped client does
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert len(engine.scheduler.free_slots) == 16
+
+
+def test_string_prompts_are_tokenized_without_template(llm):
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().encode("Hello world") and out.prompt == "Hello world"
