@@ -20,13 +20,19 @@ HELP = "Commands: /think  /no_think  /reset  /exit  (Ctrl-C stops an answer, Ctr
 
 
 class AnswerPrinter:
-    """Prints streamed text, showing the <think>…</think> part dimmed (or labelled when not a terminal)."""
+    """Prints streamed text, showing the <think>…</think> part dimmed (or labelled when not a terminal).
+
+    Newlines around the tags are the model's formatting of the template ("<think>\n…\n</think>\n\n"),
+    so they are dropped at the start and end of each part, however the text is split into pieces.
+    """
 
     def __init__(self, out: TextIO) -> None:
         self.out = out
         self.color = out.isatty()
         self.thinking = False
         self.pending = ""  # text that might be the start of a tag
+        self.newlines = ""  # trailing newlines, printed only if more text follows in this part
+        self.part_started = False
 
     def write(self, text: str) -> None:
         text = self.pending + text
@@ -41,7 +47,7 @@ class AnswerPrinter:
                 return
             self._emit(text[:i])
             self._switch()
-            text = text[i + len(tag):].lstrip("\n") if not self.thinking else text[i + len(tag):]
+            text = text[i + len(tag):]
 
     def finish(self) -> None:
         self._emit(self.pending)
@@ -52,12 +58,19 @@ class AnswerPrinter:
         self.out.flush()
 
     def _emit(self, text: str) -> None:
-        if text:
-            self.out.write(text)
+        if not self.part_started:
+            text = text.lstrip("\n")
+        body = text.rstrip("\n")
+        if body:
+            self.out.write(self.newlines + body)
             self.out.flush()
+            self.part_started = True
+            self.newlines = ""
+        self.newlines += text[len(body):]
 
     def _switch(self) -> None:
         self.thinking = not self.thinking
+        self.newlines, self.part_started = "", False
         if self.color:
             self.out.write("\033[2m" if self.thinking else "\033[0m\n")
         else:

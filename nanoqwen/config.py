@@ -75,9 +75,12 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> Qwen3Config:
-        archs = raw.get("architectures") or []
-        if not archs:
-            raise ConfigError(f"{where}: field 'architectures' is missing; expected ['Qwen3ForCausalLM']")
+        archs = raw.get("architectures")
+        if archs is None:
+            raise ConfigError(f"{where}: required field 'architectures' is missing; expected ['Qwen3ForCausalLM']")
+        if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
+            raise ConfigError(f"{where}: field 'architectures' must be a list like ['Qwen3ForCausalLM'], "
+                              f"found {archs!r}")
         if archs[0] not in SUPPORTED_ARCHITECTURES:
             hint = " (Qwen3-MoE support is planned)" if archs[0] == "Qwen3MoeForCausalLM" else ""
             raise ConfigError(
@@ -91,32 +94,32 @@ class Qwen3Config:
                 "num_attention_heads", "max_position_embeddings",
             )
         }
-        for name, value in ints.items():
-            if value <= 0:
-                raise ConfigError(f"{where}: field '{name}' must be positive, found {value}")
         heads = ints["num_attention_heads"]
-        kv_heads = raw.get("num_key_value_heads") or heads
-        if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
-            raise ConfigError(
-                f"{where}: num_key_value_heads={kv_heads!r} must be a positive divisor of "
-                f"num_attention_heads={heads}"
-            )
-        head_dim = raw.get("head_dim") or ints["hidden_size"] // heads
-        if not isinstance(head_dim, int) or head_dim % 2:
-            raise ConfigError(f"{where}: head_dim={head_dim!r} must be an even integer (RoPE rotates pairs)")
+        ints["num_key_value_heads"] = raw["num_key_value_heads"] if raw.get("num_key_value_heads") is not None \
+            else heads
+        ints["head_dim"] = raw["head_dim"] if raw.get("head_dim") is not None else ints["hidden_size"] // heads
+        for name, value in ints.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{where}: field '{name}' must be a positive integer, found {value!r}")
+        if heads % ints["num_key_value_heads"]:
+            raise ConfigError(f"{where}: num_key_value_heads={ints['num_key_value_heads']} must divide "
+                              f"num_attention_heads={heads}")
+        if ints["head_dim"] % 2:
+            raise ConfigError(f"{where}: head_dim={ints['head_dim']} must be even (RoPE rotates pairs)")
         if raw.get("use_sliding_window"):
             raise ConfigError(f"{where}: use_sliding_window=true is not supported (no Qwen3 checkpoint uses it)")
         rope_theta, rope_scaling = _rope_fields(raw, where)
         eos = raw.get("eos_token_id")
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+        dtypes = {raw[k] for k in ("torch_dtype", "dtype") if raw.get(k) is not None}
+        if len(dtypes) > 1:
+            raise ConfigError(f"{where}: torch_dtype={raw['torch_dtype']!r} contradicts dtype={raw['dtype']!r}")
+        dtype = dtypes.pop() if dtypes else "bfloat16"
         if dtype not in DTYPE_NAMES:
             raise ConfigError(f"{where}: torch_dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
         return cls(
             **ints,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_positive_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -142,37 +145,48 @@ class Qwen3Config:
         return dict(sorted(d.items()))
 
 
+def _positive_number(value: Any, name: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{where}: field '{name}' must be a positive number, found {value!r}")
+    return float(value)
+
+
 def _rope_fields(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either config layout; refuse a layout that contradicts itself."""
-    params = raw.get("rope_parameters")
-    top_theta = raw.get("rope_theta")
-    top_scaling = raw.get("rope_scaling")
+    params, top_theta, top_scaling = raw.get("rope_parameters"), raw.get("rope_theta"), raw.get("rope_scaling")
+    for name, value in (("rope_parameters", params), ("rope_scaling", top_scaling)):
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{where}: field '{name}' must be an object or null, found {value!r}")
     if params is not None:
-        if not isinstance(params, dict):
-            raise ConfigError(f"{where}: field 'rope_parameters' must be an object, found {params!r}")
         theta = params.get("rope_theta", top_theta)
-        if top_theta is not None and theta is not None and float(theta) != float(top_theta):
+        if top_theta is not None and theta is not None and theta != top_theta:
             raise ConfigError(
-                f"{where}: rope_theta={top_theta} contradicts rope_parameters.rope_theta={theta}; keep one"
-            )
+                f"{where}: rope_theta={top_theta} contradicts rope_parameters.rope_theta={theta}; keep one")
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        if top_scaling and scaling.get("rope_type", "default") == "default":
+        if top_scaling and _rope_type(top_scaling) != "default" and (
+                _rope_type(scaling) != _rope_type(top_scaling)
+                or any(scaling.get(k) != v for k, v in top_scaling.items() if k not in ("type", "rope_type"))):
             raise ConfigError(f"{where}: rope_scaling={top_scaling} contradicts rope_parameters={params}")
     else:
-        theta = top_theta
-        scaling = dict(top_scaling) if top_scaling else {}
+        theta, scaling = top_theta, dict(top_scaling or {})
     if theta is None:
         raise ConfigError(f"{where}: required field 'rope_theta' (or rope_parameters.rope_theta) is missing")
-    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    scaling.pop("type", None)
+    theta = _positive_number(theta, "rope_theta", where)
+    rope_type = _rope_type(scaling)
+    scaling = {k: v for k, v in scaling.items() if k not in ("type", "rope_type")}
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"{where}: rope type {rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
-        return float(theta), None
+        return theta, None
     for name in ("factor", "original_max_position_embeddings"):
         if name not in scaling:
             raise ConfigError(f"{where}: yarn rope scaling needs field '{name}'")
-    return float(theta), {"rope_type": rope_type, **scaling}
+        _positive_number(scaling[name], f"rope_scaling.{name}", where)
+    return theta, {"rope_type": rope_type, **scaling}
+
+
+def _rope_type(scaling: dict[str, Any]) -> str:
+    return scaling.get("rope_type") or scaling.get("type") or "default"
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,19 +100,54 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the files, read lazily from the memory map."""
+def iter_checkpoint(files: list[Path], group_bytes: int = 128 << 20
+                    ) -> Iterator[tuple[str, tuple[int, ...], int, torch.Tensor]]:
+    """(name, full shape, first row, rows) pieces of every tensor, read through safetensors' memory map.
+
+    Pages of a memory map count as the process's memory until the map is closed, so the file is
+    reopened every `group_bytes` and big tensors are read in row blocks: loading never holds
+    more than the parameters plus one group.
+    """
     for f in files:
-        try:
+        with _reading(f):
             with safe_open(f, framework="pt", device="cpu") as st:
-                for name in st.keys():
-                    yield name, st.get_tensor(name)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise WeightsError(f"{f} is not a readable safetensors file ({e}); re-download it") from None
-        except Exception as e:  # safetensors_rust.SafetensorError does not derive from the above
-            if type(e).__name__ != "SafetensorError":
-                raise
-            raise WeightsError(f"{f} is truncated or corrupt ({e}); re-download it") from None
+                shapes = {name: (tuple(st.get_slice(name).get_shape()), st.get_slice(name).get_dtype())
+                          for name in st.keys()}
+            pieces = []  # (name, first row, end row, bytes)
+            for name, (shape, dtype) in shapes.items():
+                row_bytes = _DTYPE_BYTES.get(dtype, 4) * (math.prod(shape[1:]) if shape else 1)
+                rows = shape[0] if shape else 1
+                step = max(1, group_bytes // row_bytes) if len(shape) > 1 else rows
+                pieces += [(name, r, min(r + step, rows), row_bytes * (min(r + step, rows) - r))
+                           for r in range(0, rows, step)]
+            while pieces:
+                group, total = [], 0
+                while pieces and (not group or total + pieces[0][3] <= group_bytes):
+                    total += pieces[0][3]
+                    group.append(pieces.pop(0))
+                with safe_open(f, framework="pt", device="cpu") as st:
+                    for name, start, end, _ in group:
+                        shape = shapes[name][0]
+                        if len(shape) > 1:
+                            yield name, shape, start, st.get_slice(name)[start:end]
+                        else:
+                            yield name, shape, 0, st.get_tensor(name)
+
+
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+@contextlib.contextmanager
+def _reading(file: Path) -> Iterator[None]:
+    """Turn safetensors' errors for a truncated or corrupt file into a WeightsError naming it."""
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{file} is not a readable safetensors file ({e}); re-download it") from None
+    except Exception as e:  # safetensors_rust.SafetensorError derives from Exception only
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise WeightsError(f"{file} is truncated or corrupt ({e}); re-download it") from None
 
 
 def checkpoint_to_param(name: str) -> tuple[str, int | None] | None:
@@ -150,42 +186,49 @@ def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: int |
 def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool | None = None) -> None:
     """Copy every checkpoint tensor into its parameter; error on missing, unexpected or misshaped ones."""
     params = dict(model.named_parameters())
-    expected = {(n, s) for n, s in _expected_slices(model)}
+    expected = set(_expected_slices(model))
     loaded: set[tuple[str, int | None]] = set()
     total = sum(f.stat().st_size for f in files)
     if show_progress is None:
         show_progress = total >= PROGRESS_BAR_MIN_BYTES
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not show_progress)
     with bar, torch.no_grad():
-        for ckpt_name, tensor in iter_checkpoint(files):
+        for ckpt_name, shape, first_row, rows in iter_checkpoint(files):
             target = checkpoint_to_param(ckpt_name)
+            if ckpt_name == "lm_head.weight" and model.lm_head is None:
+                # A tied config whose file also stores the head: load it, and share the embedding
+                # again below if the two are equal (transformers unties them when they differ).
+                model.lm_head = params["lm_head"] = torch.nn.Parameter(
+                    torch.empty_like(model.embed_tokens), requires_grad=False)
             if target is None or target[0] not in params:
-                if ckpt_name == "lm_head.weight" and model.lm_head is None:
-                    continue  # tied checkpoints may still store the head: the embedding is used instead
                 raise WeightsError(f"unexpected tensor {ckpt_name!r} in the checkpoint: it has no place in a "
                                    f"Qwen3 model with this config.json")
             dest = _slice(params[target[0]], model, target[0], target[1])
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise WeightsError(f"tensor {ckpt_name!r} has shape {list(tensor.shape)} in the checkpoint, "
+            if tuple(dest.shape) != shape:
+                raise WeightsError(f"tensor {ckpt_name!r} has shape {list(shape)} in the checkpoint, "
                                    f"but config.json implies {list(dest.shape)}")
-            dest.copy_(tensor)
+            dest[first_row: first_row + rows.shape[0]].copy_(rows)
             loaded.add(target)
-            bar.update(tensor.numel() * tensor.element_size())
+            bar.update(rows.numel() * rows.element_size())
     missing = sorted(expected - loaded, key=str)
     if missing:
         names = [_checkpoint_name(n, s) for n, s in missing]
         more = f" and {len(names) - 5} more" if len(names) > 5 else ""
         raise WeightsError(f"tensor {names[0]!r} is missing from the checkpoint (missing: {', '.join(names[:5])}"
                            f"{more})")
+    if model.config.tie_word_embeddings and model.lm_head is not None and torch.equal(model.lm_head,
+                                                                                      model.embed_tokens):
+        model.lm_head = None
 
 
 def _expected_slices(model: Qwen3ForCausalLM) -> Iterator[tuple[str, int | None]]:
+    """(parameter, stacked slice) pairs that the checkpoint must fill."""
     for name, _ in model.named_parameters():
         if name.endswith(("qkv_proj", "qkv_bias")):
             yield from ((name, i) for i in range(3))
         elif name.endswith("gate_up_proj"):
             yield from ((name, i) for i in range(2))
-        elif not name.endswith(("o_bias",)) or model.config.attention_bias:
+        else:
             yield name, None
 
 

@@ -1,0 +1,222 @@
+"""nanoqwen vs transformers on one machine, in one run: prefill, decode at batch 1 and 16, peak memory.
+
+    python bench/bench_model.py                 # random checkpoint with the exact Qwen3-0.6B shape
+    python bench/bench_model.py --write         # also record the table in BENCHMARKS.md
+    python bench/bench_model.py --model DIR     # any Qwen3 folder
+
+Each system runs in its own subprocess (so its peak memory is its own) on the same checkpoint,
+the same token ids and the same procedure: a generate call with 1 new token gives the prefill
+time; one with 1 + N new tokens (EOS ignored) gives the decode rate as N / (difference).
+The machine's ceilings (memory bandwidth from a large copy, bf16 matmul FLOP/s) are measured
+in the same run so each figure can be read as a fraction of what the hardware allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = ROOT / "bench" / ".models" / "qwen3-0.6b-random-bf16"
+PREFILL_LEN, DECODE_TOKENS, BATCH_PROMPT_LEN = 512, 64, 32
+
+
+def best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def prompts(batch: int, length: int) -> list[list[int]]:
+    return [[1000 + (7 * i + 13 * b) % 50000 for i in range(length)] for b in range(batch)]
+
+
+def run_nanoqwen(model_dir: str, device: str, repeats: int) -> dict:
+    from nanoqwen import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="bfloat16", device=device, max_model_len=PREFILL_LEN + DECODE_TOKENS + 8,
+              max_num_seqs=16, max_num_batched_tokens=PREFILL_LEN * 16)
+
+    def gen(batch: list[list[int]], n: int):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return lambda: llm.generate(batch, params, use_tqdm=False)
+
+    return measure(gen, repeats)
+
+
+def run_transformers(model_dir: str, device: str, repeats: int) -> dict:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(device).eval()
+
+    def gen(batch: list[list[int]], n: int):
+        ids = torch.tensor(batch, device=device)  # equal lengths: no padding needed
+        config = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                               eos_token_id=None, pad_token_id=0)
+
+        def call():
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        return call
+
+    return measure(gen, repeats)
+
+
+def measure(gen, repeats: int) -> dict:
+    """The same procedure for both systems; gen(prompts, n) returns a call generating n tokens each."""
+    long_prompt = prompts(1, PREFILL_LEN)
+    gen(long_prompt, 2)()  # warm-up
+    result = {"prefill_tok_s": PREFILL_LEN / best_of(gen(long_prompt, 1), repeats)}
+    for batch in (1, 16):
+        p = prompts(batch, BATCH_PROMPT_LEN)
+        gen(p, 2)()
+        first = best_of(gen(p, 1), repeats)
+        full = best_of(gen(p, 1 + DECODE_TOKENS), repeats)
+        result[f"decode_b{batch}_tok_s"] = batch * DECODE_TOKENS / (full - first)
+    result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return result
+
+
+def ceilings(device: str) -> dict:
+    """Memory bandwidth (GB/s, a 1 GiB copy: read + write) and bf16 matmul TFLOP/s on this machine."""
+    import torch
+
+    src = torch.ones(1 << 29, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def copy():
+        dst.copy_(src)
+        sync()
+    bandwidth = 2 * src.numel() * 2 / best_of(copy, 5) / 1e9
+    n = 4096 if device == "cuda" else 2048
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+
+    def matmul():
+        a @ b
+        sync()
+    matmul()
+    flops = 2 * n**3 / best_of(matmul, 5) / 1e12
+    return {"bandwidth_gb_s": bandwidth, "bf16_tflop_s": flops}
+
+
+def weight_bytes(model_dir: Path) -> int:
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+
+
+def child(system: str, model_dir: str, device: str, repeats: int) -> None:
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    fn = run_nanoqwen if system == "nanoqwen" else run_transformers
+    result = ceilings(device) if system == "ceilings" else fn(model_dir, device, repeats)
+    print("RESULT " + json.dumps(result))
+
+
+def run_child(system: str, model_dir: Path, device: str, repeats: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", system, "--model", str(model_dir), "--device", device,
+           "--repeats", str(repeats)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        sys.exit(f"{system} benchmark failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def machine_line(device: str) -> str:
+    import torch
+    import transformers
+
+    import nanoqwen
+
+    if device == "cuda":
+        hw = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    else:
+        cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                    if x.startswith("model name")), platform.processor())
+        hw = f"{cpu}, {os.cpu_count()} threads"
+    return (f"{datetime.date.today()} · {hw} · Python {platform.python_version()} · torch {torch.__version__} · "
+            f"transformers {transformers.__version__} · nanoqwen {nanoqwen.__version__}")
+
+
+def table(model_dir: Path, device: str, ours: dict, theirs: dict, ceil: dict) -> str:
+    size = weight_bytes(model_dir)
+    bound = ceil["bandwidth_gb_s"] * 1e9 / size
+    rows = [
+        ("Prefill, 512-token prompt (tok/s)", "prefill_tok_s", None),
+        ("Decode, batch 1 (tok/s)", "decode_b1_tok_s", bound),
+        ("Decode, batch 16 (tok/s, all sequences)", "decode_b16_tok_s", None),
+        ("Peak memory (process max RSS, GiB)", "peak_rss_gib", None),
+    ]
+    lines = ["| | nanoqwen | transformers | nanoqwen / transformers |", "|---|---:|---:|---:|"]
+    for label, key, ceiling in rows:
+        note = f" ({ours[key] / ceiling:.0%} of the bandwidth bound)" if ceiling else ""
+        lines.append(f"| {label} | {ours[key]:.1f}{note} | {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}× |")
+    lines.append("")
+    lines.append(f"Machine ceilings measured in the same run: memory bandwidth {ceil['bandwidth_gb_s']:.1f} GB/s "
+                 f"(1 GiB copy), bf16 matmul {ceil['bf16_tflop_s']:.2f} TFLOP/s; with {size / 1e9:.2f} GB of "
+                 f"weights the batch-1 decode bound is {bound:.1f} tok/s.")
+    return "\n".join(lines)
+
+
+def write_benchmarks(section: str, body: str) -> None:
+    """Replace (or append) the section between this script's markers in BENCHMARKS.md."""
+    path = ROOT / "BENCHMARKS.md"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start, end = f"<!-- {section}:start -->", f"<!-- {section}:end -->"
+    block = f"{start}\n{body}\n{end}"
+    if start in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help=f"model folder (default: a random one in {DEFAULT_DIR})")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=3, help="best of N timings")
+    parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.model, args.device, args.repeats)
+    model_dir = Path(args.model) if args.model else DEFAULT_DIR
+    if not (model_dir / "config.json").exists():
+        from nanoqwen.init_random import write_random_model
+
+        print(f"writing a random Qwen3-0.6B-shaped checkpoint to {model_dir} ...", file=sys.stderr)
+        write_random_model(model_dir, "qwen3-0.6b", dtype="bfloat16", std=0.02)
+    results = {}
+    for system in ("ceilings", "nanoqwen", "transformers"):
+        print(f"running {system} ...", file=sys.stderr)
+        results[system] = run_child(system, model_dir, args.device, args.repeats)
+    body = (f"### Single-stream speed: prefill, decode at batch 1 and 16 ({args.device}, bfloat16)\n\n"
+            f"`python bench/bench_model.py{' --device cuda' if args.device == 'cuda' else ''}` on "
+            f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}; "
+            f"transformers with sdpa attention, same token ids, greedy, EOS ignored.\n\n"
+            f"{machine_line(args.device)}\n\n"
+            + table(model_dir, args.device, results["nanoqwen"], results["transformers"], results["ceilings"]))
+    print(body)
+    if args.write:
+        write_benchmarks(f"bench_model-{args.device}", body)
+
+
+if __name__ == "__main__":
+    main()
