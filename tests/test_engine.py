@@ -57,6 +57,27 @@ def test_cached_prefix_chunk_equals_full_prefill(llm):
     torch.testing.assert_close(torch.cat(outs), prompt_logits(model, tokens), atol=1e-4, rtol=0)
 
 
+def test_batched_decode_logits_equal_each_sequence_alone(llm):
+    """Decode tokens of sequences with different context lengths in one batch (masking the shorter ones)."""
+    model = llm.llm_engine.model
+    c = model.config
+    cpu = torch.device("cpu")
+    cache = KVCache(c.num_hidden_layers, 3, 64, c.num_key_value_heads, c.head_dim, torch.float32, cpu)
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[1]]  # 5, 20 and 13 tokens
+    next_tokens = [11, 22, 33]
+    for slots in ([0, 1, 2], [2, 0, 1]):  # consecutive slots (read as a view) and not (gathered)
+        with torch.inference_mode():
+            meta = AttentionMetadata.build([], [(s, 0, len(p)) for s, p in zip(slots, prompts, strict=True)], cpu)
+            model(torch.tensor([t for p in prompts for t in p]), meta.positions, cache, meta)
+            meta = AttentionMetadata.build([(s, len(p) + 1) for s, p in zip(slots, prompts, strict=True)], [], cpu)
+            assert meta.decode_mask is not None
+            assert (meta.decode_slot_range is not None) == (slots == [0, 1, 2])
+            batched = model.compute_logits(model(torch.tensor(next_tokens), meta.positions, cache, meta))
+        for i, p in enumerate(prompts):
+            alone = prompt_logits(model, p + [next_tokens[i]])[-1]
+            torch.testing.assert_close(batched[i], alone, atol=1e-4, rtol=0)
+
+
 def test_batch_of_different_lengths_matches_each_prompt_alone(llm):
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
     together = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]

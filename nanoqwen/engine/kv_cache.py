@@ -8,17 +8,25 @@ growth).
 
 The cache starts as zeros, never as uninitialised memory: batched decode reads (and masks) the
 positions between a short sequence's end and the longest one's, and a masked NaN left in
-memory would still poison the output (0 * NaN = NaN). On CPU the zeros come from an anonymous
-memory map, which the OS backs with RAM only where it is written, so unused capacity costs
-address space, not memory.
+memory would still poison the output (0 * NaN = NaN).
+
+On CPU the cache is an anonymous memory map reserved without backing: the OS gives a page of
+RAM only when a token's keys are written there, and `release` hands a finished sequence's
+pages back. The page table does the paging, so memory follows the tokens actually cached while
+attention still reads each slot as one contiguous view. On GPU the cache is real memory and
+must fit.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
+import sys
 from dataclasses import dataclass, field
 
 import torch
+
+from nanoqwen.errors import ConfigError
 
 
 @dataclass
@@ -85,8 +93,32 @@ class KVCache:
     def __init__(self, num_layers: int, num_slots: int, max_model_len: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_layers, num_slots, num_kv_heads, max_model_len, head_dim)
-        self.k, self.v = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
         self.num_slots, self.max_model_len = num_slots, max_model_len
+        nbytes = 2 * math.prod(shape) * dtype.itemsize
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            if nbytes > 0.9 * free:
+                raise ConfigError(
+                    f"the KV cache for max_num_seqs={num_slots} x max_model_len={max_model_len} needs "
+                    f"{nbytes / 2**30:.1f} GiB but {free / 2**30:.1f} GiB of GPU memory is free; "
+                    "lower --max-model-len or max_num_seqs")
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            self._maps: list[mmap.mmap] = []
+        else:
+            self._maps = [_reserve(nbytes // 2) for _ in range(2)]
+            self.k, self.v = (torch.frombuffer(m, dtype=dtype).view(shape) for m in self._maps)
+        self._slot_bytes = num_kv_heads * max_model_len * head_dim * dtype.itemsize
+
+    def release(self, slot: int) -> None:
+        """Give a finished sequence's cache pages back to the OS (CPU); they read as zeros again."""
+        page = mmap.PAGESIZE
+        for m in self._maps:
+            for layer in range(self.k.shape[0]):
+                start = (layer * self.num_slots + slot) * self._slot_bytes
+                first, end = -(-start // page) * page, (start + self._slot_bytes) // page * page
+                if end > first:
+                    m.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -110,12 +142,11 @@ class KVCache:
         return self.k[layer, slot: slot + 1, :, :length], self.v[layer, slot: slot + 1, :, :length]
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor; on CPU backed by an anonymous mmap so only the pages written ever use RAM."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    numel = 1
-    for n in shape:
-        numel *= n
-    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize))
-    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor keeps the map alive
+# Linux's MAP_NORESERVE (not exported by Python's mmap module): reserve address space without
+# committing memory, so a cache larger than RAM + swap can be mapped and is backed only where used.
+_MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
+
+
+def _reserve(nbytes: int) -> mmap.mmap:
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    return mmap.mmap(-1, max(1, nbytes), flags=flags)

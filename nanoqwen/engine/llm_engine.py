@@ -129,7 +129,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is not None:
-            self.scheduler.finish(request.seq)
+            self._release(request.seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -148,10 +148,15 @@ class LLMEngine:
             if reason is not None:
                 seq.finish_reason = reason
                 request.detokenizer.flush()
-                self.scheduler.finish(seq)
+                self._release(seq)
                 del self.requests[seq.request_id]
             outputs.append(self._output(request))
         return outputs
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.runner.kv_cache.release(seq.slot)
+        self.scheduler.finish(seq)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.sampling_params

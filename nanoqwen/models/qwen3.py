@@ -122,6 +122,18 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """attention_reference for one query per sequence: q [B, Hq, D], k/v [B, Hkv, S, D] -> [B, Hq, D].
+
+    The G query heads that share a key/value head are handed to the fused kernel as G rows of one
+    [B, Hkv, G, D] query: they sit at the same position, so no causal mask is needed and nothing is
+    repeated (several times faster on CPU than the kernel's own GQA handling for a single query).
+    """
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    return F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v, attn_mask=mask).view(b, hq, d)
+
+
 class Attention(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
@@ -151,8 +163,8 @@ class Attention(nn.Module):
         # Decode tokens (one query per sequence) are batched into one attention call.
         if meta.num_decode_tokens:
             k_ctx, v_ctx = kv_cache.decode_context(self.layer_idx, meta)  # [B, Hkv, S, D]
-            qd = q[: meta.num_decode_tokens].unsqueeze(2)  # [B, Hq, 1, D]
-            out[: meta.num_decode_tokens] = attention_sdpa(qd, k_ctx, v_ctx, meta.decode_mask).squeeze(2)
+            out[: meta.num_decode_tokens] = decode_attention(q[: meta.num_decode_tokens], k_ctx, v_ctx,
+                                                             meta.decode_mask)
         # Prompt chunks attend causally to their own tokens and to what the cache already held.
         for seq in meta.prefills:
             k_ctx, v_ctx = kv_cache.sequence_context(self.layer_idx, seq.slot, seq.context_len)  # [1, Hkv, S, D]
