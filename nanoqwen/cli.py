@@ -73,7 +73,30 @@ def cmd_init_random(args: argparse.Namespace) -> None:
     print(f"wrote a random-weight {args.preset} model to {out}")
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    import json
+
+    from nanoqwen import benchmark
+
+    benchmark.resolve_bench_args(args)
+    workload = benchmark.workload_from_args(args)  # checks the lengths before any model is loaded
+    if args.model is None:
+        args.model = benchmark.default_checkpoint_dir()
+        if not (args.model / "config.json").exists():
+            print(f"writing a random Qwen3-0.6B-shaped checkpoint to {args.model} (first use) ...", file=sys.stderr)
+        benchmark.ensure_random_checkpoint(args.model)
+        print(f"model: random Qwen3-0.6B-shaped checkpoint in {args.model}", file=sys.stderr)
+    print(f"running {len(workload)} requests ...", file=sys.stderr)
+    result = benchmark.run_nanoqwen(args.model, workload, args.device, args.dtype,
+                                    **benchmark.engine_kwargs_from_args(args))
+    if args.json:
+        print(json.dumps({"model": str(args.model), **result}, indent=2, default=str))
+    else:
+        print(benchmark.format_report(result, args.model, args))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from nanoqwen.benchmark import add_bench_args
     from nanoqwen.init_random import PRESETS
 
     parser = argparse.ArgumentParser(prog="nanoqwen", description="Run Qwen3 models: chat, generate, serve.")
@@ -101,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--std", type=float, default=0.02, help="standard deviation of the random weights")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init_random)
+
+    p = sub.add_parser("bench", help="throughput on N random requests (like nano-vllm's bench.py)")
+    p.add_argument("--model", default=None,
+                   help="model folder or hub id (default: a random Qwen3-0.6B-shaped checkpoint, made on first use "
+                        "in ~/.cache/nanoqwen/random-qwen3-0.6b)")
+    add_bench_args(p)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,14 @@ class LLM:
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 2048, seed: int | None = 0) -> None:
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 kv_cache_memory: int | float | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, seed: int | None = 0) -> None:
+        """kv_cache_memory: bytes (int) or a fraction of free memory (float); see LLMEngine for defaults."""
         self.llm_engine = LLMEngine(model, dtype=dtype, device=device, max_model_len=max_model_len,
                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                    seed=seed)
+                                    kv_cache_memory=kv_cache_memory, block_size=block_size,
+                                    enable_prefix_caching=enable_prefix_caching, seed=seed)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -70,19 +75,25 @@ class LLM:
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [f"llm-{next(self._request_counter)}" for _ in prompts]
-        # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
-        for prompt in prompts:
-            engine.validate_prompt(engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
-        for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-            engine.add_request(request_id, prompt, p)
+        # Tokenize and validate everything before queueing anything: a bad prompt leaves the engine untouched.
+        token_ids = [engine.tokenize(prompt) for prompt in prompts]
+        for request_id, prompt, tokens, p in zip(ids, prompts, token_ids, params, strict=True):
+            engine.add_request(request_id, prompt, p, prompt_token_ids=tokens)
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm or len(prompts) < 8)
+        bar = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm or len(prompts) < 8,
+                   dynamic_ncols=True)
+        start, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
         with bar:
             try:
                 while len(finished) < len(prompts):
                     for out in engine.step():
                         if out.finished:
                             finished[out.request_id] = out
+                            prompt_tokens += len(out.prompt_token_ids)
+                            output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                            elapsed = time.perf_counter() - start
+                            bar.set_postfix_str(f"in {prompt_tokens / elapsed:.0f} tok/s, "
+                                                f"out {output_tokens / elapsed:.0f} tok/s", refresh=False)
                             bar.update(1)
             finally:
                 for request_id in ids:  # on error or Ctrl-C, leave nothing half-run in the engine
@@ -95,7 +106,7 @@ class LLM:
         """Generate for one prompt, yielding (new text, output so far) as tokens arrive.
 
         Text is yielded only once its UTF-8 is complete. Closing the iterator early (break, Ctrl-C)
-        aborts the request and frees its KV-cache slot.
+        aborts the request and frees its KV-cache blocks.
         """
         engine = self.llm_engine
         request_id = f"llm-{next(self._request_counter)}"

@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """Log-probability of one token under the model (raw logits, before sampling filters), its rank
+    (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One generated answer: its token ids, its text, and why it ended ("stop", "length", or None)."""
 
@@ -13,6 +23,30 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop_token_ids entry or stop string that ended it
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: the chosen one and the top-N
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.perf_counter seconds) of a request's life."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_output_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between tokens after the first (None until there are two)."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
 
 
 @dataclass
@@ -24,6 +58,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    metrics: RequestMetrics | None = None
 
     # The single-answer shortcuts: output.text instead of output.outputs[0].text.
     @property
@@ -37,3 +73,7 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
+        return self.outputs[0].logprobs

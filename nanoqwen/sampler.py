@@ -1,16 +1,44 @@
 """Turn the last-position logits of a batch into one token per sequence, each with its own params.
 
-Rows are filtered in transformers' order (temperature, top_k, top_p, min_p) and sampled with
-the exponential-race trick (argmax of p / Exp(1) noise is a sample from p), which lets a
-seeded request draw its noise from its own generator: the same seed gives the same tokens
-whether the request runs alone or in a batch.
+Each row goes through these steps, with its own SamplingParams:
+
+a. logprobs (rows that ask for them) come from the RAW model logits: log_softmax in float32
+   before any penalty, temperature or filter (vLLM's default "raw_logprobs" mode).
+b. min_tokens: while the row has fewer output tokens than min_tokens, its stop token ids
+   (eos unless ignore_eos, plus params.stop_token_ids, as the engine passes them) get -inf.
+c. repetition_penalty over every token seen in the prompt or the output (a logit > 0 is
+   divided by it, one <= 0 multiplied, as in HF/vLLM), then presence_penalty and
+   frequency_penalty over the output tokens (OpenAI: logit -= presence * (count > 0) + frequency * count).
+d. greedy rows (temperature 0) take the argmax of these logits; the others are filtered in
+   transformers' order (temperature, top_k, top_p, min_p) and sampled with the exponential-race
+   trick (argmax of p / Exp(1) noise is a sample from p), which lets a seeded request draw its
+   noise from its own generator: the same seed gives the same tokens whether the request runs
+   alone or in a batch.
+
+Steps b and c cost nothing (no copy, no [B, V] count tensor) when no row of the batch uses them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nanoqwen.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability under the raw model logits
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]]  # (token id, logprob), the `logprobs` most likely, best first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64, on the logits' device
+    logprobs: list[TokenLogprobs | None]  # [B]; None where the row did not ask for logprobs
 
 
 def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,19 +69,95 @@ def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[to
     return probs / probs.sum(-1, keepdim=True), token_ids
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B]; greedy rows take the argmax."""
-    tokens = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+def token_counts(token_ids: list[list[int]], vocab: int, device: torch.device | str,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """How often each token occurs in each row's list: [R, V], built with one scatter_add for all rows."""
+    width = max((len(t) for t in token_ids), default=0)
+    # pad with `vocab`, an extra column dropped at the end (ids out of range land there too)
+    padded = torch.tensor([[*t, *[vocab] * (width - len(t))] for t in token_ids], dtype=torch.long).clamp_(0, vocab)
+    padded = padded.view(len(token_ids), width).to(device)  # [R, W]
+    counts = torch.zeros(len(token_ids), vocab + 1, device=device, dtype=dtype)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device, dtype=dtype))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+                    output_token_ids: list[list[int]]) -> torch.Tensor:
+    """logits [B, V] -> a penalised copy (or `logits` itself when no row has a penalty); see step c."""
+    rows = [i for i, p in enumerate(params)
+            if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0]
     if not rows:
-        return tokens
-    probs, token_ids = filter_probs(logits[rows], [params[i] for i in rows])
-    # Noise is drawn for the whole vocabulary in token order, so a row's draw does not depend on
-    # how many candidates the other rows of the batch made us keep.
-    noise = torch.empty(len(rows), logits.shape[1], device=logits.device)
-    for j, i in enumerate(rows):
-        noise[j].exponential_(generator=generators[i])
-    choice = (probs / noise.gather(1, token_ids)).argmax(dim=-1, keepdim=True)
-    tokens[rows] = token_ids.gather(1, choice).squeeze(1)
-    return tokens
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    rows_t = torch.tensor(rows, device=device)
+    sub = logits.index_select(0, rows_t)  # [R, V]
+    output_counts = token_counts([output_token_ids[i] for i in rows], vocab, device, logits.dtype)  # [R, V]
+    rep = [params[i].repetition_penalty for i in rows]
+    if any(r != 1 for r in rep):
+        # only rows with a repetition penalty need their prompt counted
+        prompts = [prompt_token_ids[i] if params[i].repetition_penalty != 1 else [] for i in rows]
+        seen = (token_counts(prompts, vocab, device, logits.dtype) > 0) | (output_counts > 0)  # [R, V]
+        penalty = torch.tensor(rep, device=device, dtype=logits.dtype)[:, None]  # [R, 1]
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    presence = torch.tensor([params[i].presence_penalty for i in rows], device=device, dtype=logits.dtype)
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=device, dtype=logits.dtype)
+    sub = sub - presence[:, None] * (output_counts > 0) - frequency[:, None] * output_counts
+    return logits.index_copy(0, rows_t, sub)
+
+
+def block_stop_tokens(logits: torch.Tensor, params: list[SamplingParams], output_token_ids: list[list[int]],
+                      stop_token_ids: list[set[int]]) -> torch.Tensor:
+    """logits [B, V] -> a copy with each row's stop ids at -inf while it is short of min_tokens; see step b."""
+    vocab = logits.shape[1]
+    index = [(i, t) for i, p in enumerate(params) if len(output_token_ids[i]) < p.min_tokens
+             for t in stop_token_ids[i] if 0 <= t < vocab]
+    if not index:
+        return logits
+    rows, cols = torch.tensor(index, device=logits.device).unbind(1)
+    return logits.index_put((rows, cols), torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype))
+
+
+def compute_logprobs(raw_logits: torch.Tensor, params: list[SamplingParams],
+                     tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+    """The sampled tokens' log-probabilities, ranks and top alternatives under the raw logits; see step a."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    rows_t = torch.tensor(rows, device=raw_logits.device)
+    logprobs = raw_logits.index_select(0, rows_t).float().log_softmax(dim=-1)  # [R, V]
+    chosen = tokens.index_select(0, rows_t)[:, None]  # [R, 1]
+    chosen_logprob = logprobs.gather(1, chosen)  # [R, 1]
+    rank = 1 + (logprobs > chosen_logprob).sum(dim=-1)  # [R]
+    top_logprobs, top_ids = logprobs.topk(max(params[i].logprobs or 0 for i in rows), dim=-1)  # [R, N], best first
+    results = zip(rows, chosen[:, 0].tolist(), chosen_logprob[:, 0].tolist(), rank.tolist(),
+                  top_ids.tolist(), top_logprobs.tolist(), strict=True)
+    for i, token, logprob, r, ids, lps in results:
+        n = params[i].logprobs or 0
+        out[i] = TokenLogprobs(token, logprob, r, list(zip(ids[:n], lps[:n], strict=True)))
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+           stop_token_ids: list[set[int]]) -> SamplerOutput:
+    """logits [B, V] float32 (not modified) -> the next token of every row, plus logprobs where asked.
+
+    prompt_token_ids / output_token_ids: each row's tokens so far (for penalties and min_tokens);
+    stop_token_ids: each row's stop ids (eos unless ignore_eos, plus params.stop_token_ids).
+    """
+    raw_logits = logits
+    logits = block_stop_tokens(logits, params, output_token_ids, stop_token_ids)
+    logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+    tokens = logits.argmax(dim=-1)  # [B]
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        probs, token_ids = filter_probs(logits[rows], [params[i] for i in rows])  # [R, K], [R, K]
+        # Noise is drawn for the whole vocabulary in token order, so a row's draw does not depend on
+        # how many candidates the other rows of the batch made us keep.
+        noise = torch.empty(len(rows), logits.shape[1], device=logits.device)  # [R, V]
+        for j, i in enumerate(rows):
+            noise[j].exponential_(generator=generators[i])
+        choice = (probs / noise.gather(1, token_ids)).argmax(dim=-1, keepdim=True)  # [R, 1]
+        tokens[rows] = token_ids.gather(1, choice).squeeze(1)
+    return SamplerOutput(tokens, compute_logprobs(raw_logits, params, tokens))

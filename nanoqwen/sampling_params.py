@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from nanoqwen.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
 class SamplingParams:
     """temperature 0 means greedy; top_k -1 (or 0), top_p 1 and min_p 0 turn each filter off.
 
-    Filters apply in transformers' order: temperature, top_k, top_p, min_p.
+    Filters apply in transformers' order: temperature, top_k, top_p, min_p. Before them come
+    min_tokens (stop ids blocked), repetition_penalty (prompt and output tokens), then
+    presence_penalty / frequency_penalty (output tokens only); 1.0 / 0.0 / 0.0 turn them off.
+    `stop` is normalised to a (possibly empty) list of strings; `logprobs` None is off, N >= 0
+    returns the sampled token's log-probability plus the N most likely alternatives.
     """
 
     temperature: float = 1.0
@@ -23,6 +38,14 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, rule: str) -> InvalidRequestError:
@@ -30,23 +53,49 @@ class SamplingParams:
 
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", self.top_k, "must be an integer >= 1, or -1 / 0 to disable")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.max_tokens is not None and (
-                not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "must be an integer >= 1 (or None for no limit)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", self.seed, "must be an integer or None")
-        if self.stop_token_ids is not None and not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        if self.stop_token_ids is not None and not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "must be a list of token ids (integers >= 0)")
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", self.n, "must be an integer >= 1")
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not (rep > 0 and math.isfinite(rep)):
+            raise bad("repetition_penalty", rep, "must be a finite number > 0 (1 disables it)")
+        for field in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, field)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise bad(field, value, "must be in [-2, 2] (0 disables it)")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = []
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise bad("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", self.include_stop_str_in_output, "must be True or False")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] (or None for off)")
+        self.stop = list(stop)
         if self.top_k == 0:
             self.top_k = -1
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def max_stop_len(self) -> int:
+        """Length of the longest stop string (0 without any): how much text may still turn into a stop."""
+        return max((len(s) for s in self.stop or ()), default=0)

@@ -59,10 +59,24 @@ def tiny_dir(checkpoint) -> Path:
 
 def prompt_logits(model, token_ids: list[int]) -> torch.Tensor:
     """nanoqwen's float32 logits [T, V] for every position of one prompt (one prefill, fresh cache)."""
-    c = model.config
-    cache = KVCache(c.num_hidden_layers, 1, len(token_ids) + 1, c.num_key_value_heads, c.head_dim,
-                    model.embed_tokens.dtype, model.embed_tokens.device)
-    meta = AttentionMetadata.build([], [(0, 0, len(token_ids))], model.embed_tokens.device)
+    cache, table = fresh_cache(model, len(token_ids))
+    meta = AttentionMetadata.build([], [(table, 0, len(token_ids))], cache.block_size, model.embed_tokens.device)
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), meta.positions, cache, meta)
         return model.compute_logits(hidden)
+
+
+def fresh_cache(model, num_tokens: int, block_size: int = 4, num_seqs: int = 1, scatter: bool = False):
+    """A KV cache with room for num_seqs sequences of num_tokens, and a block table per sequence.
+
+    scatter=True interleaves the sequences' blocks (not consecutive), so attention has to gather them.
+    """
+    c = model.config
+    per_seq = -(-num_tokens // block_size)
+    cache = KVCache(c.num_hidden_layers, per_seq * num_seqs, block_size, c.num_key_value_heads, c.head_dim,
+                    model.embed_tokens.dtype, model.embed_tokens.device)
+    if scatter:
+        tables = [list(range(i, per_seq * num_seqs, num_seqs)) for i in range(num_seqs)]
+    else:
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]
+    return cache, tables[0] if num_seqs == 1 else tables

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import prompt_logits
+from conftest import fresh_cache, prompt_logits
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache
+from nanoqwen.engine.kv_cache import AttentionMetadata
 
 PROMPTS = [
     [9707, 11, 847, 829, 374],
@@ -25,17 +25,17 @@ def llm(checkpoint):
 
 def test_kv_cache_decode_equals_full_recomputation(llm):
     model = llm.llm_engine.model
-    c = model.config
     tokens = list(PROMPTS[1])
-    cache = KVCache(c.num_hidden_layers, 2, 64, c.num_key_value_heads, c.head_dim, torch.float32, torch.device("cpu"))
-    slot = 1  # not slot 0, so slot indexing is exercised
+    cache, tables = fresh_cache(model, 32, num_seqs=2, scatter=True)
+    table = tables[1]  # blocks 1, 3, 5, ...: not consecutive, so they are gathered
+    cpu = torch.device("cpu")
     with torch.inference_mode():
-        meta = AttentionMetadata.build([], [(slot, 0, len(tokens))], torch.device("cpu"))
+        meta = AttentionMetadata.build([], [(table, 0, len(tokens))], cache.block_size, cpu)
         hidden = model(torch.tensor(tokens), meta.positions, cache, meta)
         step_logits = [model.compute_logits(hidden[-1:])[0]]
         for _ in range(12):
             tokens.append(int(step_logits[-1].argmax()))
-            meta = AttentionMetadata.build([(slot, len(tokens))], [], torch.device("cpu"))
+            meta = AttentionMetadata.build([(table, len(tokens))], [], cache.block_size, cpu)
             hidden = model(torch.tensor(tokens[-1:]), meta.positions, cache, meta)
             step_logits.append(model.compute_logits(hidden)[0])
     full = prompt_logits(model, tokens)  # the whole sequence recomputed without a cache
@@ -43,16 +43,17 @@ def test_kv_cache_decode_equals_full_recomputation(llm):
     torch.testing.assert_close(torch.stack(step_logits), full[n - 1:], atol=1e-4, rtol=0)
 
 
-def test_cached_prefix_chunk_equals_full_prefill(llm):
+@pytest.mark.parametrize("scatter", [False, True])
+def test_cached_prefix_chunk_equals_full_prefill(llm, scatter):
     """A prompt split into chunks (the later ones attending to the cached earlier ones) gives the same logits."""
     model = llm.llm_engine.model
-    c = model.config
     tokens = PROMPTS[3]
-    cache = KVCache(c.num_hidden_layers, 1, 64, c.num_key_value_heads, c.head_dim, torch.float32, torch.device("cpu"))
+    cache, tables = fresh_cache(model, 20, num_seqs=2, scatter=scatter)
     outs = []
     with torch.inference_mode():
         for start, end in [(0, 7), (7, 8), (8, 20)]:
-            meta = AttentionMetadata.build([], [(0, start, end - start)], torch.device("cpu"))
+            meta = AttentionMetadata.build([], [(tables[0], start, end - start)], cache.block_size,
+                                           torch.device("cpu"))
             outs.append(model.compute_logits(model(torch.tensor(tokens[start:end]), meta.positions, cache, meta)))
     torch.testing.assert_close(torch.cat(outs), prompt_logits(model, tokens), atol=1e-4, rtol=0)
 
@@ -60,18 +61,18 @@ def test_cached_prefix_chunk_equals_full_prefill(llm):
 def test_batched_decode_logits_equal_each_sequence_alone(llm):
     """Decode tokens of sequences with different context lengths in one batch (masking the shorter ones)."""
     model = llm.llm_engine.model
-    c = model.config
     cpu = torch.device("cpu")
-    cache = KVCache(c.num_hidden_layers, 3, 64, c.num_key_value_heads, c.head_dim, torch.float32, cpu)
     prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[1]]  # 5, 20 and 13 tokens
     next_tokens = [11, 22, 33]
-    for slots in ([0, 1, 2], [2, 0, 1]):  # consecutive slots (read as a view) and not (gathered)
+    for scatter in (False, True):
+        cache, tables = fresh_cache(model, 24, num_seqs=3, scatter=scatter)
         with torch.inference_mode():
-            meta = AttentionMetadata.build([], [(s, 0, len(p)) for s, p in zip(slots, prompts, strict=True)], cpu)
+            meta = AttentionMetadata.build([], [(t, 0, len(p)) for t, p in zip(tables, prompts, strict=True)],
+                                           cache.block_size, cpu)
             model(torch.tensor([t for p in prompts for t in p]), meta.positions, cache, meta)
-            meta = AttentionMetadata.build([(s, len(p) + 1) for s, p in zip(slots, prompts, strict=True)], [], cpu)
-            assert meta.decode_mask is not None
-            assert (meta.decode_slot_range is not None) == (slots == [0, 1, 2])
+            meta = AttentionMetadata.build([(t, len(p) + 1) for t, p in zip(tables, prompts, strict=True)], [],
+                                           cache.block_size, cpu)
+            assert meta.decode_mask is not None and meta.decode_block_tables is not None
             batched = model.compute_logits(model(torch.tensor(next_tokens), meta.positions, cache, meta))
         for i, p in enumerate(prompts):
             alone = prompt_logits(model, p + [next_tokens[i]])[-1]
@@ -91,7 +92,7 @@ def test_chunked_prefill_and_queueing_give_the_same_tokens(checkpoint, llm):
                 max_num_seqs=2, max_num_batched_tokens=3)
     assert [o.token_ids for o in small.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
     assert not small.llm_engine.has_unfinished_requests()
-    assert sorted(small.llm_engine.scheduler.free_slots) == [0, 1]
+    assert small.llm_engine.block_manager.num_free_blocks == small.llm_engine.block_manager.num_blocks
 
 
 def test_mixed_prefill_and_decode_steps(llm):
@@ -125,12 +126,14 @@ def test_eos_from_generation_config_stops(llm):
     assert engine.eos_token_ids == {151645, 151643}  # Qwen3-0.6B's generation_config.json lists two
     prompt = PROMPTS[0]
     first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
-    engine.eos_token_ids = {first[3]}
+    engine.eos_token_ids.clear()  # in place: the engine's parts share this set
+    engine.eos_token_ids.add(first[3])
     try:
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
         ignored = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     finally:
-        engine.eos_token_ids = {151645, 151643}
+        engine.eos_token_ids.clear()
+        engine.eos_token_ids.update({151645, 151643})
     assert out.finish_reason == "stop" and out.token_ids == first[: first.index(first[3]) + 1]
     assert ignored.token_ids == first
 
@@ -153,7 +156,7 @@ def test_seeded_sampling_is_reproducible_alone_or_in_batch(llm):
     assert other != alone
 
 
-def test_stream_yields_text_deltas_and_abort_frees_the_slot(llm):
+def test_stream_yields_text_deltas_and_abort_frees_the_blocks(llm):
     engine = llm.llm_engine
     deltas, final = [], None
     for delta, out in llm.stream(PROMPTS[0], GREEDY):
@@ -165,7 +168,7 @@ def test_stream_yields_text_deltas_and_abort_frees_the_slot(llm):
     next(stream)
     stream.close()  # what a Ctrl-C or a dropped client does
     assert not engine.has_unfinished_requests() and not engine.requests
-    assert len(engine.scheduler.free_slots) == 16
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_string_prompts_are_tokenized_without_template(llm):

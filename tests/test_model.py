@@ -66,12 +66,11 @@ def test_rms_norm_is_computed_in_float32():
     assert torch.equal(rms_norm(x, w, 1e-6), expected)
 
 
-def test_kv_cache_starts_as_zeros_and_release_returns_a_slot_to_zeros():
-    cache = KVCache(2, 3, 4096, 2, 64, torch.bfloat16, torch.device("cpu"))
+def test_kv_cache_starts_as_zeros_and_copies_blocks_in_every_layer():
+    cache = KVCache(2, 3, 16, 2, 8, torch.bfloat16, torch.device("cpu"))
     assert cache.k.abs().sum() == 0 and cache.v.abs().sum() == 0
-    cache.k[:, 1] = 1.0
+    cache.k[:, 1] = torch.randn(2, 16, 2, 8).to(torch.bfloat16)
     cache.v[:, 1] = 2.0
-    cache.k[:, 2] = 3.0
-    cache.release(1)
-    assert cache.k[:, 1].abs().sum() == 0 and cache.v[:, 1].abs().sum() == 0  # slot 1 is page aligned here
-    assert (cache.k[:, 2] == 3.0).all()  # its neighbour is untouched
+    cache.copy_block(1, 2)
+    assert torch.equal(cache.k[:, 2], cache.k[:, 1]) and (cache.v[:, 2] == 2.0).all()
+    assert cache.k[:, 0].abs().sum() == 0

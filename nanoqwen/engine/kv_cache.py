@@ -1,27 +1,22 @@
-"""The KV cache and the per-step metadata that tells attention where each sequence lives.
+"""The paged KV cache and the per-step metadata that tells attention where each sequence lives.
 
-The cache is allocated once: for every layer, `max_num_seqs` slots of `max_model_len`
-positions, laid out [slot, kv_head, position, head_dim] so that the keys of one sequence and
-head are contiguous and attention can read a slot as a view, without copying. Each running
-sequence owns one slot; a step writes its new keys/values at their positions (no torch.cat
-growth).
+For every layer, keys and values live in one preallocated pool of blocks:
+[num_blocks, block_size, kv_heads, head_dim]. A sequence's block table (engine/block_manager.py)
+says which blocks hold its tokens. A step writes its new keys/values at their slots
+(block * block_size + offset) and attention reads a sequence's blocks back in order: as a view
+when they are consecutive in the pool, otherwise gathered into one [B, kv_heads, S, head_dim]
+tensor (the plain-PyTorch path; a GPU kernel can read the blocks in place instead).
 
-The cache starts as zeros, never as uninitialised memory: batched decode reads (and masks) the
-positions between a short sequence's end and the longest one's, and a masked NaN left in
-memory would still poison the output (0 * NaN = NaN).
-
-On CPU the cache is an anonymous memory map reserved without backing: the OS gives a page of
-RAM only when a token's keys are written there, and `release` hands a finished sequence's
-pages back. The page table does the paging, so memory follows the tokens actually cached while
-attention still reads each slot as one contiguous view. On GPU the cache is real memory and
-must fit.
+The pool starts as zeros, never as uninitialised memory: attention reads (and masks) the unused
+positions of a sequence's last block and of shorter sequences' padding, and a masked NaN left in
+memory would still poison the output (0 * NaN = NaN). On CPU the zeros come from an anonymous
+memory map, so the pool takes RAM only as blocks are first written.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +28,7 @@ from nanoqwen.errors import ConfigError
 class PrefillChunk:
     """One sequence's prompt tokens in this step (positions context_len - query_len .. context_len - 1)."""
 
-    slot: int
+    block_table: list[int]
     query_start: int  # offset of its first token in the flat batch
     query_len: int
     context_len: int  # tokens in the cache after this step, including the query
@@ -44,109 +39,151 @@ class PrefillChunk:
 class AttentionMetadata:
     """Where the N flat tokens of a step go: decode tokens first (one per sequence), then prompt chunks."""
 
-    slots: torch.Tensor  # [N] cache slot of each token
+    slot_mapping: torch.Tensor  # [N] cache slot (block * block_size + offset) of each token
     positions: torch.Tensor  # [N] position of each token in its sequence
+    block_size: int
     num_decode_tokens: int = 0
-    decode_slots: torch.Tensor | None = None  # [B] slot of each decoding sequence
-    decode_slot_range: tuple[int, int] | None = None  # (first, last + 1) when those slots are consecutive
-    decode_max_len: int = 0  # longest context among decoding sequences
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool, None when all contexts are equally long
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with block 0
+    decode_first_block: int | None = None  # set when B == 1 and its blocks are consecutive: read a view
+    decode_max_len: int = 0  # S: keys read per decoding sequence (max_blocks * block_size)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool: position < that sequence's length
     prefills: list[PrefillChunk] = field(default_factory=list)
 
     @classmethod
-    def build(cls, decode: list[tuple[int, int]], prefill: list[tuple[int, int, int]],
-              device: torch.device) -> AttentionMetadata:
-        """decode: (slot, context_len) per decoding sequence; prefill: (slot, num_cached, query_len)."""
-        slots: list[int] = [s for s, _ in decode]
-        positions: list[int] = [ctx - 1 for _, ctx in decode]
-        meta = cls(slots=torch.empty(0), positions=torch.empty(0), num_decode_tokens=len(decode))
+    def build(cls, decode: list[tuple[list[int], int]], prefill: list[tuple[list[int], int, int]],
+              block_size: int, device: torch.device) -> AttentionMetadata:
+        """decode: (block_table, context_len) per decoding sequence; prefill: (block_table, num_cached, query_len)."""
+        slots: list[int] = []
+        positions: list[int] = []
+
+        def place(table: list[int], start: int, end: int) -> None:
+            positions.extend(range(start, end))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+
+        for table, ctx in decode:
+            place(table, ctx - 1, ctx)
+        meta = cls(slot_mapping=torch.empty(0), positions=torch.empty(0), block_size=block_size,
+                   num_decode_tokens=len(decode))
         if decode:
-            decode_slots = [s for s, _ in decode]
+            num_blocks = [-(-ctx // block_size) for _, ctx in decode]
+            width = max(num_blocks)
+            tables = [table[:nb] + [0] * (width - nb) for (table, _), nb in zip(decode, num_blocks, strict=True)]
+            meta.decode_max_len = width * block_size
+            if len(decode) == 1 and _consecutive(tables[0]):
+                meta.decode_first_block = tables[0][0]
+            else:
+                meta.decode_block_tables = torch.tensor(tables, device=device)
             lens = torch.tensor([ctx for _, ctx in decode])
-            meta.decode_max_len = int(lens.max())
-            meta.decode_slots = torch.tensor(decode_slots, device=device)
-            if decode_slots == list(range(decode_slots[0], decode_slots[0] + len(decode_slots))):
-                meta.decode_slot_range = (decode_slots[0], decode_slots[0] + len(decode_slots))
-            if int(lens.min()) != meta.decode_max_len:
-                keep = torch.arange(meta.decode_max_len)[None, :] < lens[:, None]  # [B, S]
-                meta.decode_mask = keep[:, None, None, :].to(device)
+            keep = torch.arange(meta.decode_max_len)[None, :] < lens[:, None]  # [B, S]
+            meta.decode_mask = keep[:, None, None, :].to(device)
         start = len(decode)
-        for slot, num_cached, query_len in prefill:
+        for table, num_cached, query_len in prefill:
             context_len = num_cached + query_len
-            chunk = PrefillChunk(slot, start, query_len, context_len)
+            chunk = PrefillChunk(table[: -(-context_len // block_size)], start, query_len, context_len)
             if num_cached:
                 # query i (position num_cached + i) sees keys 0 .. num_cached + i
                 q_pos = torch.arange(num_cached, context_len)[:, None]
                 chunk.mask = (torch.arange(context_len)[None, :] <= q_pos)[None, None].to(device)
             meta.prefills.append(chunk)
-            slots += [slot] * query_len
-            positions += range(num_cached, context_len)
+            place(table, num_cached, context_len)
             start += query_len
-        meta.slots = torch.tensor(slots, device=device)
+        meta.slot_mapping = torch.tensor(slots, device=device)
         meta.positions = torch.tensor(positions, device=device)
         return meta
 
 
+def _consecutive(blocks: list[int]) -> bool:
+    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+
+
 class KVCache:
-    """Preallocated keys and values: [layers, slots, kv_heads, max_model_len, head_dim] each."""
+    """Preallocated keys and values: [layers, num_blocks, block_size, kv_heads, head_dim] each."""
 
-    def __init__(self, num_layers: int, num_slots: int, max_model_len: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, max_model_len, head_dim)
-        self.num_slots, self.max_model_len = num_slots, max_model_len
-        nbytes = 2 * math.prod(shape) * dtype.itemsize
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            if nbytes > 0.9 * free:
-                raise ConfigError(
-                    f"the KV cache for max_num_seqs={num_slots} x max_model_len={max_model_len} needs "
-                    f"{nbytes / 2**30:.1f} GiB but {free / 2**30:.1f} GiB of GPU memory is free; "
-                    "lower --max-model-len or max_num_seqs")
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
-            self._maps: list[mmap.mmap] = []
-        else:
-            self._maps = [_reserve(nbytes // 2) for _ in range(2)]
-            self.k, self.v = (torch.frombuffer(m, dtype=dtype).view(shape) for m in self._maps)
-        self._slot_bytes = num_kv_heads * max_model_len * head_dim * dtype.itemsize
-
-    def release(self, slot: int) -> None:
-        """Give a finished sequence's cache pages back to the OS (CPU); they read as zeros again."""
-        page = mmap.PAGESIZE
-        for m in self._maps:
-            for layer in range(self.k.shape[0]):
-                start = (layer * self.num_slots + slot) * self._slot_bytes
-                first, end = -(-start // page) * page, (start + self._slot_bytes) // page * page
-                if end > first:
-                    m.madvise(mmap.MADV_DONTNEED, first, end - first)
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k, self.v = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Write this step's keys/values k, v [N, Hkv, D] at (slot, position) of each token."""
-        self.k[layer][meta.slots, :, meta.positions] = k
-        self.v[layer][meta.slots, :, meta.positions] = v
+        """Write this step's keys/values k, v [N, Hkv, D] at their slots."""
+        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
 
     def decode_context(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, Hkv, S, D] of the decoding sequences: a view when their slots are consecutive."""
-        s = meta.decode_max_len
-        if meta.decode_slot_range is not None:
-            first, end = meta.decode_slot_range
-            return self.k[layer, first:end, :, :s], self.v[layer, first:end, :, :s]
-        return self.k[layer, meta.decode_slots, :, :s], self.v[layer, meta.decode_slots, :, :s]
+        """Keys and values [B, Hkv, S, D] of the decoding sequences (S = their widest block table)."""
+        if meta.decode_first_block is not None:
+            nb = meta.decode_max_len // self.block_size
+            return self._view(layer, meta.decode_first_block, nb, meta.decode_max_len)
+        return self._gather(self.k[layer], meta.decode_block_tables), self._gather(self.v[layer],
+                                                                                    meta.decode_block_tables)
 
-    def sequence_context(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [1, Hkv, length, D] of one sequence, as a view."""
-        return self.k[layer, slot: slot + 1, :, :length], self.v[layer, slot: slot + 1, :, :length]
+    def sequence_context(self, layer: int, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [1, Hkv, context_len, D] of one prompt chunk's sequence."""
+        table = chunk.block_table
+        if _consecutive(table):
+            return self._view(layer, table[0], len(table), chunk.context_len)
+        index = torch.tensor([table], device=self.k.device)
+        return (self._gather(self.k[layer], index)[:, :, : chunk.context_len],
+                self._gather(self.v[layer], index)[:, :, : chunk.context_len])
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's keys and values in every layer (for a forked sequence's partly filled block)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def _view(self, layer: int, first: int, num_blocks: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def view(pool: torch.Tensor) -> torch.Tensor:
+            blocks = pool[layer, first: first + num_blocks]  # [nb, bs, Hkv, D]
+            return blocks.reshape(1, -1, *blocks.shape[2:])[:, :length].transpose(1, 2)
+        return view(self.k), view(self.v)
+
+    @staticmethod
+    def _gather(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """pool [num_blocks, bs, Hkv, D], block_tables [B, nb] -> [B, Hkv, nb * bs, D] (a copy)."""
+        blocks = pool[block_tables]  # [B, nb, bs, Hkv, D]
+        b, nb, bs = blocks.shape[:3]
+        return blocks.view(b, nb * bs, *blocks.shape[3:]).transpose(1, 2)
 
 
-# Linux's MAP_NORESERVE (not exported by Python's mmap module): reserve address space without
-# committing memory, so a cache larger than RAM + swap can be mapped and is backed only where used.
-_MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
+def kv_cache_budget(kv_cache_memory: int | float | None, device: torch.device) -> int:
+    """Bytes for the KV cache: a byte count, a fraction of the memory still free, or the default.
+
+    Default: on GPU 90% of the free memory left after the weights, minus 1 GiB for activations; on CPU
+    4 GiB, or half the available memory if that is less (vLLM's CPU default is 4 GiB too).
+    """
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _available_cpu_memory()
+    if kv_cache_memory is None:
+        if device.type == "cuda":
+            return int(0.9 * free) - (1 << 30)
+        return min(4 << 30, free // 2)
+    if isinstance(kv_cache_memory, float) and 0 < kv_cache_memory <= 1:
+        return int(kv_cache_memory * free)
+    if isinstance(kv_cache_memory, int) and kv_cache_memory > 0:
+        return kv_cache_memory
+    raise ConfigError(f"kv_cache_memory={kv_cache_memory!r} must be a byte count (int > 0) or a fraction of free "
+                      "memory (float in (0, 1])")
 
 
-def _reserve(nbytes: int) -> mmap.mmap:
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-    return mmap.mmap(-1, max(1, nbytes), flags=flags)
+def _available_cpu_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30  # unknown: assume a modest machine
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU backed by an anonymous mmap, so pages take RAM only once written."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize))
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the tensor keeps the map alive

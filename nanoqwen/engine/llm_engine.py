@@ -1,65 +1,40 @@
 """LLMEngine: requests in, tokens out, one `step()` at a time. No I/O, so any front end can drive it.
 
-request -> Scheduler (which tokens run) -> ModelRunner (forward + sampling) -> outputs here.
+request -> Scheduler (which tokens run) -> ModelRunner (forward + sampling) -> OutputProcessor.
 """
 
 from __future__ import annotations
 
+import logging
 import random
-from dataclasses import dataclass
+import time
 from pathlib import Path
 
 import torch
 
 from nanoqwen.config import GenerationConfig
+from nanoqwen.device import resolve_device, resolve_dtype
+from nanoqwen.engine.block_manager import BlockManager
+from nanoqwen.engine.kv_cache import KVCache, kv_cache_budget
 from nanoqwen.engine.model_runner import ModelRunner
+from nanoqwen.engine.output_processor import OutputProcessor, RequestState
 from nanoqwen.engine.scheduler import Scheduler
-from nanoqwen.engine.sequence import Sequence
+from nanoqwen.engine.sequence import Sequence, SequenceStatus
 from nanoqwen.errors import ConfigError, InvalidRequestError
 from nanoqwen.loader import load_config, load_model, resolve_model_path
-from nanoqwen.outputs import CompletionOutput, RequestOutput
+from nanoqwen.outputs import RequestMetrics, RequestOutput
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {device.type!r} is not supported; use cpu or cuda")
-    return device
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """The checkpoint's dtype on GPU; bfloat16 on CPU (fast there with AMX/AVX-512), unless asked."""
-    if dtype is None:
-        return DTYPES[checkpoint_dtype] if device.type == "cuda" else torch.bfloat16
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ConfigError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
-        return dtype
-    if dtype == "auto":
-        return resolve_dtype(None, checkpoint_dtype, device)
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
+logger = logging.getLogger("nanoqwen")
 
 
 class LLMEngine:
     def __init__(self, model: str | Path, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 16, max_num_batched_tokens: int = 2048, seed: int | None = 0) -> None:
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 kv_cache_memory: int | float | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, seed: int | None = 0) -> None:
         self.model_dir = resolve_model_path(str(model))
         self.config = load_config(self.model_dir)
         self.generation_config = GenerationConfig.from_file(
@@ -67,22 +42,38 @@ class LLMEngine:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.config.torch_dtype, self.device)
         limit = self.config.max_position_embeddings
-        self.max_model_len = max_model_len or limit
-        if not 1 < self.max_model_len <= limit:
-            raise ConfigError(f"max_model_len={self.max_model_len} must be in [2, {limit}] "
+        if max_model_len is not None and not 1 < max_model_len <= limit:
+            raise ConfigError(f"max_model_len={max_model_len} must be in [2, {limit}] "
                               f"(max_position_embeddings of {self.model_dir / 'config.json'})")
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.eos_token_ids = set(self.generation_config.eos_token_id or self.config.eos_token_id)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
-        model_ = load_model(self.model_dir, self.config, self.dtype, self.device, self.max_model_len)
-        self.runner = ModelRunner(model_, max_num_seqs, self.max_model_len)
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
+        model_ = load_model(self.model_dir, self.config, self.dtype, self.device, max_model_len or limit)
+        # The KV pool: as many blocks as the budget holds; it must fit at least one full-length sequence.
+        c = self.config
+        per_token = KVCache.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+        budget = kv_cache_budget(kv_cache_memory, self.device)
+        num_blocks = max(0, budget) // (per_token * block_size)
+        capacity = num_blocks * block_size
+        self.max_model_len = max_model_len or min(limit, capacity)
+        if capacity < max(self.max_model_len, 2):
+            raise ConfigError(
+                f"the KV cache budget of {budget / 2**30:.2f} GiB holds {capacity} tokens, fewer than "
+                f"max_model_len={self.max_model_len}: raise kv_cache_memory or lower max_model_len")
+        if self.max_model_len < limit and max_model_len is None:
+            logger.info("max_model_len set to %d, what the KV cache budget holds", self.max_model_len)
+        self.runner = ModelRunner(model_, num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.generator = torch.Generator(self.device).manual_seed(
             seed if seed is not None else random.randrange(2**63))
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
 
     @property
     def model(self) -> torch.nn.Module:
@@ -95,24 +86,33 @@ class LLMEngine:
             temperature=(g.temperature if g.temperature is not None else 1.0) if g.do_sample else 0.0,
             top_k=g.top_k or -1, top_p=g.top_p if g.top_p is not None else 1.0, min_p=g.min_p or 0.0)
 
-    def add_request(self, request_id: str, prompt: str | list[int],
-                    sampling_params: SamplingParams | None = None) -> None:
-        """Queue a request; a string is tokenized as is (no chat template), a list is used as token ids."""
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """A string is tokenized as is (no chat template); a list is taken as token ids."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(token_ids)
+        return token_ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """Queue a request (prompt_token_ids, when given, are the already tokenized prompt)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         params = sampling_params or self.default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(token_ids)
-        seq = Sequence(request_id, token_ids, params, prompt=text)
-        if params.seed is not None:
-            seq.generator = torch.Generator(self.device).manual_seed(params.seed)
-        else:
-            seq.generator = self.generator
-        self.requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
-        self.scheduler.add(seq)
+        token_ids = self.tokenize(prompt) if prompt_token_ids is None else prompt_token_ids
+        seqs = [Sequence(request_id, i, token_ids, params) for i in range(params.n)]
+        for seq in seqs:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            seq.generator = (torch.Generator(self.device).manual_seed(params.seed + seq.index)
+                             if params.seed is not None else self.generator)
+        # Only the first answer prefills the prompt; the others fork from its cache when it is done.
+        seqs[0].forks = seqs[1:]
+        for seq in seqs[1:]:
+            seq.status = SequenceStatus.FORK_PENDING
+        self.requests[request_id] = RequestState(request_id, prompt if isinstance(prompt, str) else None, token_ids,
+                                                 params, seqs, RequestMetrics(arrival_time=time.perf_counter()))
+        self.scheduler.add(seqs[0])
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -127,49 +127,57 @@ class LLMEngine:
                 "shorten the prompt or raise max_model_len (--max-model-len)")
 
     def abort_request(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
-        if request is not None:
-            self._release(request.seq)
+        """Stop a request now and free its cache blocks (a no-op for unknown or finished ids)."""
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for seq in state.seqs:
+                self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the requests that got a new token (finished ones last time they appear)."""
+        """Run one batch; return an output for every request that got a new token."""
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
+        results = self.runner.execute(batch, self.eos_token_ids)
+        for seq in batch.decode + [s for s, _ in batch.prefill]:
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.register_full_blocks(seq)
+        for seq, _, _ in results:  # siblings take the prompt's cache before anything can finish
+            if seq.status == SequenceStatus.FORK_PENDING:
+                self._start_fork(seq)
+        touched: dict[str, RequestState] = {}
+        for seq, token, logprobs in results:
+            state = self.requests[seq.request_id]
+            if self.output_processor.append_token(seq, token, logprobs) is not None:
+                self.scheduler.finish(seq)
+            touched[state.request_id] = state
         outputs = []
-        for seq, token in self.runner.execute(batch):
-            request = self.requests[seq.request_id]
-            seq.output_token_ids.append(token)
-            request.detokenizer.push(token)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                seq.finish_reason = reason
-                request.detokenizer.flush()
-                self._release(seq)
-                del self.requests[seq.request_id]
-            outputs.append(self._output(request))
+        for state in touched.values():
+            outputs.append(self.output_processor.make_output(state))
+            if state.finished:
+                del self.requests[state.request_id]
         return outputs
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            self.runner.kv_cache.release(seq.slot)
-        self.scheduler.finish(seq)
+    def _start_fork(self, seq: Sequence) -> None:
+        parent = self.requests[seq.request_id].seqs[0]
+        parent.forks = []
+        if self.block_manager.fork(parent, seq, self.runner.kv_cache.copy_block):
+            self.scheduler.start_forked(seq)
+        else:  # no block free for the copy: recompute this sibling's prompt later instead
+            seq.status = SequenceStatus.WAITING
+            self.scheduler.add(seq)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.sampling_params
-        if (token in self.eos_token_ids and not p.ignore_eos) or (p.stop_token_ids and token in p.stop_token_ids):
-            return "stop"
-        if (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) \
-                or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    @staticmethod
-    def _output(request: _Request) -> RequestOutput:
-        seq = request.seq
-        completion = CompletionOutput(0, request.detokenizer.text, list(seq.output_token_ids), seq.finish_reason)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
-                             finished=seq.finish_reason is not None)
+    @property
+    def kv_cache_stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "num_blocks": bm.num_blocks, "block_size": bm.block_size,
+            "used_blocks": bm.num_blocks - bm.num_free_blocks,
+            "usage": 1 - bm.num_free_blocks / bm.num_blocks,
+            "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+        }

@@ -8,38 +8,38 @@ from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache
 from nanoqwen.engine.scheduler import ScheduledBatch
 from nanoqwen.engine.sequence import Sequence
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
-from nanoqwen.sampler import sample
+from nanoqwen.sampler import TokenLogprobs, sample
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int) -> None:
         self.model = model
         self.device = model.embed_tokens.device
         c = model.config
-        self.kv_cache = KVCache(c.num_hidden_layers, max_num_seqs, max_model_len, c.num_key_value_heads,
-                                c.head_dim, model.embed_tokens.dtype, self.device)
+        self.kv_cache = KVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+                                model.embed_tokens.dtype, self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        """Run the step; return (sequence, new token) for every sequence that reached its next token.
+    def execute(self, batch: ScheduledBatch,
+                eos_token_ids: set[int]) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
+        """Run the step; return (sequence, new token, logprobs) for every sequence that reached its next token.
 
-        A prompt chunk that does not finish its prompt produces no token: only its K/V are cached.
+        A prompt chunk that does not finish its prompt produces no token: only its K/V are cached. A
+        sequence whose prompt finishes here also samples the first token of each sibling waiting to fork.
         """
-        input_ids: list[int] = []
-        decode = []
-        for seq in batch.decode:
-            input_ids.append(seq.token_ids(seq.num_tokens - 1, seq.num_tokens)[0])
-            decode.append((seq.slot, seq.num_tokens))
+        input_ids: list[int] = [seq.token_ids(seq.num_tokens - 1, seq.num_tokens)[0] for seq in batch.decode]
+        decode = [(seq.block_table, seq.num_tokens) for seq in batch.decode]
         prefill = []
-        sampled, sample_rows = list(batch.decode), list(range(len(batch.decode)))  # decode rows come first
+        sampled, rows = list(batch.decode), list(range(len(batch.decode)))  # decode rows come first
         for seq, n in batch.prefill:
             start = seq.num_computed_tokens
             input_ids += seq.token_ids(start, start + n)
-            prefill.append((seq.slot, start, n))
+            prefill.append((seq.block_table, start, n))
             if start + n == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sampled.append(seq)
-        meta = AttentionMetadata.build(decode, prefill, self.device)
+                for s in [seq, *seq.forks]:  # siblings sample their first token from the same logits
+                    sampled.append(s)
+                    rows.append(len(input_ids) - 1)
+        meta = AttentionMetadata.build(decode, prefill, self.kv_cache.block_size, self.device)
         hidden = self.model(torch.tensor(input_ids, device=self.device), meta.positions, self.kv_cache, meta)
         for seq in batch.decode:
             seq.num_computed_tokens += 1
@@ -47,6 +47,13 @@ class ModelRunner:
             seq.num_computed_tokens += n
         if not sampled:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        tokens = sample(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled])
-        return list(zip(sampled, tokens.tolist(), strict=True))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        out = sample(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled],
+                     [s.prompt_token_ids for s in sampled], [s.output_token_ids for s in sampled],
+                     [self._stop_ids(s, eos_token_ids) for s in sampled])
+        return list(zip(sampled, out.token_ids.tolist(), out.logprobs, strict=True))
+
+    @staticmethod
+    def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:
+        p = seq.sampling_params
+        return (set() if p.ignore_eos else eos_token_ids) | set(p.stop_token_ids or ())

@@ -1,17 +1,21 @@
-"""Decide which tokens run in the next step.
+"""Decide which tokens run in the next step, within the token budget and the KV-cache blocks.
 
-Every step, each running sequence that is decoding contributes its one new token; the rest of
+Each step, every running sequence that is decoding contributes its one new token; the rest of
 the token budget (max_num_batched_tokens) goes to prompt chunks, first of sequences already
-prefilling, then of waiting requests that get a free KV-cache slot. A long prompt is thus
-split over several steps (chunked prefill) and never stalls the others' decoding.
+prefilling, then of waiting requests admitted while max_num_seqs and free blocks allow (their
+cached prefix is skipped). A long prompt is thus split over several steps (chunked prefill)
+and never stalls the others' decoding.
+
+When the blocks run out, the newest running sequence is preempted: its blocks are freed and it
+goes back to the front of the queue, to be recomputed (prompt and answer so far) later.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from nanoqwen.engine.block_manager import BlockManager
 from nanoqwen.engine.sequence import Sequence, SequenceStatus
 
 
@@ -24,13 +28,19 @@ class ScheduledBatch:
     def empty(self) -> bool:
         return not self.decode and not self.prefill
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.free_slots = list(range(max_num_seqs))  # a min-heap: low slots first keeps decode slots consecutive
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -41,32 +51,56 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        for seq in self.running:
-            if not seq.is_prefilling:
-                batch.decode.append(seq)
-                budget -= 1
-        for seq in self.running:
-            if seq.is_prefilling and budget > 0:
-                n = min(seq.num_uncomputed_tokens, budget)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.append_slots(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]  # the newest; never one already in this batch
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break  # seq itself was preempted: everything after it was too
+            if seq.is_prefilling:
                 batch.prefill.append((seq, n))
-                budget -= n
-        while self.waiting and self.free_slots and budget > 0:
-            seq = self.waiting.popleft()
-            seq.slot = heapq.heappop(self.free_slots)
+            else:
+                batch.decode.append(seq)
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_cached = len(cached) * self.block_manager.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate(seq, cached, num_cached + n):
+                break  # not enough free blocks: wait for running sequences to finish
+            self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
             batch.prefill.append((seq, n))
             budget -= n
-        batch.decode.sort(key=lambda s: s.slot)
         return batch
 
+    def preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def start_forked(self, seq: Sequence) -> None:
+        """A sibling that got its cache from fork() joins the running sequences."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def finish(self, seq: Sequence) -> None:
-        """Release a finished or aborted sequence's slot."""
+        """Release a finished or aborted sequence's blocks."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-            heapq.heappush(self.free_slots, seq.slot)
-        elif seq in self.waiting:
+        elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.slot = None

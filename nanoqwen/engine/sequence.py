@@ -1,10 +1,13 @@
-"""One request as the engine sees it: its tokens, how many are in the KV cache, and its state."""
+"""One answer being generated, as the engine sees it: its tokens, its KV-cache blocks, its state.
+
+A request with n > 1 samples has n sequences; they share the prompt's cache blocks.
+"""
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -12,25 +15,33 @@ from nanoqwen.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"  # not yet given a KV-cache slot
-    RUNNING = "running"  # has a slot; prefilling or decoding
+    WAITING = "waiting"  # queued (new, or preempted and to be recomputed)
+    RUNNING = "running"  # holds cache blocks; prefilling or decoding
+    FORK_PENDING = "fork_pending"  # a sibling of an n > 1 request, waiting for the prompt's prefill
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     request_id: str
+    index: int  # which of the request's n answers
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    slot: int | None = None
-    num_computed_tokens: int = 0  # tokens whose keys/values are already in the cache
-    finish_reason: str | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    forks: list[Sequence] = field(default_factory=list)  # siblings to start from this one's prefill
     generator: torch.Generator | None = None
-    arrival_time: float = field(default_factory=time.perf_counter)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token or stop string that ended it
+    detokenizer: Any = None
+    text: str = ""
+    logprobs: list[Any] | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -42,11 +53,17 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        """True while the prompt is not fully in the cache (decoding feeds exactly one new token)."""
+        """True while more than the newest token is missing from the cache (after admission or preemption)."""
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
 
     def token_ids(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n: end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

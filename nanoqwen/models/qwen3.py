@@ -166,12 +166,13 @@ class Attention(nn.Module):
             out[: meta.num_decode_tokens] = decode_attention(q[: meta.num_decode_tokens], k_ctx, v_ctx,
                                                              meta.decode_mask)
         # Prompt chunks attend causally to their own tokens and to what the cache already held.
-        for seq in meta.prefills:
-            k_ctx, v_ctx = kv_cache.sequence_context(self.layer_idx, seq.slot, seq.context_len)  # [1, Hkv, S, D]
-            qp = q[seq.query_start: seq.query_start + seq.query_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
-            causal = seq.context_len == seq.query_len  # no cached prefix: the plain causal mask
-            o = attention_sdpa(qp, k_ctx, v_ctx, None if causal else seq.mask, causal=causal)
-            out[seq.query_start: seq.query_start + seq.query_len] = o.squeeze(0).transpose(0, 1)
+        for chunk in meta.prefills:
+            k_ctx, v_ctx = kv_cache.sequence_context(self.layer_idx, chunk)  # [1, Hkv, S, D]
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
+            causal = chunk.context_len == chunk.query_len  # nothing cached before: the plain causal mask
+            o = attention_sdpa(qp, k_ctx, v_ctx, None if causal else chunk.mask, causal=causal)
+            out[rows] = o.squeeze(0).transpose(0, 1)
         return F.linear(out.view(n, -1), self.o_proj, self.o_bias)
 
 

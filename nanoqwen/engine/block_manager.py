@@ -1,0 +1,151 @@
+"""Which KV-cache blocks each sequence owns, with prefix caching.
+
+The cache is a pool of `num_blocks` blocks of `block_size` token positions. A sequence's
+`block_table` lists its blocks in order: token i lives in block_table[i // block_size] at offset
+i % block_size.
+
+Prefix caching: once a block is full, it is keyed by a hash of every token up to its end (the
+hash of the previous block and its own tokens), so a new request whose prompt starts with the
+same tokens reuses it instead of recomputing it. Blocks are shared by reference count. A freed
+block keeps its key and stays reusable until the pool needs it back; free blocks are handed out
+least recently freed first, so the most recently used prefixes survive longest.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nanoqwen.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and registered for reuse
+    token_ids: tuple[int, ...] = ()  # its tokens, to confirm a hash hit is a real match
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self.cached_blocks: dict[int, int] = {}  # hash -> block id
+        self.prefix_queries = self.prefix_hits = 0  # in blocks, for the hit rate
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks to add so that seq's block table covers its first num_tokens tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks matching the start of seq's tokens; never the block of the last token, which must
+        be computed to get the logits to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens = seq.token_ids(0, seq.num_tokens)
+        found, prev_hash = [], None
+        for start in range(0, (len(tokens) - 1) // self.block_size * self.block_size, self.block_size):
+            chunk = tuple(tokens[start: start + self.block_size])
+            prev_hash = hash((prev_hash, chunk))
+            block_id = self.cached_blocks.get(prev_hash)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            found.append(block_id)
+        return found
+
+    def allocate(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
+        """Give a waiting seq the cached prefix blocks plus new blocks up to num_tokens; False if the pool
+        is too small right now (nothing is changed then)."""
+        reclaimed = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # free but cached: taken, not new
+        new = max(0, -(-num_tokens // self.block_size) - len(cached))
+        if new > self.num_free_blocks - reclaimed:
+            return False
+        for block_id in cached:
+            self._ref(block_id)
+        seq.block_table = list(cached)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_size
+        self.prefix_queries += max(0, (seq.num_tokens - 1) // self.block_size)
+        self.prefix_hits += len(cached)
+        return self.append_slots(seq, num_tokens)
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow seq's block table to cover num_tokens tokens; False (and no change) if blocks run out."""
+        needed = self.blocks_needed(seq, num_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._take_free())
+        return True
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Key the blocks that this step filled, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        tokens = seq.token_ids(0, num_full * self.block_size)
+        prev_hash = None
+        for i in range(num_full):
+            chunk = tuple(tokens[i * self.block_size: (i + 1) * self.block_size])
+            prev_hash = hash((prev_hash, chunk))
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and prev_hash not in self.cached_blocks:
+                block.hash, block.token_ids = prev_hash, chunk
+                self.cached_blocks[prev_hash] = block.block_id
+
+    def fork(self, parent: Sequence, child: Sequence, copy_block: Callable[[int, int], None]) -> bool:
+        """Let child continue from parent's cache: full blocks are shared, a partly filled last block is
+        copied (both will write into it). False if no block is free for the copy."""
+        partial = parent.num_computed_tokens % self.block_size
+        if partial and not self.num_free_blocks:
+            return False
+        shared = parent.block_table[: parent.num_computed_tokens // self.block_size]
+        for block_id in shared:
+            self._ref(block_id)
+        child.block_table = list(shared)
+        if partial:
+            new = self._take_free()
+            copy_block(parent.block_table[len(shared)], new)
+            child.block_table.append(new)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references; its blocks become free (still reusable by hash) once nobody holds them."""
+        # Tail first: the free list is evicted oldest first, so a sequence's prefix outlives its tail.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table = []
+
+    def _ref(self, block_id: int) -> int:
+        """One more holder of a block (a prefix-cache hit keeps the block's key)."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+        return block_id
+
+    def _take_free(self) -> int:
+        """The least recently freed block, for new tokens: whatever prefix it cached is forgotten."""
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            del self.cached_blocks[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id

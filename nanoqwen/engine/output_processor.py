@@ -1,0 +1,106 @@
+"""From sampled tokens to what the user sees: text, stop conditions, logprobs, RequestOutput.
+
+Text is detokenized incrementally per answer. Stop strings are searched in the newly added
+text; until an answer finishes, its last (longest stop string - 1) characters are held back, so
+a stream never shows text that later turns out to start a stop string.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from nanoqwen.engine.sequence import Sequence
+from nanoqwen.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoqwen.sampler import TokenLogprobs
+from nanoqwen.sampling_params import SamplingParams
+from nanoqwen.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished or s.finish_reason is not None for s in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
+        """Add a sampled token to seq; return the finish reason if this token ends it."""
+        p = seq.sampling_params
+        now = time.perf_counter()
+        seq.first_token_time = seq.first_token_time or now
+        seq.last_token_time = now
+        seq.output_token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs = seq.logprobs if seq.logprobs is not None else []
+            seq.logprobs.append(self._logprob_dict(logprobs))
+        old_len = len(seq.text)
+        seq.text += seq.detokenizer.push(token)
+        stop_ids = p.stop_token_ids or ()
+        if token in stop_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            seq.stop_reason = token if token in stop_ids else None  # None: the model's EOS, as in vLLM
+            return self._finish(seq, "stop")
+        if p.stop and len(seq.output_token_ids) >= p.min_tokens:
+            hit = self._find_stop(seq.text, p, max(0, old_len - p.max_stop_len + 1))
+            if hit is not None:
+                index, stop = hit
+                seq.text = seq.text[: index + (len(stop) if p.include_stop_str_in_output else 0)]
+                seq.stop_reason = stop
+                seq.finish_reason = "stop"
+                return "stop"
+        if (p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) \
+                or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length")
+        return None
+
+    @staticmethod
+    def _find_stop(text: str, p: SamplingParams, start: int) -> tuple[int, str] | None:
+        hits = [(i, s) for s in p.stop if (i := text.find(s, start)) >= 0]
+        return min(hits) if hits else None
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str) -> str:
+        seq.text += seq.detokenizer.flush()
+        seq.finish_reason = reason
+        return reason
+
+    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        out = {lp.token_id: Logprob(lp.logprob, lp.rank, self.tokenizer.decode([lp.token_id]))}
+        for rank, (token_id, logprob) in enumerate(lp.top, start=1):
+            out.setdefault(token_id, Logprob(logprob, rank, self.tokenizer.decode([token_id])))
+        return out
+
+    @staticmethod
+    def make_output(state: RequestState) -> RequestOutput:
+        completions = []
+        for seq in state.seqs:
+            text = seq.text
+            hold = seq.sampling_params.max_stop_len - 1
+            if seq.finish_reason is None and hold > 0:
+                text = text[: max(0, len(text) - hold)]
+            completions.append(CompletionOutput(seq.index, text, list(seq.output_token_ids), seq.finish_reason,
+                                                seq.stop_reason, list(seq.logprobs) if seq.logprobs else None))
+        m = state.metrics
+        firsts = [s.first_token_time for s in state.seqs if s.first_token_time is not None]
+        lasts = [s.last_token_time for s in state.seqs if s.last_token_time is not None]
+        m.first_token_time = min(firsts) if firsts else None
+        m.last_token_time = max(lasts) if lasts else None
+        m.num_output_tokens = max((len(s.output_token_ids) for s in state.seqs), default=0)
+        finished = state.finished
+        if finished and m.finished_time is None:
+            m.finished_time = time.perf_counter()
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
+                             state.seqs[0].num_cached_tokens, m)
