@@ -95,6 +95,8 @@ def run_child(system: str, args: argparse.Namespace) -> dict[str, Any]:
     for key in ("num_requests", "min_input", "max_input", "min_output", "max_output", "max_num_seqs",
                 "max_num_batched_tokens"):
         cmd += ["--" + key.replace("_", "-"), str(getattr(args, key))]
+    if args.kv_cache_gib is not None:
+        cmd += ["--kv-cache-gib", str(args.kv_cache_gib)]
     for item in args.engine_arg:
         cmd += ["--engine-arg", item]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -159,7 +161,7 @@ def main() -> None:
         print(f"running {system} ({len(workload)} requests) ...", file=sys.stderr)
         results[system] = run_child(system, args)
     ours, theirs = results["nanoqwen"], results["transformers"]
-    engine = ", ".join(f"{k} {v}" for k, v in ours["engine_kwargs"].items() if k != "max_model_len")
+    engine = benchmark.describe_engine(ours["engine_kwargs"])
     ignored = f" (not taken by this engine: {', '.join(ours['ignored_engine_kwargs'])})" \
         if ours["ignored_engine_kwargs"] else ""
     kv = benchmark.describe_kv(ours["kv_cache"])
@@ -176,7 +178,10 @@ def main() -> None:
             f"only each request's own output length counts.\n\n"
             f"{bench_model.machine_line(args.device)}\n\n"
             + table(ours, theirs)
-            + (f"\n\nnanoqwen's KV cache: {kv}." if kv else ""))
+            + (f"\n\nnanoqwen's KV cache: {kv}." if kv else "")
+            + ("\n\nnanoqwen's peak GPU memory includes its KV-cache pool, allocated up front (by default most of "
+               "the free memory; --kv-cache-gib sets it); transformers' cache grows with each batch."
+               if args.device == "cuda" else ""))
     print(body)
     if args.write:
         bench_model.write_benchmarks(f"bench_throughput-{args.device}", body)

@@ -221,6 +221,14 @@ def kv_cache_use(engine: Any, tally: _KVTally | None = None) -> dict[str, Any]:
     return info
 
 
+def describe_engine(kwargs: dict[str, Any]) -> str:
+    """The engine settings of a run, e.g. "max_num_seqs 64, max_num_batched_tokens 2048, kv_cache_memory 4 GiB"."""
+    def value(key: str, v: Any) -> str:
+        return f"{v / 2**30:g} GiB" if key == "kv_cache_memory" and isinstance(v, int) else str(v)
+
+    return ", ".join(f"{k} {value(k, v)}" for k, v in kwargs.items() if k != "max_model_len")
+
+
 def describe_kv(kv: dict[str, Any]) -> str:
     """One line about KV-cache use, from `kv_cache_use`'s dict (empty when nothing is known)."""
     parts = []
@@ -238,8 +246,14 @@ def describe_kv(kv: dict[str, Any]) -> str:
         parts.append(f"peak {kv['peak_blocks']:,} of {kv['num_blocks']:,} blocks of {kv['block_size']} in use")
     if "preemptions" in kv:
         parts.append(f"{kv['preemptions']} preemptions")
-    if "engine" in kv:
-        parts.append(f"engine: {kv['engine']}")
+    engine = kv.get("engine")
+    if isinstance(engine, dict):  # end-of-run snapshots (blocks in use, running, ...) say nothing; rates do
+        snapshot = {"num_blocks", "block_size", "used_blocks", "usage", "num_preemptions", "num_running",
+                    "num_waiting"}
+        parts += [f"{key.replace('_', ' ')} {value:.1%}" if isinstance(value, float) and key.endswith("rate")
+                  else f"{key.replace('_', ' ')} {value}" for key, value in engine.items() if key not in snapshot]
+    elif engine is not None:
+        parts.append(f"engine: {engine}")
     return "; ".join(parts)
 
 
@@ -262,9 +276,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help=f"GPU-sized defaults: {g['num_requests']} requests, prompts and outputs "
                         f"{g['min_input']}-{g['max_input']} tokens, max-num-seqs {g['max_num_seqs']}, "
                         f"max-num-batched-tokens {g['max_num_batched_tokens']} (flags given still win)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV-cache size in GiB (default: the engine's; on CPU 4 GiB or half the free memory)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra LLM(...) keyword, value as JSON or a string, e.g. kv_cache_memory=4 "
-                        "(repeatable; dropped with a note if this LLM does not take it)")
+                   help="extra LLM(...) keyword, value as JSON or a string, e.g. enable_prefix_caching=false or "
+                        "kv_cache_memory=0.5 (repeatable; dropped with a note if this LLM does not take it)")
 
 
 def resolve_bench_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -285,7 +301,13 @@ def resolve_bench_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    """The `LLM(...)` keywords the flags ask for (max_model_len: the longest prompt plus the longest output)."""
+    kwargs: dict[str, Any] = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                              "max_model_len": args.max_input + args.max_output}
+    if args.kv_cache_gib is not None:
+        if not args.kv_cache_gib > 0:
+            raise InvalidRequestError(f"--kv-cache-gib {args.kv_cache_gib} must be > 0")
+        kwargs["kv_cache_memory"] = int(args.kv_cache_gib * 2**30)
     for item in args.engine_arg:
         key, sep, raw = item.partition("=")
         if not sep or not key.isidentifier():
@@ -298,19 +320,18 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The workload the (resolved) flags describe."""
     return make_workload(args.num_requests, args.min_input, args.max_input, args.min_output, args.max_output,
                          args.seed)
 
 
 def format_report(result: dict[str, Any], model_dir: str | Path, args: argparse.Namespace) -> str:
     """A small human-readable table of one `run_nanoqwen` result."""
-    n, k = result["requests"], result["engine_kwargs"]
-    settings = ", ".join(f"{name} {value}" for name, value in k.items() if name != "max_model_len")
+    ignored = result["ignored_engine_kwargs"]
     rows = [
         ("model", f"{model_dir} ({result['device']}, {result['dtype']})"),
-        ("engine", settings + (f"; ignored: {', '.join(result['ignored_engine_kwargs'])}"
-                               if result["ignored_engine_kwargs"] else "")),
-        ("requests", f"{n}, seed {args.seed}; sampling temperature 0.6, top-p 0.95, top-k 20, EOS ignored"),
+        ("engine", describe_engine(result["engine_kwargs"]) + (f"; ignored: {', '.join(ignored)}" if ignored else "")),
+        ("requests", f"{result['requests']}, seed {args.seed}; temperature 0.6, top-p 0.95, top-k 20, EOS ignored"),
         ("prompts", f"{args.min_input}-{args.max_input} tokens each, {result['input_tokens']:,} in all"),
         ("outputs", f"{args.min_output}-{args.max_output} tokens each, {result['output_tokens']:,} in all"),
         ("time", f"{result['seconds']:.2f} s"),

@@ -79,7 +79,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from nanoqwen import benchmark
 
     benchmark.resolve_bench_args(args)
-    workload = benchmark.workload_from_args(args)  # checks the lengths before any model is loaded
+    workload = benchmark.workload_from_args(args)  # checks the flags before any model is made or loaded
+    engine_kwargs = benchmark.engine_kwargs_from_args(args)
     if args.model is None:
         args.model = benchmark.default_checkpoint_dir()
         if not (args.model / "config.json").exists():
@@ -87,8 +88,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         benchmark.ensure_random_checkpoint(args.model)
         print(f"model: random Qwen3-0.6B-shaped checkpoint in {args.model}", file=sys.stderr)
     print(f"running {len(workload)} requests ...", file=sys.stderr)
-    result = benchmark.run_nanoqwen(args.model, workload, args.device, args.dtype,
-                                    **benchmark.engine_kwargs_from_args(args))
+    result = benchmark.run_nanoqwen(args.model, workload, args.device, args.dtype, **engine_kwargs)
     if args.json:
         print(json.dumps({"model": str(args.model), **result}, indent=2, default=str))
     else:

@@ -30,15 +30,22 @@ class ModelRunner:
         input_ids: list[int] = [seq.token_ids(seq.num_tokens - 1, seq.num_tokens)[0] for seq in batch.decode]
         decode = [(seq.block_table, seq.num_tokens) for seq in batch.decode]
         prefill = []
-        sampled, rows = list(batch.decode), list(range(len(batch.decode)))  # decode rows come first
+        sampled: list[Sequence] = []
+        rows: list[int] = []
+
+        def sample_from(row: int, seq: Sequence) -> None:
+            for s in [seq, *seq.forks]:  # siblings waiting to fork sample their first token from the same row
+                sampled.append(s)
+                rows.append(row)
+
+        for i, seq in enumerate(batch.decode):  # decode rows come first
+            sample_from(i, seq)
         for seq, n in batch.prefill:
             start = seq.num_computed_tokens
             input_ids += seq.token_ids(start, start + n)
             prefill.append((seq.block_table, start, n))
             if start + n == seq.num_tokens:
-                for s in [seq, *seq.forks]:  # siblings sample their first token from the same logits
-                    sampled.append(s)
-                    rows.append(len(input_ids) - 1)
+                sample_from(len(input_ids) - 1, seq)
         meta = AttentionMetadata.build(decode, prefill, self.kv_cache.block_size, self.device)
         hidden = self.model(torch.tensor(input_ids, device=self.device), meta.positions, self.kv_cache, meta)
         for seq in batch.decode:
