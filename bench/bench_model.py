@@ -45,8 +45,9 @@ def prompts(batch: int, length: int) -> list[list[int]]:
 def run_nanoqwen(model_dir: str, device: str, repeats: int) -> dict:
     from nanoqwen import LLM, SamplingParams
 
+    # No prefix caching: the timed repeats send the same prompts, and transformers has nothing like it.
     llm = LLM(model_dir, dtype="bfloat16", device=device, max_model_len=PREFILL_LEN + DECODE_TOKENS + 8,
-              max_num_seqs=16, max_num_batched_tokens=PREFILL_LEN * 16)
+              max_num_seqs=16, max_num_batched_tokens=PREFILL_LEN * 16, enable_prefix_caching=False)
 
     def gen(batch: list[list[int]], n: int):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

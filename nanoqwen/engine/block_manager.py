@@ -7,8 +7,11 @@ i % block_size.
 Prefix caching: once a block is full, it is keyed by a hash of every token up to its end (the
 hash of the previous block and its own tokens), so a new request whose prompt starts with the
 same tokens reuses it instead of recomputing it. Blocks are shared by reference count. A freed
-block keeps its key and stays reusable until the pool needs it back; free blocks are handed out
-least recently freed first, so the most recently used prefixes survive longest.
+block keeps its key and stays reusable until the pool needs it back.
+
+New tokens get a free block that caches nothing, most recently freed first (its memory is warm,
+and on CPU the pool's untouched pages never take RAM); only when there is none is a cached
+block evicted, least recently freed first, so the most recently used prefixes survive longest.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self.free_uncached = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # free blocks still caching a prefix, oldest first
         self.cached_blocks: dict[int, int] = {}  # hash -> block id
         self.prefix_queries = self.prefix_hits = 0  # in blocks, for the hit rate
 
@@ -43,7 +47,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_uncached) + len(self.evictable)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks to add so that seq's block table covers its first num_tokens tokens."""
@@ -124,25 +128,31 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; its blocks become free (still reusable by hash) once nobody holds them."""
-        # Tail first: the free list is evicted oldest first, so a sequence's prefix outlives its tail.
+        # Tail first: evictable blocks go oldest first, so a sequence's prefix outlives its tail.
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_blocks[block_id] = None
+                if block.hash is None:
+                    self.free_uncached.append(block_id)
+                else:
+                    self.evictable[block_id] = None
         seq.block_table = []
 
     def _ref(self, block_id: int) -> int:
         """One more holder of a block (a prefix-cache hit keeps the block's key)."""
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free_blocks[block_id]
+            del self.evictable[block_id]  # a free block reached by its hash is always an evictable one
         block.ref_count += 1
         return block_id
 
     def _take_free(self) -> int:
-        """The least recently freed block, for new tokens: whatever prefix it cached is forgotten."""
-        block_id, _ = self.free_blocks.popitem(last=False)
+        """A free block for new tokens: an uncached one, else the oldest cached one, whose prefix is forgotten."""
+        if self.free_uncached:
+            block_id = self.free_uncached.pop()
+        else:
+            block_id, _ = self.evictable.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:
             del self.cached_blocks[block.hash]
