@@ -72,7 +72,10 @@ def test_batched_decode_logits_equal_each_sequence_alone(llm):
             model(torch.tensor([t for p in prompts for t in p]), meta.positions, cache, meta)
             meta = AttentionMetadata.build([(t, len(p) + 1) for t, p in zip(tables, prompts, strict=True)], [],
                                            cache.block_size, cpu)
-            assert meta.decode_mask is not None and meta.decode_block_tables is not None
+            assert len(meta.decode_groups) == 2  # 2 blocks alone; 6 and 4 blocks together, padded to 6
+            # a lone sequence with consecutive blocks is read as a view; the others are gathered
+            assert (meta.decode_groups[0].first_block is not None) == (not scatter)
+            assert meta.decode_groups[1].block_tables is not None
             batched = model.compute_logits(model(torch.tensor(next_tokens), meta.positions, cache, meta))
         for i, p in enumerate(prompts):
             alone = prompt_logits(model, p + [next_tokens[i]])[-1]

@@ -36,6 +36,18 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decoding sequences (rows start..end) of similar length, attended in one call, padded to the longest."""
+
+    start: int
+    end: int
+    max_len: int  # S: keys read per sequence (its widest block table * block_size)
+    mask: torch.Tensor  # [B, 1, 1, S] bool: position < that sequence's length
+    block_tables: torch.Tensor | None = None  # [B, S / block_size], padded with block 0
+    first_block: int | None = None  # set instead when B == 1 and its blocks are consecutive: read a view
+
+
+@dataclass
 class AttentionMetadata:
     """Where the N flat tokens of a step go: decode tokens first (one per sequence), then prompt chunks."""
 
@@ -43,16 +55,14 @@ class AttentionMetadata:
     positions: torch.Tensor  # [N] position of each token in its sequence
     block_size: int
     num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with block 0
-    decode_first_block: int | None = None  # set when B == 1 and its blocks are consecutive: read a view
-    decode_max_len: int = 0  # S: keys read per decoding sequence (max_blocks * block_size)
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool: position < that sequence's length
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
     @classmethod
     def build(cls, decode: list[tuple[list[int], int]], prefill: list[tuple[list[int], int, int]],
               block_size: int, device: torch.device) -> AttentionMetadata:
-        """decode: (block_table, context_len) per decoding sequence; prefill: (block_table, num_cached, query_len)."""
+        """decode: (block_table, context_len) per decoding sequence, shortest first (so groups pad little);
+        prefill: (block_table, num_cached, query_len) per prompt chunk."""
         slots: list[int] = []
         positions: list[int] = []
 
@@ -64,18 +74,11 @@ class AttentionMetadata:
             place(table, ctx - 1, ctx)
         meta = cls(slot_mapping=torch.empty(0), positions=torch.empty(0), block_size=block_size,
                    num_decode_tokens=len(decode))
-        if decode:
-            num_blocks = [-(-ctx // block_size) for _, ctx in decode]
-            width = max(num_blocks)
-            tables = [table[:nb] + [0] * (width - nb) for (table, _), nb in zip(decode, num_blocks, strict=True)]
-            meta.decode_max_len = width * block_size
-            if len(decode) == 1 and _consecutive(tables[0]):
-                meta.decode_first_block = tables[0][0]
-            else:
-                meta.decode_block_tables = torch.tensor(tables, device=device)
-            lens = torch.tensor([ctx for _, ctx in decode])
-            keep = torch.arange(meta.decode_max_len)[None, :] < lens[:, None]  # [B, S]
-            meta.decode_mask = keep[:, None, None, :].to(device)
+        start = 0
+        while start < len(decode):
+            end = _group_end(decode, start, block_size)
+            meta.decode_groups.append(_decode_group(decode, start, end, block_size, device))
+            start = end
         start = len(decode)
         for table, num_cached, query_len in prefill:
             context_len = num_cached + query_len
@@ -90,6 +93,31 @@ class AttentionMetadata:
         meta.slot_mapping = torch.tensor(slots, device=device)
         meta.positions = torch.tensor(positions, device=device)
         return meta
+
+
+def _group_end(decode: list[tuple[list[int], int]], start: int, block_size: int) -> int:
+    """Extend a group while its sequences stay within 1.5x (+2 blocks) of its first one's length."""
+    first = -(-decode[start][1] // block_size)
+    end = start + 1
+    while end < len(decode) and -(-decode[end][1] // block_size) <= first * 1.5 + 2:
+        end += 1
+    return end
+
+
+def _decode_group(decode: list[tuple[list[int], int]], start: int, end: int, block_size: int,
+                  device: torch.device) -> DecodeGroup:
+    rows = decode[start:end]
+    num_blocks = [-(-ctx // block_size) for _, ctx in rows]
+    width = max(num_blocks)
+    lens = torch.tensor([ctx for _, ctx in rows])
+    keep = torch.arange(width * block_size)[None, :] < lens[:, None]  # [B, S]
+    group = DecodeGroup(start, end, width * block_size, keep[:, None, None, :].to(device))
+    if len(rows) == 1 and _consecutive(rows[0][0][:width]):
+        group.first_block = rows[0][0][0]
+    else:
+        tables = [table[:nb] + [0] * (width - nb) for (table, _), nb in zip(rows, num_blocks, strict=True)]
+        group.block_tables = torch.tensor(tables, device=device)
+    return group
 
 
 def _consecutive(blocks: list[int]) -> bool:
@@ -114,13 +142,11 @@ class KVCache:
         self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
         self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
 
-    def decode_context(self, layer: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, Hkv, S, D] of the decoding sequences (S = their widest block table)."""
-        if meta.decode_first_block is not None:
-            nb = meta.decode_max_len // self.block_size
-            return self._view(layer, meta.decode_first_block, nb, meta.decode_max_len)
-        return self._gather(self.k[layer], meta.decode_block_tables), self._gather(self.v[layer],
-                                                                                    meta.decode_block_tables)
+    def decode_context(self, layer: int, group: DecodeGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, Hkv, S, D] of a group of decoding sequences."""
+        if group.first_block is not None:
+            return self._view(layer, group.first_block, group.max_len // self.block_size, group.max_len)
+        return self._gather(self.k[layer], group.block_tables), self._gather(self.v[layer], group.block_tables)
 
     def sequence_context(self, layer: int, chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [1, Hkv, context_len, D] of one prompt chunk's sequence."""

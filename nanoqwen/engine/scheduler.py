@@ -80,6 +80,7 @@ class Scheduler:
             self.running.append(seq)
             batch.prefill.append((seq, n))
             budget -= n
+        batch.decode.sort(key=lambda s: s.num_tokens)  # shortest first: attention groups similar lengths
         return batch
 
     def preempt(self, seq: Sequence) -> None:

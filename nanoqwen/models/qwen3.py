@@ -160,11 +160,11 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         kv_cache.store(self.layer_idx, k, v, meta)
         out = torch.empty_like(q)  # [N, Hq, D]
-        # Decode tokens (one query per sequence) are batched into one attention call.
-        if meta.num_decode_tokens:
-            k_ctx, v_ctx = kv_cache.decode_context(self.layer_idx, meta)  # [B, Hkv, S, D]
-            out[: meta.num_decode_tokens] = decode_attention(q[: meta.num_decode_tokens], k_ctx, v_ctx,
-                                                             meta.decode_mask)
+        # Decode tokens (one query per sequence) are batched, a group of similar lengths per attention call.
+        for group in meta.decode_groups:
+            k_ctx, v_ctx = kv_cache.decode_context(self.layer_idx, group)  # [B, Hkv, S, D]
+            rows = slice(group.start, group.end)
+            out[rows] = decode_attention(q[rows], k_ctx, v_ctx, group.mask)
         # Prompt chunks attend causally to their own tokens and to what the cache already held.
         for chunk in meta.prefills:
             k_ctx, v_ctx = kv_cache.sequence_context(self.layer_idx, chunk)  # [1, Hkv, S, D]
