@@ -162,8 +162,6 @@ def main() -> None:
         results[system] = run_child(system, args)
     ours, theirs = results["nanoqwen"], results["transformers"]
     engine = benchmark.describe_engine(ours["engine_kwargs"])
-    ignored = f" (not taken by this engine: {', '.join(ours['ignored_engine_kwargs'])})" \
-        if ours["ignored_engine_kwargs"] else ""
     kv = benchmark.describe_kv(ours["kv_cache"])
     name = "a random checkpoint with the exact Qwen3-0.6B shape" if model_dir == bench_model.DEFAULT_DIR \
         else model_dir.name
@@ -173,12 +171,12 @@ def main() -> None:
             f"prompt and output lengths uniformly random "
             f"(seed {args.seed}; {ours['input_tokens']:,} prompt and {ours['output_tokens']:,} output tokens in all), "
             f"sampling at temperature 0.6, top-p 0.95, top-k 20, EOS ignored. nanoqwen: one `generate` call, "
-            f"{engine}{ignored}. transformers (sdpa): no continuous batching, so `generate` on the requests in their "
+            f"{engine}. transformers (sdpa): no continuous batching, so `generate` on the requests in their "
             f"given order in batches of {args.hf_batch_size}, left-padded; each batch runs to its longest output and "
             f"only each request's own output length counts.\n\n"
             f"{bench_model.machine_line(args.device)}\n\n"
             + table(ours, theirs)
-            + (f"\n\nnanoqwen's KV cache: {kv}." if kv else "")
+            + f"\n\nnanoqwen's KV cache: {kv}."
             + ("\n\nnanoqwen's peak GPU memory includes its KV-cache pool, allocated up front (by default most of "
                "the free memory; --kv-cache-gib sets it); transformers' cache grows with each batch."
                if args.device == "cuda" else ""))

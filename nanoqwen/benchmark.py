@@ -8,8 +8,6 @@ output lengths, generated with EOS ignored so every request produces exactly its
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
 import json
 import os
 import random
@@ -75,52 +73,39 @@ def make_workload(num_requests: int, min_input: int, max_input: int, min_output:
     return workload
 
 
-def engine_kwargs_accepted(**kwargs: Any) -> tuple[dict[str, Any], list[str]]:
-    """Split kwargs into those `LLM.__init__` accepts and the names it does not (the engine is evolving)."""
-    from nanoqwen.llm import LLM
-
-    params = inspect.signature(LLM.__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(kwargs), []
-    accepted = {k: v for k, v in kwargs.items() if k in params}
-    return accepted, sorted(set(kwargs) - set(accepted))
-
-
 def run_nanoqwen(model_dir: str | Path, workload: Workload, device: str | None = None, dtype: str = "bfloat16",
                  **engine_kwargs: Any) -> dict[str, Any]:
     """Load the model, warm up, then time one `generate` call over the whole workload.
 
-    engine_kwargs (max_num_seqs, max_num_batched_tokens, kv_cache_memory, ...) go to `LLM(...)` when it
-    accepts them; the rest are listed under "ignored_engine_kwargs". max_model_len defaults to the longest
-    prompt plus the longest output of the workload.
+    engine_kwargs (max_num_seqs, max_num_batched_tokens, kv_cache_memory, ...) go to `LLM(...)`;
+    max_model_len defaults to the longest prompt plus the longest output of the workload.
     """
     from nanoqwen.llm import LLM
     from nanoqwen.sampling_params import SamplingParams
 
-    max_len = max(len(p) for p, _ in workload) + max(n for _, n in workload)
-    engine_kwargs.setdefault("max_model_len", max_len)
-    accepted, ignored = engine_kwargs_accepted(**engine_kwargs)
-    llm = LLM(str(model_dir), dtype=dtype, device=device, **accepted)
+    engine_kwargs.setdefault("max_model_len", max(len(p) for p, _ in workload) + max(n for _, n in workload))
+    llm = LLM(str(model_dir), dtype=dtype, device=device, **engine_kwargs)
     engine = llm.llm_engine
-    dev = torch.device(getattr(engine, "device", None) or device or "cpu")
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     warmup = [[1 + i, 2 + i, 3 + i, 4 + i, 5 + i, 6 + i, 7 + i, 8 + i] for i in range(2)]
     llm.generate(warmup, SamplingParams(max_tokens=4, ignore_eos=True, **SAMPLING), use_tqdm=False)
+    engine.block_manager.peak_used_blocks = 0
+    preemptions = engine.scheduler.num_preemptions
 
     prompts = [p for p, _ in workload]
     params = [SamplingParams(seed=i, max_tokens=n, ignore_eos=True, **SAMPLING) for i, (_, n) in enumerate(workload)]
-    tally = _KVTally(engine)
-    preemptions = getattr(getattr(engine, "scheduler", None), "num_preemptions", None)
     sync()
     start = time.perf_counter()
-    with tally:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     sync()
     seconds = time.perf_counter() - start
 
     input_tokens = sum(len(p) for p in prompts)
     output_tokens = sum(len(o.token_ids) for o in outputs)
+    stats = engine.kv_cache_stats
+    c = engine.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * engine.dtype.itemsize
+    capacity = stats["num_blocks"] * stats["block_size"]
     result: dict[str, Any] = {
         "requests": len(workload),
         "input_tokens": input_tokens,
@@ -129,96 +114,21 @@ def run_nanoqwen(model_dir: str | Path, workload: Workload, device: str | None =
         "output_tok_s": output_tokens / seconds,
         "total_tok_s": (input_tokens + output_tokens) / seconds,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "device": str(dev),
-        "dtype": str(getattr(engine, "dtype", dtype)).removeprefix("torch."),
-        "engine_kwargs": dict(accepted),
-        "ignored_engine_kwargs": ignored,
-        "kv_cache": kv_cache_use(engine, tally),
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "engine_kwargs": dict(engine_kwargs),
+        "kv_cache": {
+            "capacity_tokens": capacity, "capacity_gib": capacity * per_token / 2**30,
+            "peak_blocks": stats["peak_used_blocks"], "num_blocks": stats["num_blocks"],
+            "block_size": stats["block_size"],
+            "peak_gib": stats["peak_used_blocks"] * stats["block_size"] * per_token / 2**30,
+            "preemptions": engine.scheduler.num_preemptions - preemptions,
+            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+        },
     }
-    if isinstance(preemptions, int):
-        result["kv_cache"]["preemptions"] = engine.scheduler.num_preemptions - preemptions
-    if dev.type == "cuda":
-        result["peak_cuda_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    if engine.device.type == "cuda":
+        result["peak_cuda_gib"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
     return result
-
-
-class _KVTally:
-    """While active, records at every scheduled step how many tokens the cache will hold after it.
-
-    It wraps the scheduler's `schedule` (the point where a step's tokens are given cache space and before any
-    finished sequence lets go of its own), so it costs a sum over the running sequences per step. It looks at
-    the scheduler's `running` sequences and their `num_computed_tokens`, and at the block manager's free
-    blocks where there is one; an engine without them gets no tally rather than a wrong one.
-    """
-
-    def __init__(self, engine: Any) -> None:
-        self.scheduler = getattr(engine, "scheduler", None)
-        self.peak_tokens: int | None = None
-        self.peak_blocks: int | None = None
-
-    def __enter__(self) -> _KVTally:
-        scheduler = self.scheduler
-        schedule = getattr(scheduler, "schedule", None)
-        if not isinstance(getattr(scheduler, "running", None), list) or not callable(schedule):
-            return self
-        blocks = getattr(scheduler, "block_manager", None)
-        if not (hasattr(blocks, "num_blocks") and hasattr(blocks, "num_free_blocks")):
-            blocks = None
-        self.peak_tokens, self.peak_blocks = 0, 0 if blocks is not None else None
-
-        def counted_schedule(*args: Any, **kwargs: Any) -> Any:
-            batch = schedule(*args, **kwargs)
-            try:
-                new = len(batch.decode) + sum(n for _, n in batch.prefill)
-                held = sum(s.num_computed_tokens for s in scheduler.running) + new
-            except (AttributeError, TypeError):
-                return batch
-            self.peak_tokens = max(self.peak_tokens, held)
-            if blocks is not None:
-                self.peak_blocks = max(self.peak_blocks, blocks.num_blocks - blocks.num_free_blocks)
-            return batch
-
-        scheduler.schedule = counted_schedule  # an instance attribute: shadows the method until __exit__
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.scheduler is not None:
-            vars(self.scheduler).pop("schedule", None)
-
-
-def kv_cache_use(engine: Any, tally: _KVTally | None = None) -> dict[str, Any]:
-    """What is known about KV-cache use: the engine's own stats when it has them, plus the peak tally."""
-    info: dict[str, Any] = {}
-    stats = getattr(engine, "kv_cache_stats", None)
-    if callable(stats):
-        stats = stats()
-    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
-        stats = dataclasses.asdict(stats)
-    if stats is not None:
-        info["engine"] = stats if isinstance(stats, dict) else repr(stats)
-    config, dtype = getattr(engine, "config", None), getattr(engine, "dtype", None)
-    try:
-        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
-    except AttributeError:
-        per_token = None
-    if per_token:
-        info["bytes_per_token"] = per_token
-    cache = getattr(getattr(engine, "runner", None), "kv_cache", None)
-    tensors = [t for t in (getattr(cache, "k", None), getattr(cache, "v", None)) if isinstance(t, torch.Tensor)]
-    if tensors:
-        info["capacity_gib"] = sum(t.numel() * t.element_size() for t in tensors) / 2**30
-        if per_token:
-            info["capacity_tokens"] = sum(t.numel() * t.element_size() for t in tensors) // per_token
-    blocks = getattr(getattr(engine, "scheduler", None), "block_manager", None)
-    if hasattr(blocks, "num_blocks") and hasattr(blocks, "block_size"):
-        info["num_blocks"], info["block_size"] = blocks.num_blocks, blocks.block_size
-    if tally is not None and tally.peak_tokens is not None:
-        info["peak_tokens"] = tally.peak_tokens
-        if per_token:
-            info["peak_gib"] = tally.peak_tokens * per_token / 2**30
-    if tally is not None and tally.peak_blocks is not None:
-        info["peak_blocks"] = tally.peak_blocks
-    return info
 
 
 def describe_engine(kwargs: dict[str, Any]) -> str:
@@ -230,31 +140,11 @@ def describe_engine(kwargs: dict[str, Any]) -> str:
 
 
 def describe_kv(kv: dict[str, Any]) -> str:
-    """One line about KV-cache use, from `kv_cache_use`'s dict (empty when nothing is known)."""
-    parts = []
-    if "peak_tokens" in kv:
-        line = f"peak {kv['peak_tokens']:,} tokens held by running sequences"
-        if "peak_gib" in kv:
-            line += f" ({kv['peak_gib']:.2f} GiB)"
-        if kv.get("capacity_tokens"):
-            line += f", {kv['peak_tokens'] / kv['capacity_tokens']:.0%} of"
-        parts.append(line)
-    if kv.get("capacity_tokens"):
-        cap = f"a cache of {kv['capacity_tokens']:,} tokens ({kv['capacity_gib']:.2f} GiB)"
-        parts.append(f"{parts.pop()} {cap}" if parts else cap)
-    if "peak_blocks" in kv:
-        parts.append(f"peak {kv['peak_blocks']:,} of {kv['num_blocks']:,} blocks of {kv['block_size']} in use")
-    if "preemptions" in kv:
-        parts.append(f"{kv['preemptions']} preemptions")
-    engine = kv.get("engine")
-    if isinstance(engine, dict):  # end-of-run snapshots (blocks in use, running, ...) say nothing; rates do
-        snapshot = {"num_blocks", "block_size", "used_blocks", "usage", "num_preemptions", "num_running",
-                    "num_waiting"}
-        parts += [f"{key.replace('_', ' ')} {value:.1%}" if isinstance(value, float) and key.endswith("rate")
-                  else f"{key.replace('_', ' ')} {value}" for key, value in engine.items() if key not in snapshot]
-    elif engine is not None:
-        parts.append(f"engine: {engine}")
-    return "; ".join(parts)
+    """One line about KV-cache use during the timed run."""
+    return (f"peak {kv['peak_blocks']:,} of {kv['num_blocks']:,} blocks of {kv['block_size']} in use "
+            f"({kv['peak_gib']:.2f} GiB of a {kv['capacity_gib']:.2f} GiB cache holding "
+            f"{kv['capacity_tokens']:,} tokens); {kv['preemptions']} preemptions; "
+            f"prefix-cache hit rate {kv['prefix_cache_hit_rate']:.1%}")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -280,7 +170,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache size in GiB (default: the engine's; on CPU 4 GiB or half the free memory)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra LLM(...) keyword, value as JSON or a string, e.g. enable_prefix_caching=false or "
-                        "kv_cache_memory=0.5 (repeatable; dropped with a note if this LLM does not take it)")
+                        "kv_cache_memory=0.5 (repeatable)")
 
 
 def resolve_bench_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -327,10 +217,9 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 
 def format_report(result: dict[str, Any], model_dir: str | Path, args: argparse.Namespace) -> str:
     """A small human-readable table of one `run_nanoqwen` result."""
-    ignored = result["ignored_engine_kwargs"]
     rows = [
         ("model", f"{model_dir} ({result['device']}, {result['dtype']})"),
-        ("engine", describe_engine(result["engine_kwargs"]) + (f"; ignored: {', '.join(ignored)}" if ignored else "")),
+        ("engine", describe_engine(result["engine_kwargs"])),
         ("requests", f"{result['requests']}, seed {args.seed}; temperature 0.6, top-p 0.95, top-k 20, EOS ignored"),
         ("prompts", f"{args.min_input}-{args.max_input} tokens each, {result['input_tokens']:,} in all"),
         ("outputs", f"{args.min_output}-{args.max_output} tokens each, {result['output_tokens']:,} in all"),
@@ -341,8 +230,6 @@ def format_report(result: dict[str, Any], model_dir: str | Path, args: argparse.
                         + (f", {result['peak_cuda_gib']:.2f} GiB CUDA allocated" if "peak_cuda_gib" in result
                            else "")),
     ]
-    kv = describe_kv(result["kv_cache"])
-    if kv:
-        rows.append(("KV cache", kv))
+    rows.append(("KV cache", describe_kv(result["kv_cache"])))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -40,6 +40,7 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free blocks still caching a prefix, oldest first
         self.cached_blocks: dict[int, int] = {}  # hash -> block id
         self.prefix_queries = self.prefix_hits = 0  # in blocks, for the hit rate
+        self.peak_used_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -158,4 +159,5 @@ class BlockManager:
             del self.cached_blocks[block.hash]
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_blocks - self.num_free_blocks)
         return block_id

@@ -175,7 +175,7 @@ class LLMEngine:
         bm = self.block_manager
         return {
             "num_blocks": bm.num_blocks, "block_size": bm.block_size,
-            "used_blocks": bm.num_blocks - bm.num_free_blocks,
+            "used_blocks": bm.num_blocks - bm.num_free_blocks, "peak_used_blocks": bm.peak_used_blocks,
             "usage": 1 - bm.num_free_blocks / bm.num_blocks,
             "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
