@@ -153,11 +153,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         probs, token_ids = filter_probs(logits[rows], [params[i] for i in rows])  # [R, K], [R, K]
-        # Noise is drawn for the whole vocabulary in token order, so a row's draw does not depend on
-        # how many candidates the other rows of the batch made us keep.
-        noise = torch.empty(len(rows), logits.shape[1], device=logits.device)  # [R, V]
-        for j, i in enumerate(rows):
-            noise[j].exponential_(generator=generators[i])
-        choice = (probs / noise.gather(1, token_ids)).argmax(dim=-1, keepdim=True)  # [R, 1]
+        noise = _noise(probs, token_ids, [params[i] for i in rows], [generators[i] for i in rows], logits.shape[1])
+        choice = (probs / noise).argmax(dim=-1, keepdim=True)  # [R, 1]
         tokens[rows] = token_ids.gather(1, choice).squeeze(1)
     return SamplerOutput(tokens, compute_logprobs(raw_logits, params, tokens))
+
+
+
+def _noise(probs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None], vocab: int) -> torch.Tensor:
+    """Exp(1) noise [R, K] for the candidates, drawn so that a row's draw never depends on the other rows.
+
+    A row with top_k draws k values for its own k best candidates, in rank order (the ranking depends only
+    on its own logits): cheap for the usual top_k 20. Any other row draws one value per vocabulary entry,
+    in token order. Columns past a row's own candidates keep 1.0: their probability is 0.
+    """
+    noise = torch.ones_like(probs)
+    for j, (p, g) in enumerate(zip(params, generators, strict=True)):
+        if 0 < p.top_k < vocab:
+            noise[j, : p.top_k].exponential_(generator=g)
+        else:  # then the row's candidates are the whole vocabulary (K == vocab)
+            noise[j] = torch.empty(vocab, device=probs.device).exponential_(generator=g)[token_ids[j]]
+    return noise

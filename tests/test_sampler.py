@@ -87,6 +87,19 @@ def test_samples_follow_the_distribution():
         assert abs(f - p) < 4 * math.sqrt(p * (1 - p) / n)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(top_k=3), SamplingParams(top_p=0.85)])
+def test_filtered_samples_follow_the_renormalised_distribution(params):
+    """top_k rows draw noise only for their k candidates (in rank order); the result must still be exact."""
+    n = 4000
+    gen = torch.Generator().manual_seed(1)
+    draws = run(LOGITS.repeat(n, 1), [params] * n, [gen] * n).token_ids
+    freq = torch.bincount(draws, minlength=5).float() / n
+    kept = {1: 0.4, 3: 0.3, 4: 0.15}  # the three most likely, for both filters
+    for token in range(5):
+        p = kept.get(token, 0.0) / sum(kept.values())
+        assert abs(freq[token].item() - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-9, (token, freq.tolist())
+
+
 def test_sample_does_not_modify_the_logits():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     before = logits.clone()
