@@ -87,7 +87,7 @@ def test_samples_follow_the_distribution():
         assert abs(f - p) < 4 * math.sqrt(p * (1 - p) / n)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(top_k=3), SamplingParams(top_p=0.85)])
+@pytest.mark.parametrize("params", [SamplingParams(top_k=3), SamplingParams(top_p=0.8)])
 def test_filtered_samples_follow_the_renormalised_distribution(params):
     """top_k rows draw noise only for their k candidates (in rank order); the result must still be exact."""
     n = 4000
