@@ -95,6 +95,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(benchmark.format_report(result, args.model, args))
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from nanoqwen.server.run import serve
+
+    serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from nanoqwen.benchmark import add_bench_args
     from nanoqwen.init_random import PRESETS
@@ -132,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_bench)
+
+    from nanoqwen.server.run import add_serve_args
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, metrics)")
+    add_engine_args(p)
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

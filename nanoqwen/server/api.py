@@ -1,0 +1,171 @@
+"""The FastAPI app: OpenAI-compatible endpoints over one AsyncEngine, with API-key checks, body limits,
+OpenAI-shaped errors, Prometheus metrics and one log line per request."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from nanoqwen.errors import InvalidRequestError
+from nanoqwen.server.async_engine import AsyncEngine
+from nanoqwen.server.chat import create_chat_completion
+from nanoqwen.server.completions import create_completion
+from nanoqwen.server.metrics import ServerMetrics
+from nanoqwen.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from nanoqwen.server.serving import ServerState
+
+logger = logging.getLogger("nanoqwen.server")
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+M = TypeVar("M", bound=BaseModel)
+
+
+def build_app(engine: Any, served_model_name: str, api_key: str | None = None, max_waiting: int | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An app serving `engine` (an LLMEngine, or anything with its interface) as `served_model_name`.
+
+    The engine loop thread starts and stops with the app's lifespan.
+    """
+    state = ServerState(engine, AsyncEngine(engine, max_waiting), ServerMetrics(), served_model_name, api_key,
+                        max_body_bytes, int(time.time()))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.async_engine.start()
+        yield
+        await state.async_engine.stop()
+
+    app = FastAPI(title="nanoqwen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.add_middleware(AccessLog, metrics=state.metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if e.status_code == 404 else None
+        return JSONResponse(APIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code,
+                            headers=e.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, e: InvalidRequestError) -> JSONResponse:
+        return JSONResponse(APIError(400, str(e)).body(), status_code=400)  # user input the engine rejected
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return JSONResponse(APIError(500, f"internal server error: {type(e).__name__}", type="server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.async_engine.alive:
+            raise APIError(503, "the engine loop is not running", type="server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        a = state.async_engine
+        body = state.metrics.render(a.num_running, a.num_waiting, a.stats)
+        return Response(body, media_type=state.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _check_api_key(state, request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": state.created, "owned_by": "nanoqwen",
+            "max_model_len": engine.max_model_len}]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        req = await _parse(state, request, ChatCompletionRequest)
+        return await create_chat_completion(state, request, req)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        req = await _parse(state, request, CompletionRequest)
+        return await create_completion(state, request, req)
+
+    return app
+
+
+def _check_api_key(state: ServerState, request: Request) -> None:
+    if state.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                       type="authentication_error", code="invalid_api_key")
+
+
+async def _parse(state: ServerState, request: Request, model: type[M]) -> M:
+    """Auth, then the body (size-capped while it streams in), then the model name."""
+    _check_api_key(state, request)
+    limit = state.max_body_bytes
+    too_big = APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise too_big
+    try:
+        req = model.model_validate_json(bytes(body))
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    if req.model is not None and req.model != state.served_model_name:
+        raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
+                            f"`{state.served_model_name}`", param="model", code="model_not_found")
+    return req
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {err['msg']}", code="invalid_json")
+    if not err["loc"]:
+        return APIError(400, f"request body must be a JSON object: {err['msg']}")
+    where = ".".join(str(p) for p in err["loc"])  # e.g. messages.0.role (a union adds its member: stop.str)
+    return APIError(400, f"{where}: {err['msg']} (got {err.get('input')!r:.100})", param=str(err["loc"][0]))
+
+
+class AccessLog:
+    """Pure ASGI middleware (streams pass straight through): counts each response and logs one line."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 500
+        scope.setdefault("state", {})["arrival"] = start
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"]
+            self.metrics.count_http(path, status)
+            client = ":".join(map(str, scope["client"])) if scope.get("client") else "-"
+            extra = scope.get("state", {}).get("log", "")
+            logger.info('%s "%s %s" %d %.0fms %s', client, scope["method"], path, status,
+                        (time.perf_counter() - start) * 1000, extra)

@@ -1,0 +1,225 @@
+"""AsyncEngine: the synchronous LLMEngine driven from one background thread, for asyncio request handlers.
+
+LLMEngine is not thread-safe, so exactly one thread (the engine loop) ever touches it. Handlers talk to it
+through a thread-safe command queue (add / abort / stop); the loop drains the queue, runs step() while
+there is work, blocks on the queue when idle (no busy-wait), and hands each step's outputs back to the
+event loop with one call_soon_threadsafe. Each request's RequestStream keeps only its latest output: outputs
+are cumulative, so a slow client skips intermediate states instead of queueing them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from nanoqwen.errors import InvalidRequestError
+from nanoqwen.outputs import RequestOutput
+from nanoqwen.sampling_params import SamplingParams
+from nanoqwen.server.protocol import APIError
+
+logger = logging.getLogger("nanoqwen.server")
+_STOP = ("stop",)
+
+
+class RequestStream:
+    """One request's outputs as seen by its handler (lives on the event loop's thread)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.latest: RequestOutput | None = None
+        self.error: APIError | None = None
+        self.finished = False
+        self.first_output_time: float | None = None
+        self._event = asyncio.Event()
+
+    def _put(self, item: RequestOutput | APIError | None) -> None:
+        if isinstance(item, APIError):
+            self.finished = True
+            if not self.accepted.done():
+                self.accepted.set_exception(item)
+                self.accepted.exception()  # marks it retrieved: no "never retrieved" warning if nobody waits
+            self.error = item
+        elif item is None:  # the engine took the request
+            if not self.accepted.done():
+                self.accepted.set_result(None)
+            return
+        else:
+            self.latest = item
+            self.finished = item.finished
+            if self.first_output_time is None:
+                self.first_output_time = time.perf_counter()
+        self._event.set()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes (an engine failure raises its APIError)."""
+        while True:
+            await self._event.wait()
+            self._event.clear()
+            if self.error is not None:
+                raise self.error
+            if self.latest is not None:
+                yield self.latest
+                if self.latest.finished:
+                    return
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.stats: dict[str, float] = dict(engine.kv_cache_stats)  # replaced (never mutated) by the loop
+        self.streams: dict[str, RequestStream] = {}  # event-loop side: requests not yet finished
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- event-loop side ----
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="nanoqwen-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what is left and end the loop thread (after its current step)."""
+        if self._thread is not None:
+            self._commands.put(_STOP)
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted by the server that have no output yet (queued or prefilling)."""
+        return sum(1 for s in self.streams.values() if s.first_output_time is None)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.streams) - self.num_waiting
+
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request; return once the engine has taken it (its InvalidRequestError is a 400 here)."""
+        if not self.alive:
+            raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise APIError(503, f"the server is overloaded: {self.num_waiting} requests are waiting "
+                                f"(--max-waiting {self.max_waiting}); retry later", type="server_error",
+                           code="queue_full", headers={"Retry-After": "1"})
+        stream = RequestStream(request_id)
+        self.streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt_token_ids, params, stream))
+        try:
+            await stream.accepted
+        except BaseException:  # rejected, or the handler was cancelled while waiting
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks (a no-op once it finished)."""
+        stream = self.streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            self._commands.put(("abort", request_id))
+
+    def cancel_all(self) -> None:
+        """End every request now with a 503 'shutting down' (streams get it as their last event)."""
+        self._commands.put(("cancel_all",))
+
+    def _deliver(self, items: list[tuple[RequestStream, RequestOutput | APIError | None]]) -> None:
+        for stream, item in items:
+            stream._put(item)
+            if stream.finished:
+                self.streams.pop(stream.request_id, None)
+
+    # ---- engine-loop thread ----
+    def _run(self) -> None:
+        streams: dict[str, RequestStream] = {}  # the loop thread's own view: requests inside the engine
+        while True:
+            out: list[tuple[RequestStream, RequestOutput | APIError | None]] = []
+            try:
+                running = self._iteration(streams, out)
+            except Exception as e:  # a bug outside step(): fail what is in flight rather than die silently
+                logger.exception("engine loop error; failing %d request(s)", len(streams))
+                self._fail_all(streams, out, APIError(500, f"the engine failed: {type(e).__name__}: {e}",
+                                                      type="server_error", code="engine_error"))
+                running = True
+            self._send(out)
+            if not running:
+                return
+
+    def _iteration(self, streams: dict[str, RequestStream], out: list) -> bool:
+        """Drain the commands, run one step if there is work; False once told to stop."""
+        engine = self.engine
+        # Idle: block until a command comes. Busy: take what is there and keep stepping.
+        commands = [] if engine.has_unfinished_requests() else [self._commands.get()]
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in commands:
+            if cmd is _STOP:
+                self._fail_all(streams, out, APIError(503, "the server is shutting down", type="server_error",
+                                                      code="shutdown"))
+                return False
+            if cmd[0] == "add":
+                _, request_id, token_ids, params, stream = cmd
+                try:
+                    engine.add_request(request_id, token_ids, params, prompt_token_ids=token_ids)
+                    streams[request_id] = stream
+                    out.append((stream, None))
+                except InvalidRequestError as e:
+                    out.append((stream, APIError(400, str(e))))
+                except Exception as e:  # an engine bug, not the user's fault; keep serving the others
+                    logger.exception("add_request failed for %s", request_id)
+                    out.append((stream, APIError(500, f"the engine failed to add the request: {e}",
+                                                 type="server_error", code="engine_error")))
+            elif cmd[0] == "cancel_all":
+                self._fail_all(streams, out, APIError(503, "the server is shutting down", type="server_error",
+                                                      code="shutdown"))
+            elif cmd[0] == "abort":
+                streams.pop(cmd[1], None)
+                try:
+                    engine.abort_request(cmd[1])
+                except Exception:
+                    logger.exception("abort_request failed for %s", cmd[1])
+        if engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+            except Exception as e:
+                # We cannot tell which request broke the step: fail every request in it, keep serving.
+                logger.exception("engine step failed; failing %d request(s)", len(streams))
+                self._fail_all(streams, out, APIError(500, f"the engine failed: {type(e).__name__}: {e}",
+                                                      type="server_error", code="engine_error"))
+                outputs = []
+            for o in outputs:
+                stream = streams.get(o.request_id)
+                if stream is not None:
+                    out.append((stream, o))
+                    if o.finished:
+                        del streams[o.request_id]
+        self.stats = dict(engine.kv_cache_stats)
+        return True
+
+    def _fail_all(self, streams: dict[str, RequestStream], out: list, error: APIError) -> None:
+        for request_id, stream in list(streams.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("abort_request failed for %s", request_id)
+            out.append((stream, error))
+        streams.clear()
+
+    def _send(self, out: list) -> None:
+        if out and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, out)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass

@@ -1,0 +1,186 @@
+"""Request bodies of the OpenAI API (plus vLLM's extra sampling fields) as pydantic models, and the error
+type every endpoint answers with.
+
+Models are strict (a string where a number belongs is a 400, not silently converted) and ignore unknown
+fields, as OpenAI-compatible servers do, so newer clients that send more keep working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nanoqwen.errors import InvalidRequestError
+from nanoqwen.sampling_params import MAX_LOGPROBS, SamplingParams
+
+INT64 = {"ge": -(2**63), "le": 2**63 - 1}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+
+
+class _GenerationRequest(_Model):
+    """Fields shared by /v1/chat/completions and /v1/completions; None means 'not given'."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, **INT64)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
+                        prompt_len: int, max_model_len: int) -> SamplingParams:
+        """The model's defaults with every field the request gave on top (SamplingParams checks the values).
+
+        max_tokens None runs up to the context; asking for more than the context holds is an error, as in vLLM.
+        """
+        if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                                f"{max_tokens} in the completion). Reduce the prompt or max_tokens.",
+                           param="max_tokens")
+        names = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "ignore_eos", "min_tokens", "stop", "stop_token_ids", "skip_special_tokens",
+                 "include_stop_str_in_output")
+        given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        try:
+            return dataclasses.replace(defaults, **given, n=self.n, max_tokens=max_tokens, logprobs=logprobs)
+        except InvalidRequestError as e:  # "SamplingParams.min_tokens=9 is invalid: ..." names the field
+            field = re.match(r"SamplingParams\.(\w+)=", str(e))
+            raise APIError(400, str(e), param=field.group(1) if field else None) from None
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI clients send a JSON string; the template takes either
+
+
+class ToolCallIn(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The dict the chat template reads: text parts joined, "developer" as "system" (what Qwen3 knows)."""
+        content = self.content
+        if isinstance(content, list):
+            bad = [p.type for p in content if p.type != "text" or p.text is None]
+            if bad:
+                raise APIError(400, f"content part type {bad[0]!r} is not supported: this model takes text only",
+                               param="messages")
+            content = "".join(p.text or "" for p in content)
+        msg = self.model_dump(exclude_none=True, exclude={"content", "tool_calls"})
+        msg["role"] = "system" if self.role == "developer" else self.role
+        msg["content"] = content if content is not None else ""
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        return msg
+
+
+class FunctionDef(_Model):
+    model_config = ConfigDict(extra="allow", strict=True)  # keep every schema key: the template prints them
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tools_enabled(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """nanoqwen serves one prompt per request; a list of one prompt is that prompt."""
+        prompt = self.prompt
+        if self.echo or self.suffix:
+            raise APIError(400, "echo and suffix are not supported", param="echo" if self.echo else "suffix")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise APIError(400, f"got {len(prompt)} prompts: send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        return prompt
