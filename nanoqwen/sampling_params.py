@@ -61,8 +61,8 @@ class SamplingParams:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "must be an integer >= 1 (or None for no limit)")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", self.seed, "must be an integer or None")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63 - 1024):
+            raise bad("seed", self.seed, "must be an integer in [0, 2**63 - 1024) or None")  # seed + i for n > 1
         if self.stop_token_ids is not None and not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "must be a list of token ids (integers >= 0)")
         if not _is_int(self.n) or self.n < 1:

@@ -268,7 +268,7 @@ def test_seeded_row_is_batch_invariant_with_penalties_on_other_rows():
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
-    ("max_tokens", 0), ("max_tokens", -3), ("seed", "x"), ("stop_token_ids", [-1]),
+    ("max_tokens", 0), ("max_tokens", -3), ("seed", "x"), ("seed", -1), ("seed", 2**64), ("stop_token_ids", [-1]),
     ("n", 0), ("n", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("repetition_penalty", float("inf")), ("repetition_penalty", float("nan")),
     ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("frequency_penalty", 3.0), ("frequency_penalty", -2.5),
