@@ -59,16 +59,23 @@ class BlockManager:
         be computed to get the logits to sample from."""
         if not self.enable_prefix_caching:
             return []
-        tokens = seq.token_ids(0, seq.num_tokens)
-        found, prev_hash = [], None
-        for start in range(0, (len(tokens) - 1) // self.block_size * self.block_size, self.block_size):
-            chunk = tuple(tokens[start: start + self.block_size])
-            prev_hash = hash((prev_hash, chunk))
-            block_id = self.cached_blocks.get(prev_hash)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+        found = []
+        for i, block_hash in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)):
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(seq, i):
                 break
             found.append(block_id)
         return found
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Chained hashes of seq's first num_blocks full blocks, computed once per sequence (tokens never change)."""
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            hashes.append(hash((hashes[-1] if hashes else None, self._block_tokens(seq, len(hashes)))))
+        return hashes[:num_blocks]
+
+    def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
 
     def allocate(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
         """Give a waiting seq the cached prefix blocks plus new blocks up to num_tokens; False if the pool
@@ -80,6 +87,7 @@ class BlockManager:
         for block_id in cached:
             self._ref(block_id)
         seq.block_table = list(cached)
+        seq.num_registered_blocks = len(cached)
         seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_size
         self.prefix_queries += max(0, (seq.num_tokens - 1) // self.block_size)
         self.prefix_hits += len(cached)
@@ -99,15 +107,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        tokens = seq.token_ids(0, num_full * self.block_size)
-        prev_hash = None
-        for i in range(num_full):
-            chunk = tuple(tokens[i * self.block_size: (i + 1) * self.block_size])
-            prev_hash = hash((prev_hash, chunk))
+        hashes = self._block_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):  # only the newly filled ones: no rescan per step
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None and prev_hash not in self.cached_blocks:
-                block.hash, block.token_ids = prev_hash, chunk
-                self.cached_blocks[prev_hash] = block.block_id
+            if block.hash is None and hashes[i] not in self.cached_blocks:
+                block.hash, block.token_ids = hashes[i], self._block_tokens(seq, i)
+                self.cached_blocks[hashes[i]] = block.block_id
+        seq.num_registered_blocks = num_full
 
     def fork(self, parent: Sequence, child: Sequence, copy_block: Callable[[int, int], None]) -> bool:
         """Let child continue from parent's cache: full blocks are shared, a partly filled last block is
@@ -119,6 +125,7 @@ class BlockManager:
         for block_id in shared:
             self._ref(block_id)
         child.block_table = list(shared)
+        child.num_registered_blocks = len(shared)
         if partial:
             new = self._take_free()
             copy_block(parent.block_table[len(shared)], new)
@@ -139,6 +146,7 @@ class BlockManager:
                 else:
                     self.evictable[block_id] = None
         seq.block_table = []
+        seq.num_registered_blocks = 0
 
     def _ref(self, block_id: int) -> int:
         """One more holder of a block (a prefix-cache hit keeps the block's key)."""

@@ -28,7 +28,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished or s.finish_reason is not None for s in self.seqs)
+        return all(s.finish_reason is not None for s in self.seqs)
 
 
 class OutputProcessor:

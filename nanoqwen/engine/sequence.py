@@ -32,6 +32,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks, in order
+    num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     forks: list[Sequence] = field(default_factory=list)  # siblings to start from this one's prefill
     generator: torch.Generator | None = None
     finish_reason: str | None = None
@@ -55,10 +57,6 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True while more than the newest token is missing from the cache (after admission or preemption)."""
         return self.num_uncomputed_tokens > 1
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
 
     def token_ids(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
