@@ -26,21 +26,17 @@ DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.md"]
 PROGRESS_BAR_MIN_BYTES = 1 << 30  # show a loading bar for checkpoints of 1 GiB and more
 
-# checkpoint name (after "model.layers.{i}.") -> (our parameter, index of its slice in a stacked matrix)
+# checkpoint name (after "model.layers.{i}.") -> (our parameter, index of its slice in a stacked matrix);
+# every other tensor keeps its checkpoint name without the "model." prefix.
 STACKED_PARAMS = {
-    "self_attn.q_proj.weight": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj.weight": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj.weight": ("self_attn.qkv_proj", 2),
-    "self_attn.q_proj.bias": ("self_attn.qkv_bias", 0),
-    "self_attn.k_proj.bias": ("self_attn.qkv_bias", 1),
-    "self_attn.v_proj.bias": ("self_attn.qkv_bias", 2),
-    "mlp.gate_proj.weight": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj.weight": ("mlp.gate_up_proj", 1),
-}
-RENAMED_PARAMS = {
-    "self_attn.o_proj.weight": "self_attn.o_proj",
-    "self_attn.o_proj.bias": "self_attn.o_bias",
-    "mlp.down_proj.weight": "mlp.down_proj",
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
+    "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", 0),
+    "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", 1),
+    "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", 2),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
 }
 
 
@@ -153,22 +149,15 @@ def _reading(file: Path) -> Iterator[None]:
 def checkpoint_to_param(name: str) -> tuple[str, int | None] | None:
     """Our parameter name (and stacked slice) for a checkpoint tensor name; None if it has no place."""
     if name == "lm_head.weight":
-        return "lm_head", None
+        return name, None
     if not name.startswith("model."):
         return None
     name = name[len("model."):]
-    if name == "embed_tokens.weight":
-        return "embed_tokens", None
-    if name == "norm.weight":
-        return name, None
     parts = name.split(".", 2)
-    if len(parts) != 3 or parts[0] != "layers":
-        return None
-    prefix, rest = f"layers.{parts[1]}.", parts[2]
-    if rest in STACKED_PARAMS:
-        param, shard = STACKED_PARAMS[rest]
-        return prefix + param, shard
-    return prefix + RENAMED_PARAMS.get(rest, rest), None
+    if len(parts) == 3 and parts[0] == "layers" and parts[2] in STACKED_PARAMS:
+        param, shard = STACKED_PARAMS[parts[2]]
+        return f"layers.{parts[1]}.{param}", shard
+    return name, None
 
 
 def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: int | None) -> torch.Tensor:
@@ -176,7 +165,7 @@ def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: int |
     if shard is None:
         return param
     if "qkv" in name:
-        sizes = model.get_submodule(name.rsplit(".", 1)[0]).split_sizes
+        sizes = model.get_submodule(name.rsplit(".", 2)[0]).split_sizes
     else:
         sizes = [param.shape[0] // 2] * 2
     start = sum(sizes[:shard])
@@ -195,11 +184,11 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
     with bar, torch.no_grad():
         for ckpt_name, shape, first_row, rows in iter_checkpoint(files):
             target = checkpoint_to_param(ckpt_name)
-            if ckpt_name == "lm_head.weight" and model.lm_head is None:
+            if ckpt_name == "lm_head.weight" and model.is_tied:
                 # A tied config whose file also stores the head: load it, and share the embedding
                 # again below if the two are equal (transformers unties them when they differ).
-                model.lm_head = params["lm_head"] = torch.nn.Parameter(
-                    torch.empty_like(model.embed_tokens), requires_grad=False)
+                model.lm_head.weight = params["lm_head.weight"] = torch.nn.Parameter(
+                    torch.empty_like(model.embed_tokens.weight), requires_grad=False)
             if target is None or target[0] not in params:
                 raise WeightsError(f"unexpected tensor {ckpt_name!r} in the checkpoint: it has no place in a "
                                    f"Qwen3 model with this config.json")
@@ -216,17 +205,17 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
         more = f" and {len(names) - 5} more" if len(names) > 5 else ""
         raise WeightsError(f"tensor {names[0]!r} is missing from the checkpoint (missing: {', '.join(names[:5])}"
                            f"{more})")
-    if model.config.tie_word_embeddings and model.lm_head is not None and torch.equal(model.lm_head,
-                                                                                      model.embed_tokens):
-        model.lm_head = None
+    if model.config.tie_word_embeddings and not model.is_tied and torch.equal(model.lm_head.weight,
+                                                                              model.embed_tokens.weight):
+        model.lm_head.weight = model.embed_tokens.weight
 
 
 def _expected_slices(model: Qwen3ForCausalLM) -> Iterator[tuple[str, int | None]]:
     """(parameter, stacked slice) pairs that the checkpoint must fill."""
     for name, _ in model.named_parameters():
-        if name.endswith(("qkv_proj", "qkv_bias")):
+        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
             yield from ((name, i) for i in range(3))
-        elif name.endswith("gate_up_proj"):
+        elif name.endswith("gate_up_proj.weight"):
             yield from ((name, i) for i in range(2))
         else:
             yield name, None
@@ -234,15 +223,12 @@ def _expected_slices(model: Qwen3ForCausalLM) -> Iterator[tuple[str, int | None]
 
 def _checkpoint_name(param: str, shard: int | None) -> str:
     """The checkpoint tensor name for one of our parameters (for error messages)."""
-    if param == "lm_head":
-        return "lm_head.weight"
+    if param == "lm_head.weight":
+        return param
     for ckpt, (ours, s) in STACKED_PARAMS.items():
         if param.endswith(ours) and s == shard:
             return f"model.{param[: -len(ours)]}{ckpt}"
-    for ckpt, ours in RENAMED_PARAMS.items():
-        if param.endswith(ours):
-            return f"model.{param[: -len(ours)]}{ckpt}"
-    return f"model.{param}" + (".weight" if param == "embed_tokens" else "")
+    return f"model.{param}"
 
 
 @contextlib.contextmanager

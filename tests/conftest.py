@@ -60,7 +60,7 @@ def tiny_dir(checkpoint) -> Path:
 def prompt_logits(model, token_ids: list[int]) -> torch.Tensor:
     """nanoqwen's float32 logits [T, V] for every position of one prompt (one prefill, fresh cache)."""
     cache, table = fresh_cache(model, len(token_ids))
-    meta = AttentionMetadata.build([], [(table, 0, len(token_ids))], cache.block_size, model.embed_tokens.device)
+    meta = AttentionMetadata.build([], [(table, 0, len(token_ids))], cache.block_size, model.embed_tokens.weight.device)
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), meta.positions, cache, meta)
         return model.compute_logits(hidden)
@@ -74,7 +74,7 @@ def fresh_cache(model, num_tokens: int, block_size: int = 4, num_seqs: int = 1, 
     c = model.config
     per_seq = -(-num_tokens // block_size)
     cache = KVCache(c.num_hidden_layers, per_seq * num_seqs, block_size, c.num_key_value_heads, c.head_dim,
-                    model.embed_tokens.dtype, model.embed_tokens.device)
+                    model.embed_tokens.weight.dtype, model.embed_tokens.weight.device)
     if scatter:
         tables = [list(range(i, per_seq * num_seqs, num_seqs)) for i in range(num_seqs)]
     else:

@@ -67,7 +67,7 @@ def test_generate_prompt_from_stdin_with_the_default_dtype(model_dir):
                 "--no-chat-template", "--device", "cpu", stdin=PROMPT)
     assert r.returncode == 0, r.stderr
     default = LLM(model_dir, device="cpu", max_model_len=64)  # dtype auto: bfloat16 on CPU, as in the CLI
-    assert default.llm_engine.model.embed_tokens.dtype == torch.bfloat16
+    assert default.llm_engine.model.embed_tokens.weight.dtype == torch.bfloat16
     expected = default.generate(PROMPT, GREEDY8, use_tqdm=False)[0].text
     assert expected.strip() and r.stdout == expected + "\n"
 

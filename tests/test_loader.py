@@ -33,18 +33,18 @@ def file_tensors(path: Path) -> dict[str, torch.Tensor]:
 def expected_params(path: Path, config: Qwen3Config) -> dict[str, torch.Tensor]:
     """What every nanoqwen parameter must hold, rebuilt from the checkpoint files without the loader."""
     t = file_tensors(path)
-    exp = {"embed_tokens": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"]}
+    exp = {"embed_tokens.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"]}
     if not config.tie_word_embeddings:
-        exp["lm_head"] = t["lm_head.weight"]
+        exp["lm_head.weight"] = t["lm_head.weight"]
     for i in range(config.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
                      "self_attn.k_norm.weight"):
             exp[dst + name] = t[src + name]
-        exp[dst + "self_attn.qkv_proj"] = torch.cat([t[src + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-        exp[dst + "self_attn.o_proj"] = t[src + "self_attn.o_proj.weight"]
-        exp[dst + "mlp.gate_up_proj"] = torch.cat([t[src + "mlp.gate_proj.weight"], t[src + "mlp.up_proj.weight"]])
-        exp[dst + "mlp.down_proj"] = t[src + "mlp.down_proj.weight"]
+        exp[dst + "self_attn.qkv_proj.weight"] = torch.cat([t[src + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        exp[dst + "self_attn.o_proj.weight"] = t[src + "self_attn.o_proj.weight"]
+        exp[dst + "mlp.gate_up_proj.weight"] = torch.cat([t[src + f"mlp.{n}_proj.weight"] for n in ("gate", "up")])
+        exp[dst + "mlp.down_proj.weight"] = t[src + "mlp.down_proj.weight"]
     return exp
 
 
@@ -79,11 +79,10 @@ def test_tied_head_is_the_embedding_and_matches_transformers(tied_dirs, variant)
     with safe_open(path / "model.safetensors", framework="pt") as f:
         assert ("lm_head.weight" in f.keys()) == (variant == "lm-head-in-file")
     model = LLM(path, dtype="float32", device="cpu", max_model_len=64).llm_engine.model
-    assert model.lm_head is None
-    assert model.lm_head_weight is model.embed_tokens
-    assert model.lm_head_weight.data_ptr() == model.embed_tokens.data_ptr()
+    assert model.is_tied and model.lm_head.weight is model.embed_tokens.weight
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
     vocab_sized = [n for n, p in model.named_parameters() if p.shape[0] == model.config.vocab_size]
-    assert vocab_sized == ["embed_tokens"]  # one vocab x hidden matrix in memory, not two
+    assert vocab_sized == ["embed_tokens.weight"]  # one vocab x hidden matrix in memory, not two
     assert_params_equal_files(model, path)
 
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -101,7 +100,7 @@ def test_tied_config_with_a_different_stored_head_uses_it_like_transformers(tied
     tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"]) * 0.08
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     model = LLM(path, dtype="float32", device="cpu", max_model_len=64).llm_engine.model
-    assert model.lm_head is not None and torch.equal(model.lm_head, tensors["lm_head.weight"])
+    assert not model.is_tied and torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.inference_mode():
         expected = ref(torch.tensor([PROMPT])).logits[0].float()
@@ -111,16 +110,16 @@ def test_tied_config_with_a_different_stored_head_uses_it_like_transformers(tied
 def test_untied_head_is_its_own_matrix(checkpoint):
     path = checkpoint("gqa2-untied", dtype="float32")
     model = LLM(path, dtype="float32", device="cpu", max_model_len=64).llm_engine.model
-    assert model.lm_head is not None and model.lm_head_weight is model.lm_head
-    assert model.lm_head.data_ptr() != model.embed_tokens.data_ptr()
-    assert not torch.equal(model.lm_head, model.embed_tokens)
+    assert not model.is_tied
+    assert model.lm_head.weight.data_ptr() != model.embed_tokens.weight.data_ptr()
+    assert not torch.equal(model.lm_head.weight, model.embed_tokens.weight)
     assert_params_equal_files(model, path)
 
 
 def test_bfloat16_file_loaded_as_float32_is_converted_exactly(checkpoint):
     path = checkpoint("gqa2-untied", dtype="bfloat16")
     model = LLM(path, dtype="float32", device="cpu", max_model_len=64).llm_engine.model
-    assert model.embed_tokens.dtype == torch.float32
+    assert model.embed_tokens.weight.dtype == torch.float32
     assert_params_equal_files(model, path)  # bfloat16 -> float32 is exact
 
 

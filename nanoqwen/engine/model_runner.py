@@ -14,10 +14,10 @@ from nanoqwen.sampler import TokenLogprobs, sample
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int) -> None:
         self.model = model
-        self.device = model.embed_tokens.device
+        self.device = model.embed_tokens.weight.device
         c = model.config
         self.kv_cache = KVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
-                                model.embed_tokens.dtype, self.device)
+                                model.embed_tokens.weight.dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,

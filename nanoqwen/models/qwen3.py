@@ -37,6 +37,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
+class Linear(nn.Module):
+    """y = x @ weight.T + bias; weight [out, in], filled by the loader (int8 swaps in nanoqwen/quantization.py)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -142,19 +154,15 @@ class Attention(nn.Module):
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Parameter(torch.empty(q_size + 2 * kv_size, config.hidden_size), requires_grad=False)
-        self.o_proj = nn.Parameter(torch.empty(config.hidden_size, q_size), requires_grad=False)
-        self.qkv_bias = (nn.Parameter(torch.zeros(q_size + 2 * kv_size), requires_grad=False)
-                         if config.attention_bias else None)
-        self.o_bias = nn.Parameter(torch.zeros(config.hidden_size), requires_grad=False) if config.attention_bias \
-            else None
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split(self.split_sizes, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = apply_rope(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)  # [N, Hq, D]
         k = apply_rope(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)  # [N, Hkv, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -173,7 +181,7 @@ class Attention(nn.Module):
             causal = chunk.context_len == chunk.query_len  # nothing cached before: the plain causal mask
             o = attention_sdpa(qp, k_ctx, v_ctx, None if causal else chunk.mask, causal=causal)
             out[rows] = o.squeeze(0).transpose(0, 1)
-        return F.linear(out.view(n, -1), self.o_proj, self.o_bias)
+        return self.o_proj(out.view(n, -1))
 
 
 class MLP(nn.Module):
@@ -181,14 +189,12 @@ class MLP(nn.Module):
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * config.intermediate_size, config.hidden_size),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(config.hidden_size, config.intermediate_size),
-                                      requires_grad=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -211,22 +217,23 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config: Qwen3Config, max_model_len: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size), _freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # A tied head is the embedding matrix itself: one tensor, not a copy.
-        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:  # a tied head is the embedding matrix itself: one tensor, not a copy
+            self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_model_len or config.max_position_embeddings)
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens if self.lm_head is None else self.lm_head
+    def is_tied(self) -> bool:
+        return self.lm_head.weight is self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [N] -> final hidden states [N, H]."""
-        x = self.embed_tokens[input_ids]
+        x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta)
@@ -234,4 +241,4 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, H] -> float32 logits [M, V]; call it only on the positions that get sampled."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return self.lm_head(hidden).float()
