@@ -2,6 +2,7 @@
 
 from nanoqwen.errors import (
     ConfigError,
+    EngineDeadError,
     InvalidRequestError,
     ModelNotFoundError,
     NanoQwenError,
@@ -13,6 +14,6 @@ from nanoqwen.sampling_params import SamplingParams
 
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "NanoQwenError", "ConfigError",
-    "ModelNotFoundError", "WeightsError", "InvalidRequestError",
+    "ModelNotFoundError", "WeightsError", "InvalidRequestError", "EngineDeadError",
 ]
 __version__ = "0.1.0"

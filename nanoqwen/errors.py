@@ -19,3 +19,7 @@ class WeightsError(NanoQwenError):
 
 class InvalidRequestError(NanoQwenError, ValueError):
     """A prompt or sampling parameter is invalid (empty, too long, out of range)."""
+
+
+class EngineDeadError(NanoQwenError):
+    """The engine cannot run any more (a tensor-parallel worker died or failed); make a new one."""

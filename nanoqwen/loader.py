@@ -4,6 +4,9 @@ Weights are read from model.safetensors or a sharded model.safetensors.index.jso
 safetensors' memory map, one tensor at a time, and copied straight into parameters that were
 allocated once on the target device in the target dtype. Peak memory therefore stays near the
 size of the weights: there is never a second full copy.
+
+With tensor parallelism each rank reads only its slices (TP_SPLIT_DIM says which dimension of which
+parameter is cut), through safetensors' sliced reads: a rank's memory is about 1/N of the weights.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -38,6 +41,24 @@ STACKED_PARAMS = {
     "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
 }
+
+# Tensor parallelism: the dimension of each parameter that is cut into N equal slices, rank r holding slice r
+# (models/qwen3.py builds the parameters at that size). A stacked parameter is cut part by part, so rank r
+# holds [q_r; k_r; v_r] and [gate_r; up_r]: each checkpoint tensor is sliced on its own and copied into the
+# rank's part. A checkpoint tensor's dimensions line up with the trailing ones of its parameter (MoE experts
+# stacked as [E, 2I, H] from per-expert [I, H] tensors would be `"mlp.experts.gate_up_proj": 1`).
+# Parameters not listed (the norms) are read whole by every rank.
+TP_SPLIT_DIM = {
+    "embed_tokens.weight": 0,  # vocabulary rows
+    "lm_head.weight": 0,
+    "self_attn.qkv_proj.weight": 0,  # column-parallel: this rank's heads
+    "self_attn.qkv_proj.bias": 0,
+    "self_attn.o_proj.weight": 1,  # row-parallel: the input columns of this rank's heads
+    "mlp.gate_up_proj.weight": 0,  # column-parallel: this rank's MLP columns
+    "mlp.down_proj.weight": 1,  # row-parallel
+}
+# Row-parallel biases exist on rank 0 only (the all_reduce sums the ranks' parts, so it adds the bias once).
+TP_RANK0_ONLY = ("self_attn.o_proj.bias",)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -96,10 +117,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(files: list[Path], group_bytes: int = 128 << 20
-                    ) -> Iterator[tuple[str, tuple[int, ...], int, torch.Tensor]]:
-    """(name, full shape, first row, rows) pieces of every tensor, read through safetensors' memory map.
+Part = tuple[int, int, int]  # (dimension, start, end): the slice of a checkpoint tensor to read
+Plan = Callable[[str, tuple[int, ...]], Part | None]  # (name, full shape) -> the part to read, None to skip it
 
+
+def iter_checkpoint(files: list[Path], group_bytes: int = 128 << 20, plan: Plan | None = None
+                    ) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """(name, first row, rows) pieces of every tensor, read through safetensors' memory map.
+
+    `plan` picks the part of each tensor to read (default: all of it); rows count within that part.
     Pages of a memory map count as the process's memory until the map is closed, so the file is
     reopened every `group_bytes` and big tensors are read in row blocks: loading never holds
     more than the parameters plus one group.
@@ -109,25 +135,33 @@ def iter_checkpoint(files: list[Path], group_bytes: int = 128 << 20
             with safe_open(f, framework="pt", device="cpu") as st:
                 shapes = {name: (tuple(st.get_slice(name).get_shape()), st.get_slice(name).get_dtype())
                           for name in st.keys()}
-            pieces = []  # (name, first row, end row, bytes)
+            pieces = []  # (name, first row, end row, first row of the part, index of the other dims, bytes)
             for name, (shape, dtype) in shapes.items():
-                row_bytes = _DTYPE_BYTES.get(dtype, 4) * (math.prod(shape[1:]) if shape else 1)
-                rows = shape[0] if shape else 1
-                step = max(1, group_bytes // row_bytes) if len(shape) > 1 else rows
-                pieces += [(name, r, min(r + step, rows), row_bytes * (min(r + step, rows) - r))
-                           for r in range(0, rows, step)]
+                if not shape:  # a scalar: read whole
+                    pieces.append((name, 0, 1, 0, None, _DTYPE_BYTES.get(dtype, 4)))
+                    continue
+                part = plan(name, shape) if plan is not None else (0, 0, shape[0])
+                if part is None:
+                    continue
+                dim, lo, hi = part
+                local = [*shape[:dim], hi - lo, *shape[dim + 1:]]
+                row_bytes = _DTYPE_BYTES.get(dtype, 4) * math.prod(local[1:])
+                first, last = (lo, hi) if dim == 0 else (0, shape[0])
+                tail = () if dim == 0 else (*[slice(None)] * (dim - 1), slice(lo, hi))  # e.g. [rows, lo:hi]
+                step = max(1, group_bytes // row_bytes) if len(shape) > 1 else last - first
+                pieces += [(name, r, min(r + step, last), first, tail, row_bytes * (min(r + step, last) - r))
+                           for r in range(first, last, step)]
             while pieces:
                 group, total = [], 0
-                while pieces and (not group or total + pieces[0][3] <= group_bytes):
-                    total += pieces[0][3]
+                while pieces and (not group or total + pieces[0][5] <= group_bytes):
+                    total += pieces[0][5]
                     group.append(pieces.pop(0))
                 with safe_open(f, framework="pt", device="cpu") as st:
-                    for name, start, end, _ in group:
-                        shape = shapes[name][0]
-                        if len(shape) > 1:
-                            yield name, shape, start, st.get_slice(name)[start:end]
+                    for name, start, end, first, tail, _ in group:
+                        if tail is None:
+                            yield name, 0, st.get_tensor(name)
                         else:
-                            yield name, shape, 0, st.get_tensor(name)
+                            yield name, start - first, st.get_slice(name)[(slice(start, end), *tail)]
 
 
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -173,29 +207,48 @@ def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: int |
 
 
 def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool | None = None) -> None:
-    """Copy every checkpoint tensor into its parameter; error on missing, unexpected or misshaped ones."""
+    """Copy every checkpoint tensor (this rank's slice of it) into its parameter; error on missing, unexpected
+    or misshaped ones."""
     params = dict(model.named_parameters())
     expected = set(_expected_slices(model))
     loaded: set[tuple[str, int | None]] = set()
-    total = sum(f.stat().st_size for f in files)
+    rank, size = model.tp_rank, model.tp_size
+    dests: dict[str, tuple[tuple[str, int | None], torch.Tensor]] = {}  # checkpoint name -> (target, where)
+
+    def plan(ckpt_name: str, shape: tuple[int, ...]) -> Part | None:
+        """Check a checkpoint tensor against its parameter and pick this rank's part of it."""
+        if ckpt_name == "lm_head.weight" and model.is_tied:
+            # A tied config whose file also stores the head: load it, and share the embedding
+            # again below if the two are equal (transformers unties them when they differ).
+            model.lm_head.weight = params["lm_head.weight"] = torch.nn.Parameter(
+                torch.empty_like(model.embed_tokens.weight), requires_grad=False)
+        target = checkpoint_to_param(ckpt_name)
+        if target is not None and target[0] not in params and rank > 0 and target[0].endswith(TP_RANK0_ONLY):
+            return None
+        if target is None or target[0] not in params:
+            raise WeightsError(f"unexpected tensor {ckpt_name!r} in the checkpoint: it has no place in a "
+                               f"Qwen3 model with this config.json")
+        dest = _slice(params[target[0]], model, target[0], target[1])
+        dim = tp_split_dim(target[0], params[target[0]].dim(), dest.dim()) if size > 1 else None
+        full = list(dest.shape)
+        if dim is not None:
+            full[dim] *= size
+        if tuple(full) != shape:
+            raise WeightsError(f"tensor {ckpt_name!r} has shape {list(shape)} in the checkpoint, "
+                               f"but config.json implies {full}")
+        dests[ckpt_name] = target, dest
+        if dim is None:
+            return 0, 0, shape[0]
+        length = dest.shape[dim]
+        return dim, rank * length, (rank + 1) * length
+
+    total = sum(f.stat().st_size for f in files) // size  # about what this rank reads
     if show_progress is None:
         show_progress = total >= PROGRESS_BAR_MIN_BYTES
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not show_progress)
     with bar, torch.no_grad():
-        for ckpt_name, shape, first_row, rows in iter_checkpoint(files):
-            target = checkpoint_to_param(ckpt_name)
-            if ckpt_name == "lm_head.weight" and model.is_tied:
-                # A tied config whose file also stores the head: load it, and share the embedding
-                # again below if the two are equal (transformers unties them when they differ).
-                model.lm_head.weight = params["lm_head.weight"] = torch.nn.Parameter(
-                    torch.empty_like(model.embed_tokens.weight), requires_grad=False)
-            if target is None or target[0] not in params:
-                raise WeightsError(f"unexpected tensor {ckpt_name!r} in the checkpoint: it has no place in a "
-                                   f"Qwen3 model with this config.json")
-            dest = _slice(params[target[0]], model, target[0], target[1])
-            if tuple(dest.shape) != shape:
-                raise WeightsError(f"tensor {ckpt_name!r} has shape {list(shape)} in the checkpoint, "
-                                   f"but config.json implies {list(dest.shape)}")
+        for ckpt_name, first_row, rows in iter_checkpoint(files, plan=plan):
+            target, dest = dests[ckpt_name]
             dest[first_row: first_row + rows.shape[0]].copy_(rows)
             loaded.add(target)
             bar.update(rows.numel() * rows.element_size())
@@ -208,6 +261,14 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
     if model.config.tie_word_embeddings and not model.is_tied and torch.equal(model.lm_head.weight,
                                                                               model.embed_tokens.weight):
         model.lm_head.weight = model.embed_tokens.weight
+
+
+def tp_split_dim(param: str, param_dims: int, tensor_dims: int) -> int | None:
+    """The dimension of a checkpoint tensor that tensor parallelism cuts (TP_SPLIT_DIM), or None if it is whole."""
+    for suffix, dim in TP_SPLIT_DIM.items():
+        if param.endswith(suffix):
+            return dim - (param_dims - tensor_dims)
+    return None
 
 
 def _expected_slices(model: Qwen3ForCausalLM) -> Iterator[tuple[str, int | None]]:
@@ -242,12 +303,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device: torch.device,
-               max_model_len: int | None = None) -> Qwen3ForCausalLM:
-    """Build the model with uninitialised parameters on `device` in `dtype`, then fill them from disk."""
+               max_model_len: int | None = None, tp_rank: int = 0, tp_size: int = 1,
+               show_progress: bool | None = None) -> Qwen3ForCausalLM:
+    """Build the model (this rank's shard of it) with uninitialised parameters on `device` in `dtype`, then
+    fill them from disk."""
     files = safetensors_files(model_dir)
     with _default_dtype(dtype), torch.device(device):
-        model = Qwen3ForCausalLM(config, max_model_len)
-    load_weights(model, files)
+        model = Qwen3ForCausalLM(config, max_model_len, tp_rank, tp_size)
+    load_weights(model, files, show_progress)
     return model.eval()
 
 

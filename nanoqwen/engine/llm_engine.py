@@ -1,6 +1,10 @@
 """LLMEngine: requests in, tokens out, one `step()` at a time. No I/O, so any front end can drive it.
 
 request -> Scheduler (which tokens run) -> ModelRunner (forward + sampling) -> OutputProcessor.
+
+With tensor_parallel_size N > 1 this engine is rank 0: it holds 1/N of the weights and of each KV block
+(its heads), schedules and samples; N-1 worker processes (engine/tp_worker.py) hold the rest and run every
+step's forward with it. Call shutdown() (or let the engine be collected) to stop them.
 """
 
 from __future__ import annotations
@@ -8,18 +12,21 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 from pathlib import Path
 
 import torch
 
 from nanoqwen.config import GenerationConfig
 from nanoqwen.device import resolve_device, resolve_dtype
+from nanoqwen.distributed import check_tensor_parallel_size
 from nanoqwen.engine.block_manager import BlockManager
 from nanoqwen.engine.kv_cache import KVCache, kv_cache_budget
 from nanoqwen.engine.model_runner import ModelRunner
 from nanoqwen.engine.output_processor import OutputProcessor, RequestState
 from nanoqwen.engine.scheduler import Scheduler
 from nanoqwen.engine.sequence import Sequence, SequenceStatus
+from nanoqwen.engine.tp_worker import LoadModel, TPGroup
 from nanoqwen.errors import ConfigError, InvalidRequestError
 from nanoqwen.loader import load_config, load_model, resolve_model_path
 from nanoqwen.outputs import RequestMetrics, RequestOutput
@@ -34,9 +41,10 @@ class LLMEngine:
                  device: str | torch.device | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | float | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, seed: int | None = 0) -> None:
+                 enable_prefix_caching: bool = True, seed: int | None = 0, tensor_parallel_size: int = 1) -> None:
         self.model_dir = resolve_model_path(str(model))
         self.config = load_config(self.model_dir)
+        check_tensor_parallel_size(self.config, tensor_parallel_size)
         self.generation_config = GenerationConfig.from_file(
             self.model_dir / "generation_config.json", fallback_eos=self.config.eos_token_id)
         self.device = resolve_device(device)
@@ -53,10 +61,39 @@ class LLMEngine:
         self.eos_token_ids = set(self.generation_config.eos_token_id or self.config.eos_token_id)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
-        model_ = load_model(self.model_dir, self.config, self.dtype, self.device, max_model_len or limit)
+        self.tp_group: TPGroup | None = None
+        if tensor_parallel_size > 1:  # under torchrun, ranks > 0 become workers in here and never return
+            self.tp_group = TPGroup.start(tensor_parallel_size, self.device)
+            self.device = self.tp_group.device
+            weakref.finalize(self, self.tp_group.shutdown)
+        try:
+            self._load(max_model_len, kv_cache_memory, block_size)
+        except BaseException as e:
+            if self.tp_group is None:
+                raise
+            dead = self.tp_group.startup_failure(e)
+            if dead is None:
+                raise
+            raise dead from e
+        self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.generator = torch.Generator(self.device).manual_seed(
+            seed if seed is not None else random.randrange(2**63))
+        self.requests: dict[str, RequestState] = {}
+
+    def _load(self, max_model_len: int | None, kv_cache_memory: int | float | None, block_size: int) -> None:
+        """Load the weights (this rank's shard) and size the KV cache; the workers do the same with theirs."""
+        limit = self.config.max_position_embeddings
+        tp = self.tp_group
+        if tp is not None:
+            tp.send(LoadModel(str(self.model_dir), self.dtype, max_model_len or limit))
+        model_ = load_model(self.model_dir, self.config, self.dtype, self.device, max_model_len or limit,
+                            tp_rank=0, tp_size=tp.size if tp else 1)
         # The KV pool: as many blocks as the budget holds; it must fit at least one full-length sequence.
+        # With tensor parallelism the budget is per rank, and a rank's block holds only its heads.
         c = self.config
-        per_token = KVCache.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
+        per_token = KVCache.bytes_per_token(c.num_hidden_layers, model_.num_kv_heads, c.head_dim, self.dtype)
         budget = kv_cache_budget(kv_cache_memory, self.device)
         num_blocks = max(0, budget) // (per_token * block_size)
         capacity = num_blocks * block_size
@@ -68,12 +105,9 @@ class LLMEngine:
         if self.max_model_len < limit and max_model_len is None:
             logger.info("max_model_len set to %d, what the KV cache budget holds", self.max_model_len)
         self.runner = ModelRunner(model_, num_blocks, block_size)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.generator = torch.Generator(self.device).manual_seed(
-            seed if seed is not None else random.randrange(2**63))
-        self.requests: dict[str, RequestState] = {}
+        if tp is not None:
+            tp.send((num_blocks, block_size))  # every rank gets the same blocks
+            tp.wait_ready()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -141,7 +175,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
-        results = self.runner.execute(batch, self.eos_token_ids)
+        if self.tp_group is None:
+            results = self.runner.execute(batch, self.eos_token_ids)
+        else:
+            with self.tp_group.guard():  # a failed rank stops the group with an EngineDeadError, never a hang
+                results = self.runner.execute(batch, self.eos_token_ids)
         for seq in batch.decode + [s for s, _ in batch.prefill]:
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.register_full_blocks(seq)
@@ -164,11 +202,16 @@ class LLMEngine:
     def _start_fork(self, seq: Sequence) -> None:
         parent = self.requests[seq.request_id].seqs[0]
         parent.forks = []
-        if self.block_manager.fork(parent, seq, self.runner.kv_cache.copy_block):
+        if self.block_manager.fork(parent, seq, self.runner.copy_block):
             self.scheduler.start_forked(seq)
         else:  # no block free for the copy: recompute this sibling's prompt later instead
             seq.status = SequenceStatus.WAITING
             self.scheduler.add(seq)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op without them); the engine cannot step afterwards."""
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
 
     @property
     def kv_cache_stats(self) -> dict[str, float]:

@@ -1,9 +1,16 @@
-"""Run one scheduled step on the model: pack the tokens, run the forward, sample the next tokens."""
+"""Run one scheduled step on the model: pack the tokens, run the forward, sample the next tokens.
+
+With tensor parallelism every rank runs `run_model` on the same `StepInput`: rank 0 builds it from the
+scheduled batch and broadcasts it, the workers (engine/tp_worker.py) receive it. Only rank 0 samples.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from nanoqwen import distributed
 from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache
 from nanoqwen.engine.scheduler import ScheduledBatch
 from nanoqwen.engine.sequence import Sequence
@@ -11,13 +18,31 @@ from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.sampler import TokenLogprobs, sample
 
 
+@dataclass
+class StepInput:
+    """What a forward needs, as plain data (rank 0 sends it to the other ranks)."""
+
+    input_ids: list[int]  # decode tokens first, then the prompt chunks
+    decode: list[tuple[list[int], int]]  # (block table, context length) per decoding sequence
+    prefill: list[tuple[list[int], int, int]]  # (block table, cached tokens, query length) per prompt chunk
+    sample_rows: list[int]  # rows whose next token is sampled (their logits are computed)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks to copy first
+
+
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int) -> None:
         self.model = model
         self.device = model.embed_tokens.weight.device
         c = model.config
-        self.kv_cache = KVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+        self.kv_cache = KVCache(c.num_hidden_layers, num_blocks, block_size, model.num_kv_heads, c.head_dim,
                                 model.embed_tokens.weight.dtype, self.device)
+        self._block_copies: list[tuple[int, int]] = []  # made since the last step, for the other ranks
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy a KV block (a forked sequence's partly filled one); the other ranks copy theirs next step."""
+        self.kv_cache.copy_block(src, dst)
+        if self.model.tp_size > 1:
+            self._block_copies.append((src, dst))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -46,19 +71,32 @@ class ModelRunner:
             prefill.append((seq.block_table, start, n))
             if start + n == seq.num_tokens:
                 sample_from(len(input_ids) - 1, seq)
-        meta = AttentionMetadata.build(decode, prefill, self.kv_cache.block_size, self.device)
-        hidden = self.model(torch.tensor(input_ids, device=self.device), meta.positions, self.kv_cache, meta)
+        step = StepInput(input_ids, decode, prefill, rows)
+        if self.model.tp_size > 1:
+            step.block_copies, self._block_copies = self._block_copies, []
+            distributed.broadcast_object(step)  # the workers run the same forward on their shards
+        logits = self.run_model(step)
         for seq in batch.decode:
             seq.num_computed_tokens += 1
         for seq, n in batch.prefill:
             seq.num_computed_tokens += n
-        if not sampled:
+        if logits is None:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         out = sample(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled],
                      [s.prompt_token_ids for s in sampled], [s.output_token_ids for s in sampled],
                      [self._stop_ids(s, eos_token_ids) for s in sampled])
         return list(zip(sampled, out.token_ids.tolist(), out.logprobs, strict=True))
+
+    @torch.inference_mode()
+    def run_model(self, step: StepInput) -> torch.Tensor | None:
+        """This rank's forward of one step: float32 logits [len(sample_rows), V] on rank 0, None elsewhere."""
+        for src, dst in step.block_copies:
+            self.kv_cache.copy_block(src, dst)
+        meta = AttentionMetadata.build(step.decode, step.prefill, self.kv_cache.block_size, self.device)
+        hidden = self.model(torch.tensor(step.input_ids, device=self.device), meta.positions, self.kv_cache, meta)
+        if not step.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
 
     @staticmethod
     def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:

@@ -12,6 +12,13 @@ Two layout choices, both made so one batch can mix sequences of different length
 
 Shapes: N = tokens in the batch, H = hidden_size, Hq/Hkv = query/key-value heads,
 D = head_dim, I = intermediate_size, V = vocab_size.
+
+Tensor parallelism (tp_size ranks, nanoqwen/distributed.py): each rank holds Hq/tp query heads and Hkv/tp
+key-value heads (qkv_proj split by rows, "column-parallel"), I/tp MLP columns (gate_up_proj by rows), and
+the matching input columns of o_proj and down_proj ("row-parallel"): a rank's o_proj/down_proj output is
+its part of a sum, and one all_reduce per projection adds the parts. The embedding and the LM head are
+split over the vocabulary. So a layer costs two all_reduce calls, and they are the only places ranks talk.
+At tp_size 1 every all_reduce is skipped and this is the plain model.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoqwen.config import Qwen3Config
+from nanoqwen.distributed import all_reduce, check_tensor_parallel_size, gather
 
 if TYPE_CHECKING:
     from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache
@@ -147,15 +155,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+    def __init__(self, config: Qwen3Config, layer_idx: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx, self.tp_size = layer_idx, tp_size
+        # this rank's heads: whole GQA groups, so each query head finds its key/value head on the same rank
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+            config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size, config.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias)
+        # Row-parallel: the bias must be added once to the sum over ranks, so only rank 0 has it (as in vLLM).
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias and tp_rank == 0)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -181,29 +191,35 @@ class Attention(nn.Module):
             causal = chunk.context_len == chunk.query_len  # nothing cached before: the plain causal mask
             o = attention_sdpa(qp, k_ctx, v_ctx, None if causal else chunk.mask, causal=causal)
             out[rows] = o.squeeze(0).transpose(0, 1)
-        return self.o_proj(out.view(n, -1))
+        out = self.o_proj(out.view(n, -1))  # [N, H]; with tp_size > 1 only this rank's heads' share
+        return all_reduce(out) if self.tp_size > 1 else out
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up stacked in one matrix [2I, H]."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up stacked in one matrix [2I, H].
 
-    def __init__(self, config: Qwen3Config) -> None:
+    With tp_size > 1 a rank holds I/tp of the columns: [gate_r; up_r] rows and the matching down_proj columns.
+    """
+
+    def __init__(self, config: Qwen3Config, tp_size: int = 1) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.tp_size = tp_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size // tp_size)
+        self.down_proj = Linear(config.intermediate_size // tp_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)  # [N, H]; with tp_size > 1 this rank's columns' share
+        return all_reduce(out) if self.tp_size > 1 else out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+    def __init__(self, config: Qwen3Config, layer_idx: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config, layer_idx, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -211,17 +227,39 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3ForCausalLM(nn.Module):
-    """Embedding -> decoder layers -> final norm; `compute_logits` applies the LM head."""
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table; with tp_size > 1 only rows [vocab_start, vocab_end) of it, on this rank."""
 
-    def __init__(self, config: Qwen3Config, max_model_len: int | None = None) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size), _freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        rows = vocab_size // tp_size
+        self.tp_size, self.vocab_start, self.vocab_end = tp_size, tp_rank * rows, (tp_rank + 1) * rows
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Each rank looks up the ids in its range and gives zeros for the others: the sum is every id's row.
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        x = F.embedding(torch.where(mine, input_ids - self.vocab_start, 0), self.weight)
+        return all_reduce(x.masked_fill_(~mine[:, None], 0))
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Embedding -> decoder layers -> final norm; `compute_logits` applies the LM head.
+
+    tp_rank/tp_size: build only this rank's shard of every weight (see the module docstring).
+    """
+
+    def __init__(self, config: Qwen3Config, max_model_len: int | None = None, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        super().__init__()
+        check_tensor_parallel_size(config, tp_size)
+        self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp_rank, tp_size) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size // tp_size)  # this rank's vocabulary rows
         if config.tie_word_embeddings:  # a tied head is the embedding matrix itself: one tensor, not a copy
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_model_len or config.max_position_embeddings)
@@ -239,6 +277,18 @@ class Qwen3ForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, H] -> float32 logits [M, V]; call it only on the positions that get sampled."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [M, H] -> float32 logits [M, V]; call it only on the positions that get sampled.
+
+        With tp_size > 1 each rank computes its slice of the vocabulary [M, V/tp] and rank 0 gathers the
+        slices (the other ranks get None: only rank 0 samples).
+        """
+        logits = self.lm_head(hidden)
+        if self.tp_size > 1:
+            logits = gather(logits, dim=-1)
+        return logits.float() if logits is not None else None
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads on this rank (what its KV cache holds)."""
+        return self.config.num_key_value_heads // self.tp_size

@@ -71,7 +71,8 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None, m
     @app.get("/health")
     async def health() -> Response:
         if not state.async_engine.alive:
-            raise APIError(503, "the engine loop is not running", type="server_error")
+            reason = f": {state.async_engine.dead}" if state.async_engine.dead else ""
+            raise APIError(503, f"the engine loop is not running{reason}", type="server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -14,10 +14,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from nanoqwen.errors import InvalidRequestError
+from nanoqwen.errors import EngineDeadError, InvalidRequestError
 from nanoqwen.outputs import RequestOutput
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.server.protocol import APIError
@@ -78,6 +78,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.dead: str | None = None  # why the engine stopped for good (a tensor-parallel worker died)
+        self.on_dead: Callable[[EngineDeadError], None] | None = None  # called from the loop thread
 
     # ---- event-loop side ----
     def start(self) -> None:
@@ -107,7 +109,8 @@ class AsyncEngine:
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request; return once the engine has taken it (its InvalidRequestError is a 400 here)."""
         if not self.alive:
-            raise APIError(503, "the engine is not running", type="server_error", code="engine_dead")
+            reason = f": {self.dead}" if self.dead else ""
+            raise APIError(503, f"the engine is not running{reason}", type="server_error", code="engine_dead")
         if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
             raise APIError(503, f"the server is overloaded: {self.num_waiting} requests are waiting "
                                 f"(--max-waiting {self.max_waiting}); retry later", type="server_error",
@@ -193,6 +196,14 @@ class AsyncEngine:
         if engine.has_unfinished_requests():
             try:
                 outputs = engine.step()
+            except EngineDeadError as e:  # it cannot step again: fail everything and end the loop
+                logger.error("the engine stopped: %s", e)
+                self.dead = str(e)
+                self._fail_all(streams, out, APIError(500, f"the engine stopped: {e}", type="server_error",
+                                                      code="engine_dead"))
+                if self.on_dead is not None:
+                    self.on_dead(e)
+                return False
             except Exception as e:
                 # We cannot tell which request broke the step: fail every request in it, keep serving.
                 logger.exception("engine step failed; failing %d request(s)", len(streams))

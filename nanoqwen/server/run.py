@@ -10,8 +10,9 @@ import re
 import signal
 import socket
 from collections.abc import Callable
+from typing import Any
 
-from nanoqwen.errors import ConfigError
+from nanoqwen.errors import ConfigError, EngineDeadError
 
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -63,17 +64,28 @@ def serve(args: argparse.Namespace) -> None:
                 timer.cancel()
 
     from nanoqwen.engine.llm_engine import LLMEngine
-    from nanoqwen.server.api import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("nanoqwen.server")
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_body_bytes", "shutdown_timeout"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
     engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_enable_prefix_caching,
-                       seed=args.seed)
+                       seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        _run(args, engine, _Server)
+    finally:
+        engine.shutdown()  # stops tensor-parallel workers, if any
+
+
+def _run(args: argparse.Namespace, engine: Any, server_class: type) -> None:
+    """Serve `engine` until SIGINT/SIGTERM, or until the engine dies (then raise its EngineDeadError)."""
+    import uvicorn
+
+    from nanoqwen.server.api import build_app
+
+    log = logging.getLogger("nanoqwen.server")
     stats = engine.kv_cache_stats
     log.info("loaded %s (%s, %s): max_model_len %d, %d KV blocks of %d tokens", args.model, engine.device,
              engine.dtype, engine.max_model_len, stats["num_blocks"], stats["block_size"])
@@ -83,8 +95,11 @@ def serve(args: argparse.Namespace) -> None:
     # their streams close with an error event instead of being cut (and logged as tracebacks).
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
-    server = _Server(config)
-    server.grace, server.cancel_all = args.shutdown_timeout, app.state.server.async_engine.cancel_all
+    server = server_class(config)
+    async_engine = app.state.server.async_engine
+    server.grace, server.cancel_all = args.shutdown_timeout, async_engine.cancel_all
+    # A dead engine (a tensor-parallel worker died) cannot recover: stop serving and exit with its error.
+    async_engine.on_dead = lambda _: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these no-op handlers in
     # place that ends serve() normally, so a requested shutdown exits with status 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -93,4 +108,6 @@ def serve(args: argparse.Namespace) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if async_engine.dead is not None:
+        raise EngineDeadError(async_engine.dead)
     log.info("server stopped")

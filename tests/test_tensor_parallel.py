@@ -1,0 +1,363 @@
+"""Tensor parallelism on CPU (gloo, real worker processes): TP=2 gives TP=1's tokens, each rank holds and reads
+half the weights, bad sizes are refused, and a dead or failing worker stops the engine within seconds."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+
+import nanoqwen.loader as loader
+from nanoqwen import LLM, ConfigError, EngineDeadError, SamplingParams
+from nanoqwen.config import Qwen3Config
+from nanoqwen.distributed import check_tensor_parallel_size, free_port
+from nanoqwen.init_random import preset_config
+
+pytestmark = pytest.mark.timeout(300)  # a hang fails the test instead of blocking the run
+
+SYSTEM = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198, 151644, 872, 198]  # 14 shared tokens
+PROMPTS = [
+    SYSTEM + [9707, 11, 847, 829, 374],
+    SYSTEM + [785, 6722, 315, 9625, 374, 264, 1293, 11652, 9934],
+    [40, 1079],
+    [3838, 374, 279, 7290, 315, 2272, 30],
+    SYSTEM + [9707, 11, 847, 829, 374, 1207],
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+SAMPLED = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True)
+# (conftest shape, overrides): GQA ratios 1/2/4, tied and untied heads, head_dim != hidden/heads, several
+# weight files, and attention biases (the row-parallel o_proj bias lives on rank 0 only).
+CASES = {
+    "gqa1-tied-headdim": ("gqa1-tied-headdim", {}),
+    "gqa2-untied": ("gqa2-untied", {}),
+    "gqa4-sharded": ("gqa4-sharded", {"max_shard_bytes": 20 << 20}),
+    "gqa2-bias": ("gqa2-untied", {"attention_bias": True}),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread_per_rank():
+    """Two ranks on two cores: one thread each, for the TP=1 reference too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_llm(path, **kwargs) -> LLM:
+    kwargs = {"max_model_len": 128, "kv_cache_memory": 8 << 20, "block_size": 4, **kwargs}
+    return LLM(path, dtype="float32", device="cpu", **kwargs)
+
+
+@contextlib.contextmanager
+def tp_llm(path, size: int = 2, **kwargs) -> Iterator[LLM]:
+    llm = make_llm(path, tensor_parallel_size=size, **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.shutdown()
+        assert not dist.is_initialized()
+
+
+def run_all(llm: LLM) -> dict:
+    """Greedy over a batch, a prefix-cached repeat, and n=3 seeded samples forked from one prompt."""
+    batch = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    again = llm.generate([PROMPTS[4]], GREEDY, use_tqdm=False)[0]
+    forks = llm.generate([PROMPTS[1]], SAMPLED, use_tqdm=False)[0]
+    return {"batch": [o.token_ids for o in batch], "again": again.token_ids, "cached": again.num_cached_tokens,
+            "forks": [c.token_ids for c in forks.outputs],
+            "logprobs": [[e[t].logprob for e, t in zip(o.logprobs, o.token_ids, strict=True)] for o in batch]}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_gives_the_tokens_of_tp1(checkpoint, case):
+    name, overrides = CASES[case]
+    path = checkpoint(name, dtype="float32", **overrides)
+    expected = run_all(make_llm(path))
+    with tp_llm(path) as llm:
+        engine = llm.llm_engine
+        assert [p.returncode for p in engine.tp_group.procs] == [None]  # one worker, running
+        got = run_all(llm)
+        procs = engine.tp_group.procs
+    assert [p.returncode for p in procs] == [0]  # stopped cleanly on shutdown
+    assert got["cached"] == expected["cached"] == 16  # the first run's prompt and answer blocks were reused
+    for key in ("batch", "again", "forks"):
+        assert got[key] == expected[key], key
+    assert len({tuple(t) for t in expected["batch"]}) == len(PROMPTS) and len(set(map(tuple, got["forks"]))) == 3
+    for a, b in zip(got["logprobs"], expected["logprobs"], strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_tp2_under_preemption_and_chunked_prefill(checkpoint):
+    """A KV pool too small for the batch (preemptions) and 3-token steps (chunked prefill) on both ranks."""
+    path = checkpoint("gqa2-untied", dtype="float32")
+    per_token = 2 * 2 * 2 * 16 * 4  # TP=1: k and v, 2 layers, 2 kv heads, head_dim 16, float32; TP=2: half
+    kwargs = {"max_model_len": 52, "max_num_batched_tokens": 3, "max_num_seqs": 3}
+    ref = make_llm(path, kv_cache_memory=52 * per_token, **kwargs)
+    expected = [o.token_ids for o in ref.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with tp_llm(path, kv_cache_memory=52 * per_token // 2, **kwargs) as llm:
+        assert llm.llm_engine.block_manager.num_blocks == ref.llm_engine.block_manager.num_blocks == 13
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+        assert llm.llm_engine.scheduler.num_preemptions == ref.llm_engine.scheduler.num_preemptions > 0
+
+
+# ---------------------------------------------------------------- sharded loading
+
+
+def expected_shard(name: str, full: torch.Tensor, rank: int, config: Qwen3Config) -> torch.Tensor | None:
+    """What rank `rank` of 2 must hold of a TP=1 parameter, rebuilt without the loader's table."""
+    def half(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.chunk(2, dim)[rank]
+
+    if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        return torch.cat([half(p, 0) for p in full.split([q, kv, kv])])
+    if name.endswith("gate_up_proj.weight"):
+        return torch.cat([half(p, 0) for p in full.chunk(2)])
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return half(full, 1)
+    if name.endswith("o_proj.bias"):
+        return full if rank == 0 else None
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return half(full, 0)
+    return full  # norms: replicated
+
+
+@pytest.mark.parametrize("case", ["gqa4-sharded", "gqa2-bias", "gqa1-tied-headdim"])
+def test_each_rank_reads_and_holds_only_its_half(checkpoint, case, monkeypatch):
+    name, overrides = CASES[case]
+    path = checkpoint(name, dtype="float32", **overrides)
+    config = loader.load_config(path)
+    read = [0]
+    iter_checkpoint = loader.iter_checkpoint
+
+    def counting(*args, **kwargs):
+        for item in iter_checkpoint(*args, **kwargs):
+            read[0] += item[2].numel() * item[2].element_size()
+            yield item
+
+    monkeypatch.setattr(loader, "iter_checkpoint", counting)
+    cpu = torch.device("cpu")
+    full = loader.load_model(path, config, torch.float32, cpu, 64)
+    full_read, read[0] = read[0], 0
+    full_params = dict(full.named_parameters())
+    full_bytes = sum(p.numel() * p.element_size() for p in full_params.values())
+    for rank in range(2):
+        shard = loader.load_model(path, config, torch.float32, cpu, 64, tp_rank=rank, tp_size=2)
+        params = dict(shard.named_parameters())
+        for pname, value in full_params.items():
+            want = expected_shard(pname, value, rank, config)
+            assert (pname in params) == (want is not None), pname
+            if want is not None:
+                assert torch.equal(params[pname], want), pname
+        assert shard.is_tied == full.is_tied
+        held = sum(p.numel() * p.element_size() for p in params.values()) / full_bytes
+        rank_read, read[0] = read[0] / full_read, 0
+        # half of everything but the replicated norms (and, on rank 0, the o_proj biases)
+        assert 0.5 <= held < 0.52 and 0.5 <= rank_read < 0.52, (rank, held, rank_read)
+
+
+def test_misshaped_tensor_is_reported_with_full_shapes(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = checkpoint("gqa2-untied", dtype="float32")
+    dst = tmp_path / "m"
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(dst / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"][:, :64].clone()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = loader.load_config(dst)
+    with pytest.raises(loader.WeightsError, match=r"down_proj.weight' has shape \[64, 64\] in the checkpoint, "
+                                                  r"but config.json implies \[64, 128\]"):
+        loader.load_model(dst, config, torch.float32, torch.device("cpu"), 64, tp_rank=1, tp_size=2)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def config(**overrides) -> Qwen3Config:
+    return Qwen3Config.from_dict({**preset_config("tiny"), **overrides})
+
+
+def test_sizes_that_do_not_divide_are_refused_with_the_valid_ones():
+    check_tensor_parallel_size(config(), 2)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide num_key_value_heads=2 of this "
+                                          r"model; valid sizes: 1, 2$"):
+        check_tensor_parallel_size(config(), 4)
+    with pytest.raises(ConfigError, match=r"=3 does not divide num_attention_heads=4, num_key_value_heads=2, "
+                                          r"intermediate_size=128, vocab_size=151936 of this model; "
+                                          r"valid sizes: 1, 2$"):
+        check_tensor_parallel_size(config(), 3)
+    with pytest.raises(ConfigError, match=r"does not divide vocab_size=1001 .*valid sizes: 1$"):
+        check_tensor_parallel_size(config(vocab_size=1001), 2)
+    with pytest.raises(ConfigError, match=r"=8 does not divide intermediate_size=100 of this model; "
+                                          r"valid sizes: 1, 2, 4$"):
+        check_tensor_parallel_size(config(intermediate_size=100, num_attention_heads=8, num_key_value_heads=8), 8)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="must be an integer >= 1"):
+            check_tensor_parallel_size(config(), bad)
+
+
+def test_llm_refuses_before_starting_anything(checkpoint, monkeypatch):
+    path = checkpoint("gqa2-untied", dtype="float32")
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="tensor_parallel_size=4 does not divide num_key_value_heads=2"):
+        make_llm(path, tensor_parallel_size=4)
+    assert time.monotonic() - start < 10 and not dist.is_initialized()
+    # under torchrun the group is torchrun's: its size must be the tensor-parallel size
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="torchrun started 4 processes but tensor_parallel_size is 2"):
+        make_llm(path, tensor_parallel_size=2)
+    assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_killed_worker_stops_the_engine_within_seconds(checkpoint):
+    path = checkpoint("gqa2-untied", dtype="float32")
+    llm = make_llm(path, tensor_parallel_size=2, max_model_len=4096, kv_cache_memory=16 << 20)
+    worker = llm.llm_engine.tp_group.procs[0]
+    killed_at = []
+
+    def kill() -> None:
+        os.kill(worker.pid, signal.SIGKILL)
+        killed_at.append(time.monotonic())
+
+    timer = threading.Timer(1.0, kill)
+    timer.start()
+    try:  # 4 x 4000 tokens: far more than 1 s of steps, so the kill lands mid-run
+        with pytest.raises(EngineDeadError, match=rf"tensor-parallel worker 1 \(pid {worker.pid}\) was killed by "
+                                                  r"SIGKILL; the tensor-parallel group is stopped"):
+            llm.generate([PROMPTS[2]] * 4, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)
+    finally:
+        timer.cancel()
+    assert killed_at and time.monotonic() - killed_at[0] < 30
+    assert not dist.is_initialized() and worker.returncode == -signal.SIGKILL
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="was killed by SIGKILL"):  # and it stays dead, at once
+        llm.generate([PROMPTS[2]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert time.monotonic() - start < 1
+    assert not llm.llm_engine.requests and llm.llm_engine.block_manager.num_free_blocks == \
+        llm.llm_engine.block_manager.num_blocks
+
+
+# Loaded by the workers' interpreters only (they start after PYTHONPATH points here): fail where told to.
+FAULT_HOOK = """
+import os
+import torch
+
+where = os.environ.get("NANOQWEN_TEST_FAIL")
+if where == "step":
+    import nanoqwen.engine.model_runner as mr
+
+    run_model, calls = mr.ModelRunner.run_model, [0]
+
+    def failing(self, step):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise torch.OutOfMemoryError("simulated: out of memory in step 3")
+        return run_model(self, step)
+
+    mr.ModelRunner.run_model = failing
+elif where == "load":
+    import nanoqwen.loader
+
+    def failing_load(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated: out of memory while loading")
+
+    nanoqwen.loader.load_model = failing_load
+"""
+
+
+def test_failing_worker_stops_the_engine_with_its_error(checkpoint, tmp_path, monkeypatch):
+    path = checkpoint("gqa2-untied", dtype="float32")
+    (tmp_path / "sitecustomize.py").write_text(FAULT_HOOK)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("NANOQWEN_TEST_FAIL", "step")
+    llm = make_llm(path, tensor_parallel_size=2)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"tensor-parallel worker 1 \(pid \d+\) exited with code 1: "
+                                              r"OutOfMemoryError: simulated: out of memory in step 3; "
+                                              r"the tensor-parallel group is stopped"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 30 and not dist.is_initialized()
+
+    monkeypatch.setenv("NANOQWEN_TEST_FAIL", "load")
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"worker 1 \(pid \d+\) exited with code 1: OutOfMemoryError: "
+                                              r"simulated: out of memory while loading"):
+        make_llm(path, tensor_parallel_size=2)
+    assert time.monotonic() - start < 60 and not dist.is_initialized()
+
+
+# ---------------------------------------------------------------- the server and torchrun
+
+
+def test_server_with_tp2_answers_like_tp1_and_exits_when_a_worker_dies(checkpoint, tmp_path):
+    path = checkpoint("tiny", dtype="float32")
+    port, log = free_port(), tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "nanoqwen", "serve", "--model", str(path), "--port", str(port), "--dtype", "float32",
+           "--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
+           "--tensor-parallel-size", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"server did not start:\n{log.read_text()}")
+            time.sleep(0.2)
+        messages = [{"role": "user", "content": "Why is the sky blue?"}]
+        ref = make_llm(path, max_model_len=256).chat(messages, SamplingParams(temperature=0, max_tokens=12),
+                                                     use_tqdm=False)[0]
+        body = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0}
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == ref.text
+
+        worker_pid = int(re.search(r"tensor-parallel worker 1 started \(pid (\d+)\)", log.read_text()).group(1))
+        os.kill(worker_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with contextlib.suppress(httpx.TransportError):  # the server may already be on its way out
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 500 and "killed by SIGKILL" in r.json()["error"]["message"]
+        assert proc.wait(timeout=30) == 1 and time.monotonic() - killed < 30
+        assert re.search(rf"nanoqwen: error: tensor-parallel worker 1 \(pid {worker_pid}\) was killed by SIGKILL",
+                         log.read_text())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_torchrun_two_ranks_generate_like_tp1(checkpoint):
+    path = checkpoint("gqa2-untied", dtype="float32")
+    args = ["generate", "--model", str(path), "--prompt", "Hello, my name is", "--no-chat-template", "--max-tokens",
+            "10", "--temperature", "0", "--dtype", "float32", "--device", "cpu", "--max-model-len", "64"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "nanoqwen",
+           *args, "--tensor-parallel-size", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    ref = make_llm(path, max_model_len=64).generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=10),
+                                                    use_tqdm=False)[0]
+    assert result.stdout == ref.text + "\n"  # printed once: by rank 0
