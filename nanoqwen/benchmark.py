@@ -106,7 +106,7 @@ def run_nanoqwen(model_dir: str | Path, workload: Workload, device: str | None =
     output_tokens = sum(len(o.token_ids) for o in outputs)
     stats = engine.kv_cache_stats
     c = engine.config
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * engine.dtype.itemsize
+    per_token = 2 * c.num_hidden_layers * engine.model.num_kv_heads * c.head_dim * engine.dtype.itemsize  # per rank
     capacity = stats["num_blocks"] * stats["block_size"]
     result: dict[str, Any] = {
         "requests": len(workload),

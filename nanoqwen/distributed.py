@@ -50,6 +50,8 @@ def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method
         raise ConfigError("a tensor-parallel group is already running in this process: shut the other engine "
                           "down first (llm.llm_engine.shutdown())")
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=STEP_TIMEOUT,
                             device_id=device if device.type == "cuda" else None)
     _control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)

@@ -308,41 +308,70 @@ def test_failing_worker_stops_the_engine_with_its_error(checkpoint, tmp_path, mo
 # ---------------------------------------------------------------- the server and torchrun
 
 
-def test_server_with_tp2_answers_like_tp1_and_exits_when_a_worker_dies(checkpoint, tmp_path):
-    path = checkpoint("tiny", dtype="float32")
-    port, log = free_port(), tmp_path / "server.log"
+def start_server(path, log, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
     cmd = [sys.executable, "-m", "nanoqwen", "serve", "--model", str(path), "--port", str(port), "--dtype", "float32",
-           "--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
-           "--tensor-parallel-size", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+           "--device", "cpu", "--max-model-len", "1024", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
+           "--tensor-parallel-size", "2", *extra]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{log.read_text()}")
+        time.sleep(0.2)
+
+
+def worker_pid(log) -> int:
+    return int(re.search(r"tensor-parallel worker 1 started \(pid (\d+)\)", log.read_text()).group(1))
+
+
+def test_server_with_tp2_answers_like_tp1_and_exits_when_a_worker_dies(checkpoint, tmp_path):
+    path, log = checkpoint("tiny", dtype="float32"), tmp_path / "server.log"
+    proc, base = start_server(path, log)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server did not start:\n{log.read_text()}")
-            time.sleep(0.2)
         messages = [{"role": "user", "content": "Why is the sky blue?"}]
-        ref = make_llm(path, max_model_len=256).chat(messages, SamplingParams(temperature=0, max_tokens=12),
-                                                     use_tqdm=False)[0]
+        ref = make_llm(path, max_model_len=1024).chat(messages, SamplingParams(temperature=0, max_tokens=12),
+                                                      use_tqdm=False)[0]
         body = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0}
         r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == ref.text
 
-        worker_pid = int(re.search(r"tensor-parallel worker 1 started \(pid (\d+)\)", log.read_text()).group(1))
-        os.kill(worker_pid, signal.SIGKILL)
-        killed = time.monotonic()
-        with contextlib.suppress(httpx.TransportError):  # the server may already be on its way out
-            r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
-            assert r.status_code == 500 and "killed by SIGKILL" in r.json()["error"]["message"]
+        # A worker dies in the middle of a stream: the stream ends with the error, the server exits with it.
+        pid = worker_pid(log)
+        body = {"prompt": "Count to a thousand", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert [next(lines) for _ in range(6)]  # a few tokens in
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            rest = "\n".join(lines)
+        assert re.search(r'data: \{"error": \{"message": "the engine stopped: tensor-parallel worker 1 \(pid \d+\) '
+                         r'was killed by SIGKILL; the tensor-parallel group is stopped"', rest)
         assert proc.wait(timeout=30) == 1 and time.monotonic() - killed < 30
-        assert re.search(rf"nanoqwen: error: tensor-parallel worker 1 \(pid {worker_pid}\) was killed by SIGKILL",
+        assert re.search(rf"nanoqwen: error: tensor-parallel worker 1 \(pid {pid}\) was killed by SIGKILL",
+                         log.read_text())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_idle_server_exits_when_a_worker_dies(checkpoint, tmp_path):
+    log = tmp_path / "server.log"
+    proc, _ = start_server(checkpoint("tiny", dtype="float32"), log)
+    try:
+        pid = worker_pid(log)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert proc.wait(timeout=30) == 1 and time.monotonic() - killed < 10  # no request needed to notice
+        assert re.search(rf"nanoqwen: error: tensor-parallel worker 1 \(pid {pid}\) was killed by SIGKILL",
                          log.read_text())
     finally:
         if proc.poll() is None:

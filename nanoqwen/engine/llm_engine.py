@@ -63,7 +63,7 @@ class LLMEngine:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         self.tp_group: TPGroup | None = None
         if tensor_parallel_size > 1:  # under torchrun, ranks > 0 become workers in here and never return
-            self.tp_group = TPGroup.start(tensor_parallel_size, self.device)
+            self.tp_group = TPGroup.start(tensor_parallel_size, self.device, self.model_dir)
             self.device = self.tp_group.device
             weakref.finalize(self, self.tp_group.shutdown)
         try:
@@ -207,6 +207,11 @@ class LLMEngine:
         else:  # no block free for the copy: recompute this sibling's prompt later instead
             seq.status = SequenceStatus.WAITING
             self.scheduler.add(seq)
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine cannot step any more (a tensor-parallel worker died)."""
+        if self.tp_group is not None:
+            self.tp_group.check()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (a no-op without them); the engine cannot step afterwards."""

@@ -60,8 +60,11 @@ class TPGroup:
         self.closed = False
 
     @classmethod
-    def start(cls, size: int, device: torch.device) -> TPGroup:
-        """Start (or, under torchrun, join) the group; on a torchrun rank > 0 this serves rank 0 and exits."""
+    def start(cls, size: int, device: torch.device, model_dir: Path) -> TPGroup:
+        """Start (or, under torchrun, join) the group; on a torchrun rank > 0 this serves rank 0 and exits.
+
+        model_dir: this process's copy of the model (on another node a hub id may resolve to another path).
+        """
         env = distributed.torchrun_env()
         if env is not None:
             rank, world, local_rank = env
@@ -72,7 +75,7 @@ class TPGroup:
             distributed.init_tensor_parallel(rank, size, device)
             if rank != 0:
                 try:
-                    run_worker(rank, size, device)
+                    run_worker(rank, size, device, model_dir)
                 finally:
                     distributed.destroy_tensor_parallel()
                 raise SystemExit(0)
@@ -131,18 +134,22 @@ class TPGroup:
         error = f": {self.errors[rank]}" if rank in self.errors else ""
         return f"tensor-parallel worker {rank} (pid {proc.pid}) {how}{error}"
 
-    @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
-        """Run a step on the group; if any rank fails, stop them all and raise EngineDeadError."""
-        if self.dead is None and (reason := self.failure()) is not None:  # it died while the engine was idle
+    def check(self) -> None:
+        """Raise EngineDeadError if the group is stopped, or stop it now if a worker died since the last step."""
+        if self.dead is None and (reason := self.failure()) is not None:
             self._stop(reason)
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Run a step on the group; if any rank fails, stop them all and raise EngineDeadError."""
+        self.check()
         try:
             yield
         except Exception as e:
             reason = self.failure(wait=3.0) if self.procs else None
-            self._stop(reason or f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})")
+            self._stop(reason or f"a tensor-parallel step failed ({type(e).__name__}: {e})")
             raise EngineDeadError(self.dead) from e
         except BaseException:  # Ctrl-C in the middle of a step: the ranks are out of step for good
             self._stop("interrupted in the middle of a step")
@@ -248,15 +255,16 @@ def worker_main(argv: list[str] | None = None) -> None:
     distributed.destroy_tensor_parallel()
 
 
-def run_worker(rank: int, size: int, device: torch.device) -> None:
-    """Load this rank's shard, then run every step rank 0 sends until it says stop (None)."""
+def run_worker(rank: int, size: int, device: torch.device, model_dir: Path | None = None) -> None:
+    """Load this rank's shard (from model_dir, else rank 0's path), then run every step rank 0 sends until it
+    says stop (None)."""
     from nanoqwen.engine.model_runner import ModelRunner
     from nanoqwen.loader import load_config, load_model
 
     load = distributed.broadcast_object()
     if load is None:
         return
-    model_dir = Path(load.model_dir)
+    model_dir = model_dir or Path(load.model_dir)
     model = load_model(model_dir, load_config(model_dir), load.dtype, device, load.max_model_len, rank, size,
                        show_progress=False)
     kv = distributed.broadcast_object()

@@ -24,6 +24,7 @@ from nanoqwen.server.protocol import APIError
 
 logger = logging.getLogger("nanoqwen.server")
 _STOP = ("stop",)
+HEALTH_CHECK_SECONDS = 1.0  # an idle loop still looks this often whether the engine died (a worker crashed)
 
 
 class RequestStream:
@@ -160,8 +161,14 @@ class AsyncEngine:
     def _iteration(self, streams: dict[str, RequestStream], out: list) -> bool:
         """Drain the commands, run one step if there is work; False once told to stop."""
         engine = self.engine
-        # Idle: block until a command comes. Busy: take what is there and keep stepping.
-        commands = [] if engine.has_unfinished_requests() else [self._commands.get()]
+        # Idle: block until a command comes (waking now and then for a health check). Busy: take what is there
+        # and keep stepping.
+        commands = []
+        if not engine.has_unfinished_requests():
+            try:
+                commands.append(self._commands.get(timeout=HEALTH_CHECK_SECONDS))
+            except queue.Empty:
+                pass
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -193,17 +200,16 @@ class AsyncEngine:
                     engine.abort_request(cmd[1])
                 except Exception:
                     logger.exception("abort_request failed for %s", cmd[1])
+        if not commands and not engine.has_unfinished_requests():  # idle for a while: is the engine still alive?
+            try:
+                getattr(engine, "check_health", lambda: None)()
+            except EngineDeadError as e:
+                return self._engine_died(streams, out, e)
         if engine.has_unfinished_requests():
             try:
                 outputs = engine.step()
-            except EngineDeadError as e:  # it cannot step again: fail everything and end the loop
-                logger.error("the engine stopped: %s", e)
-                self.dead = str(e)
-                self._fail_all(streams, out, APIError(500, f"the engine stopped: {e}", type="server_error",
-                                                      code="engine_dead"))
-                if self.on_dead is not None:
-                    self.on_dead(e)
-                return False
+            except EngineDeadError as e:  # it cannot step again
+                return self._engine_died(streams, out, e)
             except Exception as e:
                 # We cannot tell which request broke the step: fail every request in it, keep serving.
                 logger.exception("engine step failed; failing %d request(s)", len(streams))
@@ -218,6 +224,16 @@ class AsyncEngine:
                         del streams[o.request_id]
         self.stats = dict(engine.kv_cache_stats)
         return True
+
+    def _engine_died(self, streams: dict[str, RequestStream], out: list, e: EngineDeadError) -> bool:
+        """Fail every request with the reason, tell the server (on_dead), and end the loop (return False)."""
+        logger.error("the engine stopped: %s", e)
+        self.dead = str(e)
+        self._fail_all(streams, out, APIError(500, f"the engine stopped: {e}", type="server_error",
+                                              code="engine_dead"))
+        if self.on_dead is not None:
+            self.on_dead(e)
+        return False
 
     def _fail_all(self, streams: dict[str, RequestStream], out: list, error: APIError) -> None:
         for request_id, stream in list(streams.items()):
