@@ -256,6 +256,21 @@ def test_killed_worker_stops_the_engine_within_seconds(checkpoint):
         llm.llm_engine.block_manager.num_blocks
 
 
+def test_ctrl_c_ends_the_step_then_interrupts_and_the_engine_keeps_working(checkpoint):
+    path = checkpoint("gqa2-untied", dtype="float32")
+    with tp_llm(path, max_model_len=4096, kv_cache_memory=16 << 20) as llm:
+        timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate([PROMPTS[2]] * 4, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)
+        finally:
+            timer.cancel()
+        assert llm.llm_engine.tp_group.dead is None and not llm.llm_engine.requests  # aborted, group intact
+        expected = [o.token_ids for o in make_llm(path).generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] == expected
+
+
 # Loaded by the workers' interpreters only (they start after PYTHONPATH points here): fail where told to.
 FAULT_HOOK = """
 import os

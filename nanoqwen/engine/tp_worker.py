@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -145,15 +146,16 @@ class TPGroup:
     def guard(self) -> Iterator[None]:
         """Run a step on the group; if any rank fails, stop them all and raise EngineDeadError."""
         self.check()
-        try:
-            yield
-        except Exception as e:
-            reason = self.failure(wait=3.0) if self.procs else None
-            self._stop(reason or f"a tensor-parallel step failed ({type(e).__name__}: {e})")
-            raise EngineDeadError(self.dead) from e
-        except BaseException:  # Ctrl-C in the middle of a step: the ranks are out of step for good
-            self._stop("interrupted in the middle of a step")
-            raise
+        with _ctrl_c_after_the_step():
+            try:
+                yield
+            except Exception as e:
+                reason = self.failure(wait=3.0) if self.procs else None
+                self._stop(reason or f"a tensor-parallel step failed ({type(e).__name__}: {e})")
+                raise EngineDeadError(self.dead) from e
+            except BaseException:  # a second Ctrl-C in the middle of a step: the ranks are out of step for good
+                self._stop("interrupted in the middle of a step")
+                raise
 
     def startup_failure(self, error: BaseException) -> EngineDeadError | None:
         """While starting: stop the group; an EngineDeadError to raise instead of `error` if a worker broke."""
@@ -215,6 +217,30 @@ class TPGroup:
                 else:
                     messages.append(message)
         return messages
+
+
+@contextlib.contextmanager
+def _ctrl_c_after_the_step() -> Iterator[None]:
+    """Hold a Ctrl-C until the step is over (a step cut short leaves the ranks out of step), then raise it; a
+    second Ctrl-C interrupts at once. Only on the main thread, and only over Python's default handler."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pending = []
+
+    def hold(signum: int, frame: object) -> None:
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
 
 
 def _signal_name(number: int) -> str:
