@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from nanoqwen.compilation import compile_kernels, use_eager_kernels
 from nanoqwen.config import GenerationConfig
 from nanoqwen.device import resolve_device, resolve_dtype
 from nanoqwen.engine.block_manager import BlockManager
@@ -34,7 +35,8 @@ class LLMEngine:
                  device: str | torch.device | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | float | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, seed: int | None = 0) -> None:
+                 enable_prefix_caching: bool = True, seed: int | None = 0, enforce_eager: bool = False) -> None:
+        """enforce_eager: run every op eagerly (no torch.compile of the elementwise kernels on CPU)."""
         self.model_dir = resolve_model_path(str(model))
         self.config = load_config(self.model_dir)
         self.generation_config = GenerationConfig.from_file(
@@ -54,6 +56,10 @@ class LLMEngine:
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         model_ = load_model(self.model_dir, self.config, self.dtype, self.device, max_model_len or limit)
+        if enforce_eager:
+            use_eager_kernels()
+        elif self.device.type == "cpu":
+            compile_kernels(self.device, self.dtype)
         # The KV pool: as many blocks as the budget holds; it must fit at least one full-length sequence.
         c = self.config
         per_token = KVCache.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)
