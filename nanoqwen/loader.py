@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +39,14 @@ STACKED_PARAMS = {
     "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
 }
+# MoE experts. The official checkpoints store each expert's matrices ("mlp.experts.{j}.gate_proj.weight"
+# [Ie, H], up_proj [Ie, H], down_proj [H, Ie]); they fill slice (j, half) of our stacked parameters
+# (half None: the whole expert). transformers 5's own parameter names ("mlp.experts.gate_up_proj"
+# [E, 2Ie, H], gate rows then up rows, and "mlp.experts.down_proj" [E, H, Ie]) are ours, loaded as they are.
+EXPERT_TENSOR = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+EXPERT_PARAMS = {"gate": ("mlp.experts.gate_up_proj", 0), "up": ("mlp.experts.gate_up_proj", 1),
+                 "down": ("mlp.experts.down_proj", None)}
+Shard = int | tuple[int, int | None] | None  # a slice of a stacked q/k/v or gate/up matrix, or of the experts
 
 
 def resolve_model_path(model: str) -> Path:
@@ -146,7 +155,7 @@ def _reading(file: Path) -> Iterator[None]:
         raise WeightsError(f"{file} is truncated or corrupt ({e}); re-download it") from None
 
 
-def checkpoint_to_param(name: str) -> tuple[str, int | None] | None:
+def checkpoint_to_param(name: str) -> tuple[str, Shard] | None:
     """Our parameter name (and stacked slice) for a checkpoint tensor name; None if it has no place."""
     if name == "lm_head.weight":
         return name, None
@@ -157,13 +166,21 @@ def checkpoint_to_param(name: str) -> tuple[str, int | None] | None:
     if len(parts) == 3 and parts[0] == "layers" and parts[2] in STACKED_PARAMS:
         param, shard = STACKED_PARAMS[parts[2]]
         return f"layers.{parts[1]}.{param}", shard
+    if len(parts) == 3 and parts[0] == "layers" and (m := EXPERT_TENSOR.fullmatch(parts[2])):
+        param, half = EXPERT_PARAMS[m[2]]
+        return f"layers.{parts[1]}.{param}", (int(m[1]), half)
     return name, None
 
 
-def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: int | None) -> torch.Tensor:
+def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: Shard) -> torch.Tensor:
     """The part of `param` that checkpoint tensor `shard` fills (the whole tensor when not stacked)."""
     if shard is None:
         return param
+    if isinstance(shard, tuple):  # expert j of the stacked experts; half 0/1: its gate or up rows
+        expert, half = shard
+        if half is None:
+            return param[expert]
+        return param[expert].narrow(0, half * (param.shape[1] // 2), param.shape[1] // 2)
     if "qkv" in name:
         sizes = model.get_submodule(name.rsplit(".", 2)[0]).split_sizes
     else:
@@ -175,8 +192,8 @@ def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: int |
 def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool | None = None) -> None:
     """Copy every checkpoint tensor into its parameter; error on missing, unexpected or misshaped ones."""
     params = dict(model.named_parameters())
-    expected = set(_expected_slices(model))
-    loaded: set[tuple[str, int | None]] = set()
+    expected = list(_expected_slices(model))
+    loaded: set[tuple[str, Shard]] = set()
     total = sum(f.stat().st_size for f in files)
     if show_progress is None:
         show_progress = total >= PROGRESS_BAR_MIN_BYTES
@@ -189,7 +206,8 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
                 # again below if the two are equal (transformers unties them when they differ).
                 model.lm_head.weight = params["lm_head.weight"] = torch.nn.Parameter(
                     torch.empty_like(model.embed_tokens.weight), requires_grad=False)
-            if target is None or target[0] not in params:
+            if target is None or target[0] not in params or (
+                    isinstance(target[1], tuple) and target[1][0] >= params[target[0]].shape[0]):
                 raise WeightsError(f"unexpected tensor {ckpt_name!r} in the checkpoint: it has no place in a "
                                    f"Qwen3 model with this config.json")
             dest = _slice(params[target[0]], model, target[0], target[1])
@@ -198,33 +216,47 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
                                    f"but config.json implies {list(dest.shape)}")
             dest[first_row: first_row + rows.shape[0]].copy_(rows)
             loaded.add(target)
+            if target[0].endswith(("experts.gate_up_proj", "experts.down_proj")) and target[1] is None:
+                loaded.update(_expert_slices(target[0], dest.shape[0]))  # a fused tensor fills every expert
             bar.update(rows.numel() * rows.element_size())
-    missing = sorted(expected - loaded, key=str)
+    missing = [s for s in expected if s not in loaded]  # in the model's order
     if missing:
         names = [_checkpoint_name(n, s) for n, s in missing]
         more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-        raise WeightsError(f"tensor {names[0]!r} is missing from the checkpoint (missing: {', '.join(names[:5])}"
-                           f"{more})")
+        stacked = f" (or the stacked 'model.{missing[0][0]}')" if isinstance(missing[0][1], tuple) else ""
+        raise WeightsError(f"tensor {names[0]!r}{stacked} is missing from the checkpoint "
+                           f"(missing: {', '.join(names[:5])}{more})")
     if model.config.tie_word_embeddings and not model.is_tied and torch.equal(model.lm_head.weight,
                                                                               model.embed_tokens.weight):
         model.lm_head.weight = model.embed_tokens.weight
 
 
-def _expected_slices(model: Qwen3ForCausalLM) -> Iterator[tuple[str, int | None]]:
+def _expected_slices(model: Qwen3ForCausalLM) -> Iterator[tuple[str, Shard]]:
     """(parameter, stacked slice) pairs that the checkpoint must fill."""
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
             yield from ((name, i) for i in range(3))
         elif name.endswith("gate_up_proj.weight"):
             yield from ((name, i) for i in range(2))
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            yield from _expert_slices(name, param.shape[0])
         else:
             yield name, None
 
 
-def _checkpoint_name(param: str, shard: int | None) -> str:
+def _expert_slices(param: str, num_experts: int) -> list[tuple[str, Shard]]:
+    """The per-expert checkpoint tensors that fill a stacked expert parameter, expert by expert."""
+    halves = (0, 1) if param.endswith("gate_up_proj") else (None,)
+    return [(param, (j, half)) for j in range(num_experts) for half in halves]
+
+
+def _checkpoint_name(param: str, shard: Shard) -> str:
     """The checkpoint tensor name for one of our parameters (for error messages)."""
     if param == "lm_head.weight":
         return param
+    if isinstance(shard, tuple):
+        kind = next(k for k, (ours, half) in EXPERT_PARAMS.items() if param.endswith(ours) and half == shard[1])
+        return f"model.{param.rsplit('.', 2)[0]}.experts.{shard[0]}.{kind}_proj.weight"
     for ckpt, (ours, s) in STACKED_PARAMS.items():
         if param.endswith(ours) and s == shard:
             return f"model.{param[: -len(ours)]}{ckpt}"
