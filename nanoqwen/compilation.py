@@ -6,6 +6,10 @@ GPU). On the 2-core development machine that made prefill about 20% faster and b
 about 20% faster (BENCHMARKS.md). Matmuls and attention stay on torch's own kernels, and the plain
 functions in models/qwen3.py stay the reference the compiled ones are tested against.
 
+A compiled call costs ~20-60 us of guard checks before its kernel runs, more than the eager ops cost
+for the few tokens of a decode step, so the compiled versions are used only for calls with at least
+`MIN_COMPILED_TOKENS` tokens (prompt chunks, big batches); smaller calls run the plain functions.
+
 The switch is process-wide (the layers call `models.qwen3.kernels`), compiles once per process with
 dynamic shapes, and falls back to eager with a warning when compilation is not available (no C++
 compiler, an unsupported platform).
@@ -14,6 +18,7 @@ compiler, an unsupported platform).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +26,7 @@ from nanoqwen.models import qwen3
 
 logger = logging.getLogger("nanoqwen")
 FUNCTIONS = ("rms_norm", "apply_rope", "swiglu")
+MIN_COMPILED_TOKENS = 64
 _compiled: dict[tuple[str, str], bool] = {}  # (device type, dtype) -> compiled and warmed up
 
 
@@ -51,9 +57,18 @@ def compile_kernels(device: torch.device, dtype: torch.dtype) -> bool:
         _compiled[key] = False
         return False
     for name, fn in compiled.items():
-        setattr(qwen3.kernels, name, fn)
+        setattr(qwen3.kernels, name, _by_size(getattr(qwen3, name), fn))
     _compiled[key] = True
     return True
+
+
+def _by_size(eager: Callable[..., torch.Tensor], compiled: Callable[..., torch.Tensor]
+             ) -> Callable[..., torch.Tensor]:
+    """The compiled function for calls on many tokens (x [N, ...] first), the plain one for few."""
+    def kernel(x: torch.Tensor, *args: object) -> torch.Tensor:
+        return (compiled if x.shape[0] >= MIN_COMPILED_TOKENS else eager)(x, *args)
+    kernel.compiled = compiled  # type: ignore[attr-defined]
+    return kernel
 
 
 def use_eager_kernels() -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.compilation import compile_kernels, use_eager_kernels
+from nanoqwen.compilation import FUNCTIONS, MIN_COMPILED_TOKENS, compile_kernels, use_eager_kernels
 from nanoqwen.models import qwen3
 
 
@@ -22,7 +23,9 @@ def compiled():
 def test_compiled_kernels_equal_the_reference_functions(compiled):
     assert compiled.rms_norm is not qwen3.rms_norm  # really swapped in
     g = torch.Generator().manual_seed(0)
-    for n in (1, 5):
+    for n in (1, 5, MIN_COMPILED_TOKENS):  # the small calls run eager; the compiled functions are tested directly too
+        compiled = SimpleNamespace(**{name: getattr(qwen3.kernels, name).compiled for name in FUNCTIONS}) \
+            if n < MIN_COMPILED_TOKENS else qwen3.kernels
         for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
             x = torch.randn(n, 4, 32, generator=g).to(dtype)
             w = (torch.rand(32, generator=g) + 0.5).to(dtype)
