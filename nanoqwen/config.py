@@ -1,8 +1,9 @@
 """Typed views of a checkpoint's config.json and generation_config.json.
 
 Both the original Qwen3 layout (`rope_theta` and `rope_scaling` at the top level) and the
-transformers 5 layout (`rope_parameters`) are accepted. Anything missing or contradictory is
-a ConfigError that names the field and the file.
+transformers 5 layout (`rope_parameters`; `num_local_experts` for `num_experts`) are accepted.
+Dense Qwen3 and Qwen3-MoE configs are read into the same Qwen3Config; a dense one has no experts.
+Anything missing or contradictory is a ConfigError that names the field and the file.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from typing import Any
 
 from nanoqwen.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", MOE_ARCHITECTURE)
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "decoder_sparse_step", "mlp_only_layers")
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
@@ -67,6 +71,22 @@ class Qwen3Config:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     architectures: tuple[str, ...] = ("Qwen3ForCausalLM",)
+    # Qwen3-MoE only (defaults as in transformers); a dense model has num_experts = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.architectures[0] == MOE_ARCHITECTURE
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` has a sparse MoE block instead of the dense MLP (transformers' rule)."""
+        return (layer_idx not in self.mlp_only_layers and self.num_experts > 0
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @property
     def num_kv_groups(self) -> int:
@@ -82,9 +102,8 @@ class Qwen3Config:
             raise ConfigError(f"{where}: field 'architectures' must be a list like ['Qwen3ForCausalLM'], "
                               f"found {archs!r}")
         if archs[0] not in SUPPORTED_ARCHITECTURES:
-            hint = " (Qwen3-MoE support is planned)" if archs[0] == "Qwen3MoeForCausalLM" else ""
             raise ConfigError(
-                f"{where}: architecture {archs[0]!r} is not supported{hint}; "
+                f"{where}: architecture {archs[0]!r} is not supported; "
                 f"nanoqwen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         ints = {
@@ -128,6 +147,7 @@ class Qwen3Config:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_ids,
             architectures=tuple(archs),
+            **(_moe_fields(raw, ints["num_hidden_layers"], where) if archs[0] == MOE_ARCHITECTURE else {}),
         )
 
     @classmethod
@@ -142,7 +162,40 @@ class Qwen3Config:
         d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id
         d.update(model_type="qwen3", hidden_act="silu", use_sliding_window=False, sliding_window=None,
                  max_window_layers=self.num_hidden_layers, attention_dropout=0.0, use_cache=True)
+        if self.is_moe:
+            d.update(model_type="qwen3_moe", mlp_only_layers=list(self.mlp_only_layers), router_aux_loss_coef=0.001,
+                     output_router_logits=False)
+        else:
+            for name in MOE_FIELDS:
+                del d[name]
         return dict(sorted(d.items()))
+
+
+def _moe_fields(raw: dict[str, Any], num_layers: int, where: str) -> dict[str, Any]:
+    """The expert fields of a Qwen3MoeForCausalLM config (router_aux_loss_coef only matters in training)."""
+    if raw.get("num_experts") is None and raw.get("num_local_experts") is not None:  # transformers 5's name
+        raw = {**raw, "num_experts": raw["num_local_experts"]}
+    elif raw.get("num_local_experts") not in (None, raw.get("num_experts")):
+        raise ConfigError(f"{where}: num_experts={raw['num_experts']} contradicts "
+                          f"num_local_experts={raw['num_local_experts']}; keep one")
+    fields = {name: _require(raw, name, int, where)
+              for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+    fields["decoder_sparse_step"] = raw["decoder_sparse_step"] if raw.get("decoder_sparse_step") is not None else 1
+    for name, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{where}: field '{name}' must be a positive integer, found {value!r}")
+    if fields["num_experts_per_tok"] > fields["num_experts"]:
+        raise ConfigError(f"{where}: num_experts_per_tok={fields['num_experts_per_tok']} must not exceed "
+                          f"num_experts={fields['num_experts']}")
+    norm = raw.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ConfigError(f"{where}: field 'norm_topk_prob' must be true or false, found {norm!r}")
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers
+                                             for i in only):
+        raise ConfigError(f"{where}: field 'mlp_only_layers' must be a list of layer indices in "
+                          f"[0, {num_layers}), found {only!r}")
+    return dict(fields, norm_topk_prob=norm, mlp_only_layers=tuple(sorted(set(only))))
 
 
 def _positive_number(value: Any, name: str, where: str) -> float:

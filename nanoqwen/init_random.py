@@ -3,6 +3,8 @@
 The folder has what a hub checkpoint has: config.json and generation_config.json, the
 official Qwen3 tokenizer files (shipped in nanoqwen/assets), and the weights under the
 official tensor names in model.safetensors, or in shards with model.safetensors.index.json.
+MoE experts are written one tensor per expert matrix, as the official Qwen3-MoE checkpoints
+(and transformers' save_pretrained) store them, or, on request, stacked as transformers 5 holds them.
 """
 
 from __future__ import annotations
@@ -36,14 +38,23 @@ def _tiny() -> dict:
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 
 
+def _moe_tiny() -> dict:
+    """Qwen3-30B-A3B's config at toy size: 8 experts, top-2, 3 layers of which layer 1 is a dense MLP."""
+    return {**_official("Qwen3-30B-A3B"), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1], "max_window_layers": 3}
+
+
 PRESETS = {
     "tiny": _tiny,
+    "qwen3-moe-tiny": _moe_tiny,
     "qwen3-0.6b": lambda: _official("Qwen3-0.6B"),
     "qwen3-1.7b": lambda: _official("Qwen3-1.7B"),
     "qwen3-4b": lambda: _official("Qwen3-4B"),
     "qwen3-8b": lambda: _official("Qwen3-8B"),
     "qwen3-14b": lambda: _official("Qwen3-14B"),
     "qwen3-32b": lambda: _official("Qwen3-32B"),
+    "qwen3-30b-a3b": lambda: _official("Qwen3-30B-A3B"),
 }
 
 
@@ -53,8 +64,11 @@ def preset_config(preset: str) -> dict:
     return PRESETS[preset]()
 
 
-def checkpoint_shapes(config: Qwen3Config) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(official tensor name, shape) of every tensor a Qwen3 checkpoint with this config holds."""
+def checkpoint_shapes(config: Qwen3Config, fused_experts: bool = False) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(official tensor name, shape) of every tensor a Qwen3 checkpoint with this config holds.
+
+    fused_experts: MoE experts under transformers 5's stacked names instead of one tensor per expert matrix.
+    """
     h, d = config.hidden_size, config.head_dim
     q, kv, inter = config.num_attention_heads * d, config.num_key_value_heads * d, config.intermediate_size
     yield "model.embed_tokens.weight", (config.vocab_size, h)
@@ -72,12 +86,28 @@ def checkpoint_shapes(config: Qwen3Config) -> Iterator[tuple[str, tuple[int, ...
         yield p + "self_attn.q_norm.weight", (d,)
         yield p + "self_attn.k_norm.weight", (d,)
         yield p + "post_attention_layernorm.weight", (h,)
+        if config.is_moe_layer(i):
+            yield from _expert_shapes(config, p + "mlp.", fused_experts)
+            continue
         yield p + "mlp.gate_proj.weight", (inter, h)
         yield p + "mlp.up_proj.weight", (inter, h)
         yield p + "mlp.down_proj.weight", (h, inter)
     yield "model.norm.weight", (h,)
     if not config.tie_word_embeddings:
         yield "lm_head.weight", (config.vocab_size, h)
+
+
+def _expert_shapes(config: Qwen3Config, p: str, fused: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
+    e, h, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    yield p + "gate.weight", (e, h)  # the router
+    if fused:
+        yield p + "experts.gate_up_proj", (e, 2 * inter, h)
+        yield p + "experts.down_proj", (e, h, inter)
+        return
+    for j in range(e):
+        yield p + f"experts.{j}.gate_proj.weight", (inter, h)
+        yield p + f"experts.{j}.up_proj.weight", (inter, h)
+        yield p + f"experts.{j}.down_proj.weight", (h, inter)
 
 
 def random_tensor(name: str, shape: tuple[int, ...], std: float, generator: torch.Generator) -> torch.Tensor:
@@ -87,8 +117,12 @@ def random_tensor(name: str, shape: tuple[int, ...], std: float, generator: torc
 
 
 def write_random_model(out_dir: str | Path, config: dict | str = "tiny", dtype: str = "bfloat16",
-                       std: float = 0.02, seed: int = 0, max_shard_bytes: int = 2 << 30) -> Path:
-    """Write a model folder with config (a preset name or a config.json dict) and N(0, std) weights."""
+                       std: float = 0.02, seed: int = 0, max_shard_bytes: int = 2 << 30,
+                       fused_experts: bool = False) -> Path:
+    """Write a model folder with config (a preset name or a config.json dict) and N(0, std) weights.
+
+    fused_experts: write MoE experts stacked, as transformers 5 names them (see checkpoint_shapes).
+    """
     raw = preset_config(config) if isinstance(config, str) else dict(config)
     raw["torch_dtype"] = dtype
     cfg = Qwen3Config.from_dict(raw, where="config")  # validates before anything is written
@@ -101,7 +135,7 @@ def write_random_model(out_dir: str | Path, config: dict | str = "tiny", dtype: 
     torch_dtype = getattr(torch, dtype)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
-    for name, shape in checkpoint_shapes(cfg):
+    for name, shape in checkpoint_shapes(cfg, fused_experts):
         t = random_tensor(name, shape, std, generator).to(torch_dtype)
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:

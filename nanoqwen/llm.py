@@ -29,8 +29,10 @@ class LLM:
                  device: str | torch.device | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | float | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, seed: int | None = 0, tensor_parallel_size: int = 1) -> None:
+                 enable_prefix_caching: bool = True, seed: int | None = 0, enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1) -> None:
         """kv_cache_memory: bytes (int) or a fraction of free memory (float), per rank; see LLMEngine for defaults.
+        enforce_eager: skip torch.compile (faster start, slower steps).
 
         tensor_parallel_size N > 1 splits the model over N processes (N GPUs, or CPU processes), started here
         or by torchrun; `llm.llm_engine.shutdown()` stops them (as does garbage collection or exit).
@@ -39,7 +41,7 @@ class LLM:
                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     kv_cache_memory=kv_cache_memory, block_size=block_size,
                                     enable_prefix_caching=enable_prefix_caching, seed=seed,
-                                    tensor_parallel_size=tensor_parallel_size)
+                                    enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

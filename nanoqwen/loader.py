@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -41,13 +42,21 @@ STACKED_PARAMS = {
     "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
 }
+# MoE experts. The official checkpoints store each expert's matrices ("mlp.experts.{j}.gate_proj.weight"
+# [Ie, H], up_proj [Ie, H], down_proj [H, Ie]); they fill slice (j, half) of our stacked parameters
+# (half None: the whole expert). transformers 5's own parameter names ("mlp.experts.gate_up_proj"
+# [E, 2Ie, H], gate rows then up rows, and "mlp.experts.down_proj" [E, H, Ie]) are ours, loaded as they are.
+EXPERT_TENSOR = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+EXPERT_PARAMS = {"gate": ("mlp.experts.gate_up_proj", 0), "up": ("mlp.experts.gate_up_proj", 1),
+                 "down": ("mlp.experts.down_proj", None)}
+Shard = int | tuple[int, int | None] | None  # a slice of a stacked q/k/v or gate/up matrix, or of the experts
 
 # Tensor parallelism: the dimension of each parameter that is cut into N equal slices, rank r holding slice r
 # (models/qwen3.py builds the parameters at that size). A stacked parameter is cut part by part, so rank r
 # holds [q_r; k_r; v_r] and [gate_r; up_r]: each checkpoint tensor is sliced on its own and copied into the
-# rank's part. A checkpoint tensor's dimensions line up with the trailing ones of its parameter (MoE experts
-# stacked as [E, 2I, H] from per-expert [I, H] tensors would be `"mlp.experts.gate_up_proj": 1`).
-# Parameters not listed (the norms) are read whole by every rank.
+# rank's part. A checkpoint tensor's dimensions line up with the trailing ones of its parameter (an expert's
+# [Ie, H] gate_proj fills a [2Ie, H] slice of the [E, 2Ie, H] experts). Unlisted parameters (the norms, the
+# MoE router) are read whole by every rank.
 TP_SPLIT_DIM = {
     "embed_tokens.weight": 0,  # vocabulary rows
     "lm_head.weight": 0,
@@ -56,7 +65,12 @@ TP_SPLIT_DIM = {
     "self_attn.o_proj.weight": 1,  # row-parallel: the input columns of this rank's heads
     "mlp.gate_up_proj.weight": 0,  # column-parallel: this rank's MLP columns
     "mlp.down_proj.weight": 1,  # row-parallel
+    "mlp.experts.gate_up_proj": 1,  # [E, 2Ie, H]: this rank's columns of every expert
+    "mlp.experts.down_proj": 2,  # [E, H, Ie]
 }
+# A checkpoint tensor that fills a whole stacked parameter at once (transformers 5's fused experts) holds its
+# parts one after the other along the cut dimension: each part is cut on its own.
+TP_FUSED_PARTS = {"mlp.experts.gate_up_proj": 2}  # gate rows, then up rows
 # Row-parallel biases exist on rank 0 only (the all_reduce sums the ranks' parts, so it adds the bias once).
 TP_RANK0_ONLY = ("self_attn.o_proj.bias",)
 
@@ -117,7 +131,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-Part = tuple[int, int, int]  # (dimension, start, end): the slice of a checkpoint tensor to read
+# The part of a checkpoint tensor to read: (dimension, [(start, end), ...]), the ranges concatenated in order
+Part = tuple[int, list[tuple[int, int]]]
 Plan = Callable[[str, tuple[int, ...]], Part | None]  # (name, full shape) -> the part to read, None to skip it
 
 
@@ -135,33 +150,41 @@ def iter_checkpoint(files: list[Path], group_bytes: int = 128 << 20, plan: Plan 
             with safe_open(f, framework="pt", device="cpu") as st:
                 shapes = {name: (tuple(st.get_slice(name).get_shape()), st.get_slice(name).get_dtype())
                           for name in st.keys()}
-            pieces = []  # (name, first row, end row, first row of the part, index of the other dims, bytes)
+            pieces = []  # (name, first row, end row, its row in the part, (dim, ranges) or None, bytes)
             for name, (shape, dtype) in shapes.items():
                 if not shape:  # a scalar: read whole
                     pieces.append((name, 0, 1, 0, None, _DTYPE_BYTES.get(dtype, 4)))
                     continue
-                part = plan(name, shape) if plan is not None else (0, 0, shape[0])
+                part = plan(name, shape) if plan is not None else (0, [(0, shape[0])])
                 if part is None:
                     continue
-                dim, lo, hi = part
-                local = [*shape[:dim], hi - lo, *shape[dim + 1:]]
-                row_bytes = _DTYPE_BYTES.get(dtype, 4) * math.prod(local[1:])
-                first, last = (lo, hi) if dim == 0 else (0, shape[0])
-                tail = () if dim == 0 else (*[slice(None)] * (dim - 1), slice(lo, hi))  # e.g. [rows, lo:hi]
-                step = max(1, group_bytes // row_bytes) if len(shape) > 1 else last - first
-                pieces += [(name, r, min(r + step, last), first, tail, row_bytes * (min(r + step, last) - r))
-                           for r in range(first, last, step)]
+                dim, ranges = part
+                row_bytes = _DTYPE_BYTES.get(dtype, 4) * math.prod(shape[1:])
+                if dim > 0:  # a row holds only the ranges' share of dimension `dim`
+                    row_bytes = row_bytes // shape[dim] * sum(end - start for start, end in ranges)
+                row_ranges = ranges if dim == 0 else [(0, shape[0])]
+                done = 0  # rows of the part before this range
+                for first, last in row_ranges:
+                    step = max(1, group_bytes // max(row_bytes, 1)) if len(shape) > 1 else last - first
+                    pieces += [(name, r, min(r + step, last), done + r - first, (dim, ranges),
+                                row_bytes * (min(r + step, last) - r)) for r in range(first, last, step)]
+                    done += last - first
             while pieces:
                 group, total = [], 0
                 while pieces and (not group or total + pieces[0][5] <= group_bytes):
                     total += pieces[0][5]
                     group.append(pieces.pop(0))
                 with safe_open(f, framework="pt", device="cpu") as st:
-                    for name, start, end, first, tail, _ in group:
-                        if tail is None:
+                    for name, start, end, row, cut, _ in group:
+                        if cut is None:
                             yield name, 0, st.get_tensor(name)
+                        elif cut[0] == 0:
+                            yield name, row, st.get_slice(name)[start:end]
                         else:
-                            yield name, start - first, st.get_slice(name)[(slice(start, end), *tail)]
+                            dim, ranges = cut
+                            lead = (slice(start, end), *[slice(None)] * (dim - 1))  # e.g. [rows, :, a:b]
+                            reads = [st.get_slice(name)[(*lead, slice(a, b))] for a, b in ranges]
+                            yield name, row, reads[0] if len(reads) == 1 else torch.cat(reads, dim=dim)
 
 
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -180,7 +203,7 @@ def _reading(file: Path) -> Iterator[None]:
         raise WeightsError(f"{file} is truncated or corrupt ({e}); re-download it") from None
 
 
-def checkpoint_to_param(name: str) -> tuple[str, int | None] | None:
+def checkpoint_to_param(name: str) -> tuple[str, Shard] | None:
     """Our parameter name (and stacked slice) for a checkpoint tensor name; None if it has no place."""
     if name == "lm_head.weight":
         return name, None
@@ -191,13 +214,21 @@ def checkpoint_to_param(name: str) -> tuple[str, int | None] | None:
     if len(parts) == 3 and parts[0] == "layers" and parts[2] in STACKED_PARAMS:
         param, shard = STACKED_PARAMS[parts[2]]
         return f"layers.{parts[1]}.{param}", shard
+    if len(parts) == 3 and parts[0] == "layers" and (m := EXPERT_TENSOR.fullmatch(parts[2])):
+        param, half = EXPERT_PARAMS[m[2]]
+        return f"layers.{parts[1]}.{param}", (int(m[1]), half)
     return name, None
 
 
-def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: int | None) -> torch.Tensor:
+def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: Shard) -> torch.Tensor:
     """The part of `param` that checkpoint tensor `shard` fills (the whole tensor when not stacked)."""
     if shard is None:
         return param
+    if isinstance(shard, tuple):  # expert j of the stacked experts; half 0/1: its gate or up rows
+        expert, half = shard
+        if half is None:
+            return param[expert]
+        return param[expert].narrow(0, half * (param.shape[1] // 2), param.shape[1] // 2)
     if "qkv" in name:
         sizes = model.get_submodule(name.rsplit(".", 2)[0]).split_sizes
     else:
@@ -210,10 +241,10 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
     """Copy every checkpoint tensor (this rank's slice of it) into its parameter; error on missing, unexpected
     or misshaped ones."""
     params = dict(model.named_parameters())
-    expected = set(_expected_slices(model))
-    loaded: set[tuple[str, int | None]] = set()
+    expected = list(_expected_slices(model))
+    loaded: set[tuple[str, Shard]] = set()
     rank, size = model.tp_rank, model.tp_size
-    dests: dict[str, tuple[tuple[str, int | None], torch.Tensor]] = {}  # checkpoint name -> (target, where)
+    dests: dict[str, tuple[tuple[str, Shard], torch.Tensor]] = {}  # checkpoint name -> (target, where)
 
     def plan(ckpt_name: str, shape: tuple[int, ...]) -> Part | None:
         """Check a checkpoint tensor against its parameter and pick this rank's part of it."""
@@ -225,11 +256,13 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
         target = checkpoint_to_param(ckpt_name)
         if target is not None and target[0] not in params and rank > 0 and target[0].endswith(TP_RANK0_ONLY):
             return None
-        if target is None or target[0] not in params:
+        if target is None or target[0] not in params or (
+                isinstance(target[1], tuple) and target[1][0] >= params[target[0]].shape[0]):
             raise WeightsError(f"unexpected tensor {ckpt_name!r} in the checkpoint: it has no place in a "
                                f"Qwen3 model with this config.json")
-        dest = _slice(params[target[0]], model, target[0], target[1])
-        dim = tp_split_dim(target[0], params[target[0]].dim(), dest.dim()) if size > 1 else None
+        param = params[target[0]]
+        dest = _slice(param, model, target[0], target[1])
+        dim = tp_split_dim(target[0], param.dim(), dest.dim()) if size > 1 else None
         full = list(dest.shape)
         if dim is not None:
             full[dim] *= size
@@ -238,9 +271,12 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
                                f"but config.json implies {full}")
         dests[ckpt_name] = target, dest
         if dim is None:
-            return 0, 0, shape[0]
-        length = dest.shape[dim]
-        return dim, rank * length, (rank + 1) * length
+            return 0, [(0, shape[0])]
+        # this rank's slice of each stacked part (one part, unless the tensor fills a whole stacked parameter)
+        parts = next((n for suffix, n in TP_FUSED_PARTS.items() if target[0].endswith(suffix)), 1) \
+            if target[1] is None else 1
+        local, whole = dest.shape[dim] // parts, shape[dim] // parts
+        return dim, [(p * whole + rank * local, p * whole + (rank + 1) * local) for p in range(parts)]
 
     total = sum(f.stat().st_size for f in files) // size  # about what this rank reads
     if show_progress is None:
@@ -251,13 +287,16 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
             target, dest = dests[ckpt_name]
             dest[first_row: first_row + rows.shape[0]].copy_(rows)
             loaded.add(target)
+            if target[0].endswith(("experts.gate_up_proj", "experts.down_proj")) and target[1] is None:
+                loaded.update(_expert_slices(target[0], dest.shape[0]))  # a fused tensor fills every expert
             bar.update(rows.numel() * rows.element_size())
-    missing = sorted(expected - loaded, key=str)
+    missing = [s for s in expected if s not in loaded]  # in the model's order
     if missing:
         names = [_checkpoint_name(n, s) for n, s in missing]
         more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-        raise WeightsError(f"tensor {names[0]!r} is missing from the checkpoint (missing: {', '.join(names[:5])}"
-                           f"{more})")
+        stacked = f" (or the stacked 'model.{missing[0][0]}')" if isinstance(missing[0][1], tuple) else ""
+        raise WeightsError(f"tensor {names[0]!r}{stacked} is missing from the checkpoint "
+                           f"(missing: {', '.join(names[:5])}{more})")
     if model.config.tie_word_embeddings and not model.is_tied and torch.equal(model.lm_head.weight,
                                                                               model.embed_tokens.weight):
         model.lm_head.weight = model.embed_tokens.weight
@@ -271,21 +310,32 @@ def tp_split_dim(param: str, param_dims: int, tensor_dims: int) -> int | None:
     return None
 
 
-def _expected_slices(model: Qwen3ForCausalLM) -> Iterator[tuple[str, int | None]]:
+def _expected_slices(model: Qwen3ForCausalLM) -> Iterator[tuple[str, Shard]]:
     """(parameter, stacked slice) pairs that the checkpoint must fill."""
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
             yield from ((name, i) for i in range(3))
         elif name.endswith("gate_up_proj.weight"):
             yield from ((name, i) for i in range(2))
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            yield from _expert_slices(name, param.shape[0])
         else:
             yield name, None
 
 
-def _checkpoint_name(param: str, shard: int | None) -> str:
+def _expert_slices(param: str, num_experts: int) -> list[tuple[str, Shard]]:
+    """The per-expert checkpoint tensors that fill a stacked expert parameter, expert by expert."""
+    halves = (0, 1) if param.endswith("gate_up_proj") else (None,)
+    return [(param, (j, half)) for j in range(num_experts) for half in halves]
+
+
+def _checkpoint_name(param: str, shard: Shard) -> str:
     """The checkpoint tensor name for one of our parameters (for error messages)."""
     if param == "lm_head.weight":
         return param
+    if isinstance(shard, tuple):
+        kind = next(k for k, (ours, half) in EXPERT_PARAMS.items() if param.endswith(ours) and half == shard[1])
+        return f"model.{param.rsplit('.', 2)[0]}.experts.{shard[0]}.{kind}_proj.weight"
     for ckpt, (ours, s) in STACKED_PARAMS.items():
         if param.endswith(ours) and s == shard:
             return f"model.{param[: -len(ours)]}{ckpt}"

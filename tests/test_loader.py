@@ -179,7 +179,7 @@ def sample():  # the anonymous (heap) memory is not tracked by the kernel's high
 
 thread = threading.Thread(target=sample, daemon=True)
 thread.start()
-llm = LLM(sys.argv[1], dtype="float32", device="cpu", max_model_len=64)
+llm = LLM(sys.argv[1], dtype="float32", device="cpu", max_model_len=64, enforce_eager=True)  # loading only
 done.set()
 thread.join()
 after = status()

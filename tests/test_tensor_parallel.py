@@ -22,7 +22,7 @@ import nanoqwen.loader as loader
 from nanoqwen import LLM, ConfigError, EngineDeadError, SamplingParams
 from nanoqwen.config import Qwen3Config
 from nanoqwen.distributed import check_tensor_parallel_size, free_port
-from nanoqwen.init_random import preset_config
+from nanoqwen.init_random import preset_config, write_random_model
 
 pytestmark = pytest.mark.timeout(300)  # a hang fails the test instead of blocking the run
 
@@ -43,7 +43,35 @@ CASES = {
     "gqa2-untied": ("gqa2-untied", {}),
     "gqa4-sharded": ("gqa4-sharded", {"max_shard_bytes": 20 << 20}),
     "gqa2-bias": ("gqa2-untied", {"attention_bias": True}),
+    # Qwen3-MoE (8 experts, top-2, layer 1 dense), experts stored per expert as on the hub, or fused as
+    # transformers 5 saves them; and every other layer sparse, top-3 of 6, no renormalisation, tied head
+    "moe-per-expert": ("moe", {}),
+    "moe-fused": ("moe", {"fused_experts": True}),
+    "moe-step2-tied": ("moe", {"num_hidden_layers": 4, "mlp_only_layers": [], "decoder_sparse_step": 2,
+                               "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False,
+                               "tie_word_embeddings": True}),
 }
+
+
+@pytest.fixture(scope="module")
+def case_dir(checkpoint, tmp_path_factory):
+    """case_dir(case) -> a float32 checkpoint folder for one of CASES, written once."""
+    made = {}
+
+    def make(case: str):
+        name, overrides = CASES[case]
+        if case not in made:
+            if name == "moe":
+                overrides = dict(overrides)
+                fused = overrides.pop("fused_experts", False)
+                raw = {**preset_config("qwen3-moe-tiny"), **overrides}
+                made[case] = write_random_model(tmp_path_factory.mktemp(case), raw, dtype="float32", std=0.08,
+                                                fused_experts=fused)
+            else:
+                made[case] = checkpoint(name, dtype="float32", **overrides)
+        return made[case]
+
+    return make
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -58,6 +86,9 @@ def one_thread_per_rank():
 def make_llm(path, **kwargs) -> LLM:
     kwargs = {"max_model_len": 128, "kv_cache_memory": 8 << 20, "block_size": 4, **kwargs}
     return LLM(path, dtype="float32", device="cpu", **kwargs)
+
+
+EAGER = {"enforce_eager": True}  # where steps stay under the compiled kernels' 64 tokens: skip compiling them
 
 
 @contextlib.contextmanager
@@ -81,9 +112,8 @@ def run_all(llm: LLM) -> dict:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tp2_gives_the_tokens_of_tp1(checkpoint, case):
-    name, overrides = CASES[case]
-    path = checkpoint(name, dtype="float32", **overrides)
+def test_tp2_gives_the_tokens_of_tp1(case_dir, case):
+    path = case_dir(case)
     expected = run_all(make_llm(path))
     with tp_llm(path) as llm:
         engine = llm.llm_engine
@@ -103,7 +133,7 @@ def test_tp2_under_preemption_and_chunked_prefill(checkpoint):
     """A KV pool too small for the batch (preemptions) and 3-token steps (chunked prefill) on both ranks."""
     path = checkpoint("gqa2-untied", dtype="float32")
     per_token = 2 * 2 * 2 * 16 * 4  # TP=1: k and v, 2 layers, 2 kv heads, head_dim 16, float32; TP=2: half
-    kwargs = {"max_model_len": 52, "max_num_batched_tokens": 3, "max_num_seqs": 3}
+    kwargs = {"max_model_len": 52, "max_num_batched_tokens": 3, "max_num_seqs": 3, **EAGER}
     ref = make_llm(path, kv_cache_memory=52 * per_token, **kwargs)
     expected = [o.token_ids for o in ref.generate(PROMPTS, GREEDY, use_tqdm=False)]
     with tp_llm(path, kv_cache_memory=52 * per_token // 2, **kwargs) as llm:
@@ -125,8 +155,12 @@ def expected_shard(name: str, full: torch.Tensor, rank: int, config: Qwen3Config
         return torch.cat([half(p, 0) for p in full.split([q, kv, kv])])
     if name.endswith("gate_up_proj.weight"):
         return torch.cat([half(p, 0) for p in full.chunk(2)])
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "mlp.down_proj.weight")):
         return half(full, 1)
+    if name.endswith("experts.gate_up_proj"):  # [E, 2Ie, H]: each expert's gate rows, then its up rows
+        return torch.cat([half(p, 1) for p in full.chunk(2, dim=1)], dim=1)
+    if name.endswith("experts.down_proj"):  # [E, H, Ie]
+        return half(full, 2)
     if name.endswith("o_proj.bias"):
         return full if rank == 0 else None
     if name in ("embed_tokens.weight", "lm_head.weight"):
@@ -134,10 +168,9 @@ def expected_shard(name: str, full: torch.Tensor, rank: int, config: Qwen3Config
     return full  # norms: replicated
 
 
-@pytest.mark.parametrize("case", ["gqa4-sharded", "gqa2-bias", "gqa1-tied-headdim"])
-def test_each_rank_reads_and_holds_only_its_half(checkpoint, case, monkeypatch):
-    name, overrides = CASES[case]
-    path = checkpoint(name, dtype="float32", **overrides)
+@pytest.mark.parametrize("case", ["gqa4-sharded", "gqa2-bias", "gqa1-tied-headdim", "moe-per-expert", "moe-fused"])
+def test_each_rank_reads_and_holds_only_its_half(case_dir, case, monkeypatch):
+    path = case_dir(case)
     config = loader.load_config(path)
     read = [0]
     iter_checkpoint = loader.iter_checkpoint
@@ -230,7 +263,7 @@ def test_llm_refuses_before_starting_anything(checkpoint, monkeypatch):
 
 def test_killed_worker_stops_the_engine_within_seconds(checkpoint):
     path = checkpoint("gqa2-untied", dtype="float32")
-    llm = make_llm(path, tensor_parallel_size=2, max_model_len=4096, kv_cache_memory=16 << 20)
+    llm = make_llm(path, tensor_parallel_size=2, max_model_len=4096, kv_cache_memory=16 << 20, **EAGER)
     worker = llm.llm_engine.tp_group.procs[0]
     killed_at = []
 
@@ -258,7 +291,7 @@ def test_killed_worker_stops_the_engine_within_seconds(checkpoint):
 
 def test_ctrl_c_ends_the_step_then_interrupts_and_the_engine_keeps_working(checkpoint):
     path = checkpoint("gqa2-untied", dtype="float32")
-    with tp_llm(path, max_model_len=4096, kv_cache_memory=16 << 20) as llm:
+    with tp_llm(path, max_model_len=4096, kv_cache_memory=16 << 20, **EAGER) as llm:
         timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
         timer.start()
         try:
@@ -267,7 +300,7 @@ def test_ctrl_c_ends_the_step_then_interrupts_and_the_engine_keeps_working(check
         finally:
             timer.cancel()
         assert llm.llm_engine.tp_group.dead is None and not llm.llm_engine.requests  # aborted, group intact
-        expected = [o.token_ids for o in make_llm(path).generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+        expected = [o.token_ids for o in make_llm(path, **EAGER).generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
         assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] == expected
 
 
@@ -304,7 +337,7 @@ def test_failing_worker_stops_the_engine_with_its_error(checkpoint, tmp_path, mo
     (tmp_path / "sitecustomize.py").write_text(FAULT_HOOK)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("NANOQWEN_TEST_FAIL", "step")
-    llm = make_llm(path, tensor_parallel_size=2)
+    llm = make_llm(path, tensor_parallel_size=2, **EAGER)
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match=r"tensor-parallel worker 1 \(pid \d+\) exited with code 1: "
                                               r"OutOfMemoryError: simulated: out of memory in step 3; "
@@ -316,7 +349,7 @@ def test_failing_worker_stops_the_engine_with_its_error(checkpoint, tmp_path, mo
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match=r"worker 1 \(pid \d+\) exited with code 1: OutOfMemoryError: "
                                               r"simulated: out of memory while loading"):
-        make_llm(path, tensor_parallel_size=2)
+        make_llm(path, tensor_parallel_size=2, **EAGER)
     assert time.monotonic() - start < 60 and not dist.is_initialized()
 
 
@@ -327,7 +360,7 @@ def start_server(path, log, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "nanoqwen", "serve", "--model", str(path), "--port", str(port), "--dtype", "float32",
            "--device", "cpu", "--max-model-len", "1024", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
-           "--tensor-parallel-size", "2", *extra]
+           "--tensor-parallel-size", "2", "--enforce-eager", *extra]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -351,7 +384,7 @@ def test_server_with_tp2_answers_like_tp1_and_exits_when_a_worker_dies(checkpoin
     proc, base = start_server(path, log)
     try:
         messages = [{"role": "user", "content": "Why is the sky blue?"}]
-        ref = make_llm(path, max_model_len=1024).chat(messages, SamplingParams(temperature=0, max_tokens=12),
+        ref = make_llm(path, max_model_len=1024, **EAGER).chat(messages, SamplingParams(temperature=0, max_tokens=12),
                                                       use_tqdm=False)[0]
         body = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0}
         r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
@@ -397,11 +430,12 @@ def test_idle_server_exits_when_a_worker_dies(checkpoint, tmp_path):
 def test_torchrun_two_ranks_generate_like_tp1(checkpoint):
     path = checkpoint("gqa2-untied", dtype="float32")
     args = ["generate", "--model", str(path), "--prompt", "Hello, my name is", "--no-chat-template", "--max-tokens",
-            "10", "--temperature", "0", "--dtype", "float32", "--device", "cpu", "--max-model-len", "64"]
+            "10", "--temperature", "0", "--dtype", "float32", "--device", "cpu", "--max-model-len", "64",
+            "--enforce-eager"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "nanoqwen",
            *args, "--tensor-parallel-size", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
-    ref = make_llm(path, max_model_len=64).generate("Hello, my name is", SamplingParams(temperature=0, max_tokens=10),
-                                                    use_tqdm=False)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    ref = make_llm(path, max_model_len=64, **EAGER).generate("Hello, my name is", greedy, use_tqdm=False)[0]
     assert result.stdout == ref.text + "\n"  # printed once: by rank 0

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from nanoqwen.compilation import select_kernels
 from nanoqwen.config import GenerationConfig
 from nanoqwen.device import resolve_device, resolve_dtype
 from nanoqwen.distributed import check_tensor_parallel_size
@@ -41,7 +42,9 @@ class LLMEngine:
                  device: str | torch.device | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | float | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, seed: int | None = 0, tensor_parallel_size: int = 1) -> None:
+                 enable_prefix_caching: bool = True, seed: int | None = 0, enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1) -> None:
+        """enforce_eager: run every op eagerly (no torch.compile of the elementwise kernels on CPU)."""
         self.model_dir = resolve_model_path(str(model))
         self.config = load_config(self.model_dir)
         check_tensor_parallel_size(self.config, tensor_parallel_size)
@@ -67,7 +70,7 @@ class LLMEngine:
             self.device = self.tp_group.device
             weakref.finalize(self, self.tp_group.shutdown)
         try:
-            self._load(max_model_len, kv_cache_memory, block_size)
+            self._load(max_model_len, kv_cache_memory, block_size, enforce_eager)
         except BaseException as e:
             if self.tp_group is None:
                 raise
@@ -82,14 +85,16 @@ class LLMEngine:
             seed if seed is not None else random.randrange(2**63))
         self.requests: dict[str, RequestState] = {}
 
-    def _load(self, max_model_len: int | None, kv_cache_memory: int | float | None, block_size: int) -> None:
+    def _load(self, max_model_len: int | None, kv_cache_memory: int | float | None, block_size: int,
+              enforce_eager: bool) -> None:
         """Load the weights (this rank's shard) and size the KV cache; the workers do the same with theirs."""
         limit = self.config.max_position_embeddings
         tp = self.tp_group
         if tp is not None:
-            tp.send(LoadModel(str(self.model_dir), self.dtype, max_model_len or limit))
+            tp.send(LoadModel(str(self.model_dir), self.dtype, max_model_len or limit, enforce_eager))
         model_ = load_model(self.model_dir, self.config, self.dtype, self.device, max_model_len or limit,
                             tp_rank=0, tp_size=tp.size if tp else 1)
+        select_kernels(self.device, self.dtype, enforce_eager)
         # The KV pool: as many blocks as the budget holds; it must fit at least one full-length sequence.
         # With tensor parallelism the budget is per rank, and a rank's block holds only its heads.
         c = self.config

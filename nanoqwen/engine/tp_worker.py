@@ -47,6 +47,7 @@ class LoadModel:
     model_dir: str
     dtype: torch.dtype
     max_model_len: int
+    enforce_eager: bool = False
 
 
 class TPGroup:
@@ -275,15 +276,17 @@ def worker_main(argv: list[str] | None = None) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}"))
         print(f"nanoqwen tensor-parallel worker {args.rank} failed:", file=sys.stderr)
         traceback.print_exc()
-        sys.exit(1)
-    finally:
-        conn.close()
+        sys.stderr.flush()
+        # Leave now: a process group left mid-collective can abort in its C++ destructors at a normal exit.
+        os._exit(1)
+    conn.close()
     distributed.destroy_tensor_parallel()
 
 
 def run_worker(rank: int, size: int, device: torch.device, model_dir: Path | None = None) -> None:
     """Load this rank's shard (from model_dir, else rank 0's path), then run every step rank 0 sends until it
     says stop (None)."""
+    from nanoqwen.compilation import select_kernels
     from nanoqwen.engine.model_runner import ModelRunner
     from nanoqwen.loader import load_config, load_model
 
@@ -293,6 +296,7 @@ def run_worker(rank: int, size: int, device: torch.device, model_dir: Path | Non
     model_dir = model_dir or Path(load.model_dir)
     model = load_model(model_dir, load_config(model_dir), load.dtype, device, load.max_model_len, rank, size,
                        show_progress=False)
+    select_kernels(device, load.dtype, load.enforce_eager)
     kv = distributed.broadcast_object()
     if kv is None:
         return

@@ -1,7 +1,8 @@
-"""The Qwen3 dense decoder, written from plain tensor operations.
+"""The Qwen3 decoder (dense and MoE), written from plain tensor operations.
 
-Read top to bottom: RMSNorm -> RoPE -> attention (QK-norm, GQA) -> SwiGLU MLP -> decoder
-layer -> the whole model. It computes what transformers' Qwen3ForCausalLM computes.
+Read top to bottom: RMSNorm -> RoPE -> attention (QK-norm, GQA) -> SwiGLU MLP or sparse MoE
+block -> decoder layer -> the whole model. It computes what transformers' Qwen3ForCausalLM and
+Qwen3MoeForCausalLM compute.
 
 Two layout choices, both made so one batch can mix sequences of different lengths:
 - Tokens are flat: a batch of sequences is one [num_tokens, hidden] tensor, so every matmul
@@ -11,14 +12,16 @@ Two layout choices, both made so one batch can mix sequences of different length
   `gate_up_proj` (stacked at load time), so each layer does two big matmuls instead of five.
 
 Shapes: N = tokens in the batch, H = hidden_size, Hq/Hkv = query/key-value heads,
-D = head_dim, I = intermediate_size, V = vocab_size.
+D = head_dim, I = intermediate_size, V = vocab_size; MoE: E = num_experts, K = num_experts_per_tok,
+Ie = moe_intermediate_size.
 
 Tensor parallelism (tp_size ranks, nanoqwen/distributed.py): each rank holds Hq/tp query heads and Hkv/tp
 key-value heads (qkv_proj split by rows, "column-parallel"), I/tp MLP columns (gate_up_proj by rows), and
 the matching input columns of o_proj and down_proj ("row-parallel"): a rank's o_proj/down_proj output is
-its part of a sum, and one all_reduce per projection adds the parts. The embedding and the LM head are
-split over the vocabulary. So a layer costs two all_reduce calls, and they are the only places ranks talk.
-At tp_size 1 every all_reduce is skipped and this is the plain model.
+its part of a sum, and one all_reduce per projection adds the parts. MoE experts are split the same way over
+Ie (the router is whole on every rank, so all ranks pick the same experts), with one all_reduce after the
+expert sum. The embedding and the LM head are split over the vocabulary. So a layer costs two all_reduce
+calls, and they are the only places ranks talk. At tp_size 1 every all_reduce is skipped: the plain model.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: Qwen3Config) -> tuple[torch.Tensor, float]:
@@ -118,6 +121,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [N, 2I] (gate and up stacked) -> [N, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Kernels:
+    """The elementwise functions the layers call. nanoqwen/compilation.py may swap in torch.compile'd
+    versions of the same functions (one fused kernel each); these plain ones stay the reference."""
+
+    rms_norm = staticmethod(rms_norm)
+    apply_rope = staticmethod(apply_rope)
+    swiglu = staticmethod(swiglu)
+
+
+kernels = Kernels()
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
                         ) -> torch.Tensor:
     """Grouped-query attention, the documented reference path.
@@ -140,6 +161,34 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                    causal: bool = False) -> torch.Tensor:
     """The same function as attention_reference through torch's fused kernel (faster)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+
+
+def prefill_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int,
+                              block: int = 128) -> torch.Tensor:
+    """attention_reference for one prompt chunk, causal, in blocks of query rows (the CPU fast path in bf16/fp16).
+
+    q [Hq, T, D] at positions num_cached .. num_cached + T - 1; k, v [Hkv, S, D] with S = num_cached + T.
+    Query block [start, end) only needs keys 0 .. num_cached + end - 1, so the causal half is never
+    computed, and only the block's last `end - start` keys need masking. The scores are rounded to the
+    activation dtype, as transformers' eager attention does (softmax still accumulates in float32
+    inside torch); on CPU this is 3-4x faster than torch's fused kernel for bf16.
+    """
+    hq, t, d = q.shape
+    hkv = k.shape[0]
+    k, v = k.contiguous(), v.contiguous()  # one copy out of the paged pool's layout, not one per block
+    qg = q.view(hkv, hq // hkv, t, d)  # the G query heads of each key/value head, never repeating K/V
+    out = torch.empty_like(qg)
+    future = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)  # key after query
+    no_bias = q.new_empty(1, 1, 1)
+    for start in range(0, t, block):
+        end = min(start + block, t)
+        b, keys = end - start, num_cached + end
+        qb = qg[:, :, start:end].reshape(hkv, -1, d)  # [Hkv, G*b, D]
+        scores = torch.baddbmm(no_bias, qb, k[:, :keys].transpose(1, 2), beta=0, alpha=d**-0.5)
+        scores.view(hkv, -1, b, keys)[..., keys - b:].masked_fill_(future[:b, :b], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [Hkv, G*b, keys]
+        out[:, :, start:end] = (probs @ v[:, :keys]).view(hkv, -1, b, d)
+    return out.view(hq, t, d)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -173,8 +222,8 @@ class Attention(nn.Module):
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rope(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)  # [N, Hq, D]
-        k = apply_rope(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)  # [N, Hkv, D]
+        q = kernels.apply_rope(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)  # [N, Hq, D]
+        k = kernels.apply_rope(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)  # [N, Hkv, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)
         kv_cache.store(self.layer_idx, k, v, meta)
         out = torch.empty_like(q)  # [N, Hq, D]
@@ -187,10 +236,13 @@ class Attention(nn.Module):
         for chunk in meta.prefills:
             k_ctx, v_ctx = kv_cache.sequence_context(self.layer_idx, chunk)  # [1, Hkv, S, D]
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
-            causal = chunk.context_len == chunk.query_len  # nothing cached before: the plain causal mask
-            o = attention_sdpa(qp, k_ctx, v_ctx, None if causal else chunk.mask, causal=causal)
-            out[rows] = o.squeeze(0).transpose(0, 1)
+            qp = q[rows].transpose(0, 1)  # [Hq, T, D]
+            if q.device.type == "cpu" and q.dtype != torch.float32:
+                o = prefill_attention_blocked(qp, k_ctx[0], v_ctx[0], chunk.context_len - chunk.query_len)
+            else:
+                causal = chunk.context_len == chunk.query_len  # nothing cached before: the plain causal mask
+                o = attention_sdpa(qp[None], k_ctx, v_ctx, None if causal else chunk.mask, causal=causal)[0]
+            out[rows] = o.transpose(0, 1)
         out = self.o_proj(out.view(n, -1))  # [N, H]; with tp_size > 1 only this rank's heads' share
         return all_reduce(out) if self.tp_size > 1 else out
 
@@ -208,8 +260,76 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size // tp_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)  # [N, H]; with tp_size > 1 this rank's columns' share
+        out = self.down_proj(kernels.swiglu(self.gate_up_proj(x)))  # [N, H]; with tp_size > 1 this rank's share
+        return all_reduce(out) if self.tp_size > 1 else out
+
+
+def experts_reference(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                      expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The definition, token by token: out[n] = sum_k weights[n, k] * expert_{expert_ids[n, k]}(x[n]).
+
+    x [N, H]; gate_up_proj [E, 2Ie, H]; down_proj [E, H, Ie]; expert_ids, weights [N, K] -> [N, H].
+    Every token's K experts' matrices are gathered ([N, K, 2Ie, H]): clear, but too big for real use.
+    """
+    gate, up = torch.einsum("nkjh,nh->nkj", gate_up_proj[expert_ids], x).chunk(2, dim=-1)  # [N, K, Ie] each
+    out = torch.einsum("nkhi,nki->nkh", down_proj[expert_ids], F.silu(gate) * up)  # [N, K, H]
+    return (out * weights[..., None]).sum(1)
+
+
+class Experts(nn.Module):
+    """E SwiGLU MLPs, stacked: gate_up_proj [E, 2Ie, H] (each expert's gate rows, then its up rows), down_proj
+    [E, H, Ie]. Tensor parallelism splits every expert over Ie, like the dense MLP over I: a rank holds
+    Ie/tp of each expert's columns ([gate_r; up_r] rows, the matching down_proj columns)."""
+
+    def __init__(self, config: Qwen3Config, tp_size: int = 1) -> None:
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size // tp_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """experts_reference, grouped by expert: x [N, H]; expert_ids, weights [N, K] -> [N, H].
+
+        The N*K (token, expert) assignments are sorted by expert, so each expert that got tokens runs
+        one matmul pair over all of its tokens; results are weighted and added back to their tokens.
+        """
+        k = expert_ids.shape[1]
+        order = expert_ids.flatten().argsort(stable=True)  # [N*K] assignments, grouped by expert
+        tokens = order // k  # [N*K] the token of each sorted assignment
+        xs, ws = x[tokens], weights.flatten()[order, None]  # [N*K, H], [N*K, 1]
+        counts = torch.bincount(expert_ids.flatten(), minlength=self.gate_up_proj.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            start += count
+            gate, up = F.linear(xs[rows], self.gate_up_proj[e]).chunk(2, dim=-1)  # [count, Ie] each
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [count, H]
+            out.index_add_(0, tokens[rows], y * ws[rows])
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Route each token to its top-K of E experts and sum their outputs, weighted by the router."""
+
+    def __init__(self, config: Qwen3Config, tp_size: int = 1) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.tp_size = config.num_experts_per_tok, config.norm_topk_prob, tp_size
+        self.gate = Linear(config.hidden_size, config.num_experts)  # the router, whole on every rank
+        self.experts = Experts(config, tp_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (expert ids [N, K], weights [N, K] in x's dtype), computed as transformers does."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [N, E]
+        weights, expert_ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return expert_ids, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, *self.route(x))  # with tp_size > 1 this rank's share of every expert's output
         return all_reduce(out) if self.tp_size > 1 else out
 
 
@@ -219,7 +339,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp_size)
+        self.mlp = SparseMoeBlock(config, tp_size) if config.is_moe_layer(layer_idx) else MLP(config, tp_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

@@ -72,7 +72,8 @@ def serve(args: argparse.Namespace) -> None:
     engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_enable_prefix_caching,
-                       seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+                       seed=args.seed, enforce_eager=args.enforce_eager,
+                       tensor_parallel_size=args.tensor_parallel_size)
     try:
         _run(args, engine, _Server)
     finally:

@@ -1,0 +1,72 @@
+"""torch.compile'd elementwise kernels compute what the plain functions in models/qwen3.py compute."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanoqwen import LLM, SamplingParams
+from nanoqwen.compilation import FUNCTIONS, MIN_COMPILED_TOKENS, compile_kernels, use_eager_kernels
+from nanoqwen.models import qwen3
+
+
+@pytest.fixture
+def compiled():
+    assert compile_kernels(torch.device("cpu"), torch.float32)
+    yield qwen3.kernels
+    compile_kernels(torch.device("cpu"), torch.float32)  # leave the default state for later tests
+
+
+def test_compiled_kernels_equal_the_reference_functions(compiled):
+    assert compiled.rms_norm is not qwen3.rms_norm  # really swapped in
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5, MIN_COMPILED_TOKENS):  # the small calls run eager; the compiled functions are tested directly too
+        compiled = SimpleNamespace(**{name: getattr(qwen3.kernels, name).compiled for name in FUNCTIONS}) \
+            if n < MIN_COMPILED_TOKENS else qwen3.kernels
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+            x = torch.randn(n, 4, 32, generator=g).to(dtype)
+            w = (torch.rand(32, generator=g) + 0.5).to(dtype)
+            cos, sin = torch.randn(n, 32, generator=g).to(dtype), torch.randn(n, 32, generator=g).to(dtype)
+            with torch.inference_mode():
+                pairs = [(compiled.rms_norm(x, w, 1e-6), qwen3.rms_norm(x, w, 1e-6)),
+                         (compiled.rms_norm(x.view(n, 128), w.repeat(4), 1e-6),
+                          qwen3.rms_norm(x.view(n, 128), w.repeat(4), 1e-6)),
+                         (compiled.apply_rope(x, cos, sin), qwen3.apply_rope(x, cos, sin)),
+                         (compiled.swiglu(x.view(n, 128)), qwen3.swiglu(x.view(n, 128)))]
+            for got, want in pairs:
+                assert got.shape == want.shape and got.dtype == want.dtype
+                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_engine_compiles_by_default_and_matches_enforce_eager(tiny_dir):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    eager = LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=64, enforce_eager=True)
+    assert eager.llm_engine.model.layers[0].input_layernorm is not None
+    assert qwen3.kernels.rms_norm is qwen3.rms_norm  # enforce_eager puts the plain functions back
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=64)
+    assert qwen3.kernels.rms_norm is not qwen3.rms_norm
+    got = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch, caplog):
+    use_eager_kernels()
+
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no C++ compiler found")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level(logging.WARNING, logger="nanoqwen"):
+        assert compile_kernels(torch.device("cpu"), torch.float32) is False
+    assert "no C++ compiler found" in caplog.text and "enforce-eager" in caplog.text
+    assert qwen3.kernels.rms_norm is qwen3.rms_norm
+    monkeypatch.undo()
+    use_eager_kernels()
+    assert compile_kernels(torch.device("cpu"), torch.float32)
