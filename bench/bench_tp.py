@@ -1,11 +1,13 @@
 """Tensor parallelism on CPU: the same workload with tensor_parallel_size 1 and 2.
 
-    python bench/bench_tp.py                    # random Qwen3-0.6B-shaped checkpoint, bfloat16, 2 threads in all
-    python bench/bench_tp.py --model DIR --threads 8 --sizes 1 2 4
+    python bench/bench_tp.py                     # random Qwen3-0.6B-shaped checkpoint, bfloat16: 1x2 2x1
+    python bench/bench_tp.py --configs 1x2 1x1 2x1 --repeat 3
+    python bench/bench_tp.py --model DIR --configs 1x8 2x4 4x2
 
-Each size runs in its own process tree and gets the same number of threads in all: TP=N runs N ranks (gloo)
-with threads/N each. --repeat R alternates the sizes R times (1, 2, 1, 2, ...) and keeps each one's best run,
-so a burst of other work on a shared machine does not land on one size only.
+A config SIZExTHREADS runs tensor_parallel_size SIZE with THREADS torch threads per rank, in its own process
+tree (the ranks talk over gloo). 1x2 vs 2x1 gives both the same two cores. --repeat R alternates the configs
+R times and keeps each one's best run, so a burst of other work on a shared machine does not land on one
+config only.
 
 Two measures: throughput of one `generate` over a batch of random requests, and single-stream decode (one
 request, where every step pays the all-reduces: two per layer, plus the embedding and the LM-head gather).
@@ -28,12 +30,12 @@ from pathlib import Path
 from nanoqwen import benchmark
 
 
-def child(args: argparse.Namespace, size: int) -> dict:
+def child(args: argparse.Namespace, size: int, threads: int) -> dict:
     import torch
 
     from nanoqwen import LLM, SamplingParams
 
-    torch.set_num_threads(max(1, args.threads // size))  # the workers take rank 0's thread count
+    torch.set_num_threads(threads)  # the workers take rank 0's thread count
     start = time.perf_counter()
     llm = LLM(str(args.model), dtype=args.dtype, device="cpu", max_model_len=1024, kv_cache_memory=512 << 20,
               tensor_parallel_size=size, max_num_seqs=args.num_requests)
@@ -69,34 +71,35 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=None, help="default: the random Qwen3-0.6B-shaped checkpoint")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--threads", type=int, default=2, help="threads in all, split over the ranks (default 2)")
-    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--configs", nargs="+", default=["1x2", "2x1"],
+                   help="SIZExTHREADS: tensor_parallel_size and threads per rank (default: 1x2 2x1)")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--min-input", type=int, default=64)
     p.add_argument("--max-input", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--single-len", type=int, default=64, help="tokens decoded by the single stream")
-    p.add_argument("--repeat", type=int, default=1, help="alternate the sizes this many times, keep each best")
-    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--repeat", type=int, default=1, help="alternate the configs this many times, keep each best")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.model is None:
         args.model = benchmark.ensure_random_checkpoint(benchmark.default_checkpoint_dir())
     if args.child is not None:
-        print(json.dumps(child(args, args.child)))
+        size, threads = map(int, args.child.split("x"))
+        print(json.dumps(child(args, size, threads)))
         return
-    best: dict[int, dict] = {}
+    best: dict[str, dict] = {}
     for _ in range(args.repeat):
-        for size in args.sizes:
-            cmd = [sys.executable, __file__, "--child", str(size), *sys.argv[1:]]
+        for config in args.configs:
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--child", config]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             run = json.loads(out.strip().splitlines()[-1])
             print(json.dumps(run), file=sys.stderr)
             for key in ("batch_output_tok_s", "batch_total_tok_s", "single_decode_tok_s"):
-                run[key] = max(run[key], best.get(size, run)[key])
-            best[size] = run
-    results = [best[size] for size in args.sizes]
+                run[key] = max(run[key], best.get(config, run)[key])
+            best[config] = run
+    results = [best[config] for config in args.configs]
     base = results[0]
-    print(f"model {args.model} ({args.dtype}), {args.threads} threads in all; {args.num_requests} requests, prompts "
+    print(f"model {args.model} ({args.dtype}); {args.num_requests} requests, prompts "
           f"{args.min_input}-{args.max_input} tokens, {args.output_len} output tokens each; single stream "
           f"{args.single_len} tokens; best of {args.repeat} alternating run(s)\n")
     print("| tensor_parallel_size | threads/rank | batch output tok/s | batch total tok/s | single-stream decode "

@@ -201,6 +201,23 @@ def test_each_rank_reads_and_holds_only_its_half(case_dir, case, monkeypatch):
         assert 0.5 <= held < 0.52 and 0.5 <= rank_read < 0.52, (rank, held, rank_read)
 
 
+def test_iter_checkpoint_reads_planned_ranges_in_row_blocks(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = {"a": torch.arange(24.0).view(6, 4), "b": torch.arange(36.0).view(3, 2, 6), "c": torch.arange(5.0)}
+    save_file(tensors, tmp_path / "m.safetensors")
+    plans = {"a": (0, [(0, 1), (3, 5)]), "b": (2, [(0, 2), (4, 6)]), "c": None}
+    got: dict[str, torch.Tensor] = {}
+    for name, first_row, rows in loader.iter_checkpoint([tmp_path / "m.safetensors"], group_bytes=16,
+                                                        plan=lambda name, shape: plans[name]):
+        assert rows.shape[0] == 1  # 16-byte groups: one row at a time
+        part = got.setdefault(name, torch.full((3, *rows.shape[1:]), -1.0))
+        part[first_row: first_row + 1] = rows
+    assert set(got) == {"a", "b"}  # "c" skipped
+    assert torch.equal(got["a"], tensors["a"][[0, 3, 4]])
+    assert torch.equal(got["b"], torch.cat([tensors["b"][..., 0:2], tensors["b"][..., 4:6]], dim=2))
+
+
 def test_misshaped_tensor_is_reported_with_full_shapes(checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
 
