@@ -19,6 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + answer in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on GPU, run decode steps eagerly instead of replaying captured CUDA graphs")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -34,7 +36,7 @@ def build_llm(args: argparse.Namespace):
     from nanoqwen.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               max_num_seqs=1, seed=args.seed)
+               max_num_seqs=1, seed=args.seed, enforce_eager=args.enforce_eager)
 
 
 def sampling_params(llm, args: argparse.Namespace):
