@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # nanoqwen on a CUDA GPU in one run: setup, GPU correctness checks, benchmarks against transformers.
 #
-#   bench/gpu.sh                      # every stage (about 6 minutes on an H200)
+#   bench/gpu.sh                      # every stage, within GPU_SH_BUDGET seconds (default 540)
 #   bench/gpu.sh setup kernels parity # only these stages (setup always runs first)
 #
 # Stages: setup (a Python with CUDA torch, the packages), checkpoint (a random Qwen3-0.6B-shaped checkpoint),
@@ -26,6 +26,7 @@ SUMMARY="$OUT/summary.md"
 MODEL=bench/.models/qwen3-0.6b-random-bf16
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
+PIP_FLAGS=(-q --disable-pip-version-check --retries 1 --timeout 20)  # fail fast on a machine without network
 
 say() { echo "[gpu.sh $((SECONDS - START))s] $*"; }
 want() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -64,7 +65,7 @@ for candidate in "${PYTHON:-}" .venv/bin/python python3 python; do
 done
 if [ -z "$PY" ]; then
   say "no Python with a CUDA-enabled torch: installing the normal torch wheel into .venv-gpu"
-  python3 -m venv .venv-gpu && timeout 300 .venv-gpu/bin/python -m pip install -q torch
+  python3 -m venv .venv-gpu && timeout 300 .venv-gpu/bin/python -m pip install "${PIP_FLAGS[@]}" torch
   has_cuda_torch .venv-gpu/bin/python && PY=.venv-gpu/bin/python
 fi
 if [ -z "$PY" ]; then
@@ -75,7 +76,7 @@ fi
 # nanoqwen runs from this folder (PYTHONPATH); install only what is missing, keeping the CUDA torch as it is.
 if ! "$PY" -c 'import tokenizers, safetensors, jinja2, tqdm, numpy, huggingface_hub, transformers, triton' 2>/dev/null; then
   say "installing missing packages (pip install -e .[test]; torch is kept)"
-  timeout 300 "$PY" -m pip install -q -e ".[test]" || say "pip install failed: continuing with what is there"
+  timeout 300 "$PY" -m pip install "${PIP_FLAGS[@]}" -e ".[test]" || say "pip install failed: continuing with what is there"
 fi
 "$PY" -c 'import tokenizers, safetensors, jinja2, tqdm, numpy, huggingface_hub' || {
   say "FATAL: nanoqwen's dependencies are missing"

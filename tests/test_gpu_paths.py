@@ -285,10 +285,15 @@ def test_padding_rows_do_not_change_the_real_rows(model_dir, monkeypatch):
 
 
 @needs_triton
-def test_engine_with_the_triton_kernel_gives_the_default_tokens(model_dir, expected, triton_kernel, monkeypatch):
-    """The kernel inside the model (strided q/out row slices, the real cache layout), under the interpreter."""
+@pytest.mark.parametrize("eager", [True, False])
+def test_engine_with_the_triton_kernel_gives_the_default_tokens(model_dir, expected, triton_kernel, monkeypatch,
+                                                                eager):
+    """The kernel inside the model (strided q/out row slices, the real cache layout), under the interpreter;
+    eager=False: on the graph runner's padded static buffers (tables as wide as max_model_len allows)."""
     monkeypatch.setenv("NANOQWEN_PAGED_ATTENTION", "triton")
-    llm = make_llm(model_dir, enforce_eager=True)
+    llm = make_llm(model_dir, enforce_eager=eager, max_num_seqs=4)
+    assert (llm.llm_engine.runner.graph_runner is None) == eager
     calls = count_calls(monkeypatch, qwen3, "paged_decode_attention")
-    assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] == expected[:2]
+    # 3 sequences: the graph runner pads them to 4 rows, one of them empty (context_len 0)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)] == expected[:3]
     assert calls and all(c[-1] == "triton" for c in calls)
