@@ -31,7 +31,7 @@ class LLM:
                  kv_cache_memory: int | float | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, seed: int | None = 0, enforce_eager: bool = False) -> None:
         """kv_cache_memory: bytes (int) or a fraction of free memory (float); see LLMEngine for defaults.
-        enforce_eager: skip torch.compile (faster start, slower steps)."""
+        enforce_eager: no torch.compile (CPU) and no CUDA graphs (GPU): faster start, slower steps."""
         self.llm_engine = LLMEngine(model, dtype=dtype, device=device, max_model_len=max_model_len,
                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     kv_cache_memory=kv_cache_memory, block_size=block_size,

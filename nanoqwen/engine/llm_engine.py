@@ -36,7 +36,7 @@ class LLMEngine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | float | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, seed: int | None = 0, enforce_eager: bool = False) -> None:
-        """enforce_eager: run every op eagerly (no torch.compile of the elementwise kernels on CPU)."""
+        """enforce_eager: no torch.compile of elementwise kernels (CPU), no CUDA graphs for decode steps (GPU)."""
         self.model_dir = resolve_model_path(str(model))
         self.config = load_config(self.model_dir)
         self.generation_config = GenerationConfig.from_file(
@@ -73,7 +73,8 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory or lower max_model_len")
         if self.max_model_len < limit and max_model_len is None:
             logger.info("max_model_len set to %d, what the KV cache budget holds", self.max_model_len)
-        self.runner = ModelRunner(model_, num_blocks, block_size)
+        self.runner = ModelRunner(model_, num_blocks, block_size, max_num_seqs=max_num_seqs,
+                                  max_model_len=self.max_model_len, enforce_eager=enforce_eager)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)

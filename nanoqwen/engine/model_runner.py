@@ -2,22 +2,50 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
+from nanoqwen.engine.cuda_graph import CUDAGraphRunner
 from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache
 from nanoqwen.engine.scheduler import ScheduledBatch
 from nanoqwen.engine.sequence import Sequence
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
+from nanoqwen.ops.paged_attention import attention_backend
 from nanoqwen.sampler import TokenLogprobs, sample
+
+logger = logging.getLogger("nanoqwen")
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int) -> None:
+    """Owns the model and its KV cache. On CUDA, decode attention reads the cache in place
+    (ops/paged_attention.py) and, unless enforce_eager, pure decode steps replay CUDA graphs (engine/cuda_graph.py).
+    """
+
+    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int, *, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, enforce_eager: bool = False) -> None:
         self.model = model
         self.device = model.embed_tokens.weight.device
         c = model.config
-        self.kv_cache = KVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
-                                model.embed_tokens.weight.dtype, self.device)
+        self.attention_backend = attention_backend(self.device, block_size)  # None: the CPU grouped gather path
+        # Graphs need the paged kernels; on CPU they are never captured (NANOQWEN_PAGED_ATTENTION=torch runs the same
+        # padded static-buffer steps eagerly there, for tests).
+        use_runner = not enforce_eager and self.attention_backend is not None
+        # One extra block, never handed out by the block manager: graph padding rows write their keys/values there.
+        self.kv_cache = KVCache(c.num_hidden_layers, num_blocks + use_runner, block_size, c.num_key_value_heads,
+                                c.head_dim, model.embed_tokens.weight.dtype, self.device)
+        self.graph_runner: CUDAGraphRunner | None = None
+        if use_runner:
+            max_blocks = -(-(max_model_len or c.max_position_embeddings) // block_size)
+            self.graph_runner = CUDAGraphRunner(model, self.kv_cache, num_blocks * block_size, max_num_seqs,
+                                                max_blocks, self.attention_backend,
+                                                use_graphs=self.device.type == "cuda")
+            start = time.perf_counter()
+            self.graph_runner.capture()
+            if self.graph_runner.use_graphs:
+                logger.info("captured %d CUDA graphs (decode batch sizes %s) in %.1f s", len(self.graph_runner.graphs),
+                            self.graph_runner.batch_sizes, time.perf_counter() - start)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -46,15 +74,21 @@ class ModelRunner:
             prefill.append((seq.block_table, start, n))
             if start + n == seq.num_tokens:
                 sample_from(len(input_ids) - 1, seq)
-        meta = AttentionMetadata.build(decode, prefill, self.kv_cache.block_size, self.device)
-        hidden = self.model(torch.tensor(input_ids, device=self.device), meta.positions, self.kv_cache, meta)
+        if not prefill and self.graph_runner is not None and self.graph_runner.can_run(decode):
+            logits = self.graph_runner.run(input_ids, decode)  # [b, V], padded to a captured batch size inside
+            if rows != list(range(len(decode))):
+                logits = logits[torch.tensor(rows, device=self.device)]
+        else:  # eager: steps with prompt chunks, and every step when there is no graph runner (CPU)
+            meta = AttentionMetadata.build(decode, prefill, self.kv_cache.block_size, self.device,
+                                           paged_backend=self.attention_backend)
+            hidden = self.model(torch.tensor(input_ids, device=self.device), meta.positions, self.kv_cache, meta)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if sampled else None
         for seq in batch.decode:
             seq.num_computed_tokens += 1
         for seq, n in batch.prefill:
             seq.num_computed_tokens += n
         if not sampled:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         out = sample(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled],
                      [s.prompt_token_ids for s in sampled], [s.output_token_ids for s in sampled],
                      [self._stop_ids(s, eos_token_ids) for s in sampled])
