@@ -42,12 +42,14 @@ def prompts(batch: int, length: int) -> list[list[int]]:
     return [[1000 + (7 * i + 13 * b) % 50000 for i in range(length)] for b in range(batch)]
 
 
-def run_nanoqwen(model_dir: str, device: str, repeats: int) -> dict:
+def run_nanoqwen(model_dir: str, device: str, repeats: int, enforce_eager: bool = False) -> dict:
     from nanoqwen import LLM, SamplingParams
 
     # No prefix caching: the timed repeats send the same prompts, and transformers has nothing like it.
+    # On GPU, decode steps replay CUDA graphs unless enforce_eager.
     llm = LLM(model_dir, dtype="bfloat16", device=device, max_model_len=PREFILL_LEN + DECODE_TOKENS + 8,
-              max_num_seqs=16, max_num_batched_tokens=PREFILL_LEN * 16, enable_prefix_caching=False)
+              max_num_seqs=16, max_num_batched_tokens=PREFILL_LEN * 16, enable_prefix_caching=False,
+              enforce_eager=enforce_eager)
 
     def gen(batch: list[list[int]], n: int):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -124,8 +126,12 @@ def child(system: str, model_dir: str, device: str, repeats: int) -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    fn = run_nanoqwen if system == "nanoqwen" else run_transformers
-    result = ceilings(device) if system == "ceilings" else fn(model_dir, device, repeats)
+    if system == "ceilings":
+        result = ceilings(device)
+    elif system.startswith("nanoqwen"):
+        result = run_nanoqwen(model_dir, device, repeats, enforce_eager=system == "nanoqwen-eager")
+    else:
+        result = run_transformers(model_dir, device, repeats)
     print("RESULT " + json.dumps(result))
 
 
@@ -155,7 +161,8 @@ def machine_line(device: str) -> str:
             f"transformers {transformers.__version__} · nanoqwen {nanoqwen.__version__}")
 
 
-def table(model_dir: Path, ours: dict, theirs: dict, ceil: dict) -> str:
+def table(model_dir: Path, ours: dict, theirs: dict, ceil: dict, eager: dict | None = None) -> str:
+    """eager: nanoqwen with enforce_eager (GPU runs), shown as an extra column when given."""
     size = weight_bytes(model_dir)
     read_bound, gemv_bound = ceil["read_gb_s"] * 1e9 / size, ceil["gemv_gb_s"] * 1e9 / size
     rows = [
@@ -164,9 +171,14 @@ def table(model_dir: Path, ours: dict, theirs: dict, ceil: dict) -> str:
         ("Decode, batch 16 (tok/s, all sequences)", "decode_b16_tok_s"),
         ("Peak memory (process max RSS, GiB)", "peak_rss_gib"),
     ]
-    lines = ["| | nanoqwen | transformers | nanoqwen / transformers |", "|---|---:|---:|---:|"]
+    if eager is None:
+        lines = ["| | nanoqwen | transformers | nanoqwen / transformers |", "|---|---:|---:|---:|"]
+    else:
+        lines = ["| | nanoqwen (CUDA graphs) | nanoqwen (--enforce-eager) | transformers | nanoqwen / transformers |",
+                 "|---|---:|---:|---:|---:|"]
     for label, key in rows:
-        lines.append(f"| {label} | {ours[key]:.1f} | {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}× |")
+        middle = "" if eager is None else f" {eager[key]:.1f} |"
+        lines.append(f"| {label} | {ours[key]:.1f} |{middle} {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}× |")
     lines += ["", f"Ceilings measured in the same run: read bandwidth {ceil['read_gb_s']:.1f} GB/s (sum of 1 GiB); "
               f"torch's bf16 matrix-vector product reads weights at {ceil['gemv_gb_s']:.1f} GB/s; bf16 matmul "
               f"{ceil['bf16_tflop_s']:.2f} TFLOP/s. With {size / 1e9:.2f} GB of weights, batch-1 decode is bound "
@@ -206,15 +218,26 @@ def main() -> None:
         print(f"writing a random Qwen3-0.6B-shaped checkpoint to {model_dir} ...", file=sys.stderr)
         write_random_model(model_dir, "qwen3-0.6b", dtype="bfloat16", std=0.02)
     results = {}
-    for system in ("ceilings", "nanoqwen", "transformers"):
+    systems = ("ceilings", "nanoqwen", "nanoqwen-eager", "transformers") if args.device == "cuda" else \
+        ("ceilings", "nanoqwen", "transformers")
+    for system in systems:  # a failing system does not stop the others: their results are printed as they come
         print(f"running {system} ...", file=sys.stderr)
-        results[system] = run_child(system, model_dir, args.device, args.repeats)
+        try:
+            results[system] = run_child(system, model_dir, args.device, args.repeats)
+        except SystemExit as e:
+            print(e, file=sys.stderr)
+            continue
+        print(f"{system}: {json.dumps(results[system])}", file=sys.stderr, flush=True)
+    missing = [s for s in systems if s not in results]
+    if missing:
+        sys.exit(f"no table: {', '.join(missing)} failed")
     body = (f"### Single-stream speed: prefill, decode at batch 1 and 16 ({args.device}, bfloat16)\n\n"
             f"`python bench/bench_model.py{' --device cuda' if args.device == 'cuda' else ''}` on "
             f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}; "
             f"transformers with sdpa attention, same token ids, greedy, EOS ignored.\n\n"
             f"{machine_line(args.device)}\n\n"
-            + table(model_dir, results["nanoqwen"], results["transformers"], results["ceilings"]))
+            + table(model_dir, results["nanoqwen"], results["transformers"], results["ceilings"],
+                    results.get("nanoqwen-eager")))
     print(body)
     if args.write:
         write_benchmarks(f"bench_model-{args.device}", body)

@@ -36,7 +36,7 @@ from nanoqwen import benchmark  # noqa: E402
 
 
 def run_transformers(model_dir: str, workload: benchmark.Workload, device: str, dtype: str,
-                     batch_size: int) -> dict[str, Any]:
+                     batch_size: int, time_budget: float | None = None) -> dict[str, Any]:
     import torch
     import transformers
 
@@ -61,9 +61,15 @@ def run_transformers(model_dir: str, workload: benchmark.Workload, device: str, 
     generate([([1 + i, 2 + i, 3 + i, 4 + i, 5 + i, 6 + i, 7 + i, 8 + i], 4) for i in range(2)])  # warm-up
     sync()
     start = time.perf_counter()
-    generated = sum(generate(workload[i: i + batch_size]) for i in range(0, len(workload), batch_size))
+    generated, done = 0, 0
+    while done < len(workload):  # with a time budget, stop after the batch that exceeds it
+        generated += generate(workload[done: done + batch_size])
+        done = min(done + batch_size, len(workload))
+        if time_budget is not None and time.perf_counter() - start > time_budget:
+            break
     sync()
     seconds = time.perf_counter() - start
+    workload = workload[:done]  # the requests that ran: rates are over them
     input_tokens, output_tokens = sum(len(p) for p, _ in workload), sum(n for _, n in workload)
     result = {
         "requests": len(workload), "input_tokens": input_tokens, "output_tokens": output_tokens,
@@ -85,7 +91,8 @@ def child(system: str, args: argparse.Namespace) -> None:
         result = benchmark.run_nanoqwen(args.model, workload, args.device, args.dtype,
                                         **benchmark.engine_kwargs_from_args(args))
     else:
-        result = run_transformers(args.model, workload, args.device, args.dtype, args.hf_batch_size)
+        result = run_transformers(args.model, workload, args.device, args.dtype, args.hf_batch_size,
+                                  args.hf_time_budget)
     print("RESULT " + json.dumps(result, default=str))
 
 
@@ -97,6 +104,10 @@ def run_child(system: str, args: argparse.Namespace) -> dict[str, Any]:
         cmd += ["--" + key.replace("_", "-"), str(getattr(args, key))]
     if args.kv_cache_gib is not None:
         cmd += ["--kv-cache-gib", str(args.kv_cache_gib)]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    if args.hf_time_budget is not None:
+        cmd += ["--hf-time-budget", str(args.hf_time_budget)]
     for item in args.engine_arg:
         cmd += ["--engine-arg", item]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -143,6 +154,9 @@ def main() -> None:
                         help=f"model folder (default: a random Qwen3-0.6B-shaped one in {bench_model.DEFAULT_DIR})")
     benchmark.add_bench_args(parser)
     parser.add_argument("--hf-batch-size", type=int, default=16, help="transformers' generate batch size")
+    parser.add_argument("--hf-time-budget", type=float, default=None, metavar="SECONDS",
+                        help="stop transformers after the batch that passes this many seconds; its rates are then "
+                             "over the requests it ran (the text says so)")
     parser.add_argument("--write", action="store_true", help="record the section in BENCHMARKS.md")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = benchmark.resolve_bench_args(parser.parse_args())
@@ -159,7 +173,9 @@ def main() -> None:
     results = {}
     for system in ("nanoqwen", "transformers"):
         print(f"running {system} ({len(workload)} requests) ...", file=sys.stderr)
-        results[system] = run_child(system, args)
+        results[system] = r = run_child(system, args)
+        print(f"{system}: {r['output_tok_s']:.1f} output tok/s, {r['requests']} requests in {r['seconds']:.1f} s",
+              file=sys.stderr, flush=True)
     ours, theirs = results["nanoqwen"], results["transformers"]
     engine = benchmark.describe_engine(ours["engine_kwargs"])
     kv = benchmark.describe_kv(ours["kv_cache"])
@@ -175,6 +191,9 @@ def main() -> None:
             f"given order in batches of {args.hf_batch_size}, left-padded; each batch runs to its longest output and "
             f"only each request's own output length counts.\n\n"
             f"{bench_model.machine_line(args.device)}\n\n"
+            + (f"transformers ran out of its {args.hf_time_budget:g} s time budget (--hf-time-budget) after "
+               f"{theirs['requests']} of the {ours['requests']} requests: its rates are over those.\n\n"
+               if theirs["requests"] < ours["requests"] else "")
             + table(ours, theirs)
             + f"\n\nnanoqwen's KV cache: {kv}."
             + ("\n\nnanoqwen's peak GPU memory includes its KV-cache pool, allocated up front (by default most of "

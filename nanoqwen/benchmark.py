@@ -171,6 +171,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV-cache size in GiB (default: 1.5 for the CPU workload; the engine's own default "
                         "with --gpu-workload)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on GPU, run decode steps eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra LLM(...) keyword, value as JSON or a string, e.g. enable_prefix_caching=false or "
                         "kv_cache_memory=0.5 (repeatable)")
@@ -201,6 +203,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         if not args.kv_cache_gib > 0:
             raise InvalidRequestError(f"--kv-cache-gib {args.kv_cache_gib} must be > 0")
         kwargs["kv_cache_memory"] = int(args.kv_cache_gib * 2**30)
+    if getattr(args, "enforce_eager", False):
+        kwargs["enforce_eager"] = True
     for item in args.engine_arg:
         key, sep, raw = item.partition("=")
         if not sep or not key.isidentifier():

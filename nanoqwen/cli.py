@@ -20,7 +20,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + answer in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no torch.compile: faster start-up, slower steps (default: compile on CPU)")
+                   help="no torch.compile (CPU) and no CUDA graphs (GPU): faster start-up, slower steps")
     add_tensor_parallel_arg(p)
 
 

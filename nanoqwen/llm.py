@@ -32,7 +32,7 @@ class LLM:
                  enable_prefix_caching: bool = True, seed: int | None = 0, enforce_eager: bool = False,
                  tensor_parallel_size: int = 1) -> None:
         """kv_cache_memory: bytes (int) or a fraction of free memory (float), per rank; see LLMEngine for defaults.
-        enforce_eager: skip torch.compile (faster start, slower steps).
+        enforce_eager: no torch.compile (CPU) and no CUDA graphs (GPU): faster start, slower steps.
 
         tensor_parallel_size N > 1 splits the model over N processes (N GPUs, or CPU processes), started here
         or by torchrun; `llm.llm_engine.shutdown()` stops them (as does garbage collection or exit).

@@ -129,6 +129,20 @@ def test_tp2_gives_the_tokens_of_tp1(case_dir, case):
         assert a == pytest.approx(b, abs=1e-4)
 
 
+def test_tp2_with_the_gpu_decode_attention(case_dir, monkeypatch):
+    """The GPU path's paged decode attention (its PyTorch reference backend) on each rank's heads; CUDA graphs
+    stay off under tensor parallelism."""
+    monkeypatch.setenv("NANOQWEN_PAGED_ATTENTION", "torch")  # the workers inherit it
+    path = case_dir("gqa2-untied")
+    expected = run_all(make_llm(path, **EAGER))
+    with tp_llm(path, **EAGER) as llm:
+        runner = llm.llm_engine.runner
+        assert runner.attention_backend == "torch" and runner.graph_runner is None
+        got = run_all(llm)
+    for key in ("batch", "again", "forks"):
+        assert got[key] == expected[key], key
+
+
 def test_tp2_under_preemption_and_chunked_prefill(checkpoint):
     """A KV pool too small for the batch (preemptions) and 3-token steps (chunked prefill) on both ranks."""
     path = checkpoint("gqa2-untied", dtype="float32")

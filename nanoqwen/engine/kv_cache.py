@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoqwen.engine.paged_decode import PagedDecode
 from nanoqwen.errors import ConfigError
 
 
@@ -56,13 +57,15 @@ class AttentionMetadata:
     block_size: int
     num_decode_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    paged_decode: PagedDecode | None = None  # set instead of decode_groups on the GPU path (engine/paged_decode.py)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
     @classmethod
     def build(cls, decode: list[tuple[list[int], int]], prefill: list[tuple[list[int], int, int]],
-              block_size: int, device: torch.device) -> AttentionMetadata:
+              block_size: int, device: torch.device, paged_backend: str | None = None) -> AttentionMetadata:
         """decode: (block_table, context_len) per decoding sequence, shortest first (so groups pad little);
-        prefill: (block_table, num_cached, query_len) per prompt chunk."""
+        prefill: (block_table, num_cached, query_len) per prompt chunk. paged_backend: attend to all decode rows
+        in one call of that paged-attention backend instead of in groups."""
         slots: list[int] = []
         positions: list[int] = []
 
@@ -74,8 +77,10 @@ class AttentionMetadata:
             place(table, ctx - 1, ctx)
         meta = cls(slot_mapping=torch.empty(0), positions=torch.empty(0), block_size=block_size,
                    num_decode_tokens=len(decode))
+        if paged_backend is not None and decode:
+            meta.paged_decode = PagedDecode.build(decode, block_size, device, paged_backend)
         start = 0
-        while start < len(decode):
+        while start < len(decode) and meta.paged_decode is None:  # CPU: groups of similar lengths
             end = _group_end(decode, start, block_size)
             meta.decode_groups.append(_decode_group(decode, start, end, block_size, device))
             start = end

@@ -44,7 +44,7 @@ class LLMEngine:
                  kv_cache_memory: int | float | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, seed: int | None = 0, enforce_eager: bool = False,
                  tensor_parallel_size: int = 1) -> None:
-        """enforce_eager: run every op eagerly (no torch.compile of the elementwise kernels on CPU)."""
+        """enforce_eager: no torch.compile of elementwise kernels (CPU), no CUDA graphs for decode steps (GPU)."""
         self.model_dir = resolve_model_path(str(model))
         self.config = load_config(self.model_dir)
         check_tensor_parallel_size(self.config, tensor_parallel_size)
@@ -70,7 +70,7 @@ class LLMEngine:
             self.device = self.tp_group.device
             weakref.finalize(self, self.tp_group.shutdown)
         try:
-            self._load(max_model_len, kv_cache_memory, block_size, enforce_eager)
+            num_blocks = self._load(max_model_len, kv_cache_memory, block_size, max_num_seqs, enforce_eager)
         except BaseException as e:
             if self.tp_group is None:
                 raise
@@ -78,7 +78,7 @@ class LLMEngine:
             if dead is None:
                 raise
             raise dead from e
-        self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.generator = torch.Generator(self.device).manual_seed(
@@ -86,8 +86,9 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
 
     def _load(self, max_model_len: int | None, kv_cache_memory: int | float | None, block_size: int,
-              enforce_eager: bool) -> None:
-        """Load the weights (this rank's shard) and size the KV cache; the workers do the same with theirs."""
+              max_num_seqs: int, enforce_eager: bool) -> int:
+        """Load the weights (this rank's shard) and size the KV cache (the workers do the same with theirs);
+        return the number of KV blocks."""
         limit = self.config.max_position_embeddings
         tp = self.tp_group
         if tp is not None:
@@ -109,10 +110,12 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: raise kv_cache_memory or lower max_model_len")
         if self.max_model_len < limit and max_model_len is None:
             logger.info("max_model_len set to %d, what the KV cache budget holds", self.max_model_len)
-        self.runner = ModelRunner(model_, num_blocks, block_size)
+        self.runner = ModelRunner(model_, num_blocks, block_size, max_num_seqs=max_num_seqs,
+                                  max_model_len=self.max_model_len, enforce_eager=enforce_eager)
         if tp is not None:
             tp.send((num_blocks, block_size))  # every rank gets the same blocks
             tp.wait_ready()
+        return num_blocks
 
     @property
     def model(self) -> torch.nn.Module:

@@ -6,16 +6,22 @@ scheduled batch and broadcasts it, the workers (engine/tp_worker.py) receive it.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from nanoqwen import distributed
+from nanoqwen.engine.cuda_graph import CUDAGraphRunner
 from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache
 from nanoqwen.engine.scheduler import ScheduledBatch
 from nanoqwen.engine.sequence import Sequence
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
+from nanoqwen.ops.paged_attention import attention_backend
 from nanoqwen.sampler import TokenLogprobs, sample
+
+logger = logging.getLogger("nanoqwen")
 
 
 @dataclass
@@ -30,13 +36,35 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int) -> None:
+    """Owns the model and its KV cache. On CUDA, decode attention reads the cache in place
+    (ops/paged_attention.py) and, unless enforce_eager, pure decode steps replay CUDA graphs (engine/cuda_graph.py).
+    """
+
+    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int, *, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, enforce_eager: bool = False) -> None:
         self.model = model
         self.device = model.embed_tokens.weight.device
         c = model.config
-        self.kv_cache = KVCache(c.num_hidden_layers, num_blocks, block_size, model.num_kv_heads, c.head_dim,
-                                model.embed_tokens.weight.dtype, self.device)
+        self.attention_backend = attention_backend(self.device, block_size)  # None: the CPU grouped gather path
+        # Graphs need the paged kernels; on CPU they are never captured (NANOQWEN_PAGED_ATTENTION=torch runs the same
+        # padded static-buffer steps eagerly there, for tests). Not with tensor parallelism (yet): its collectives
+        # would have to be captured in the graphs too.
+        use_runner = not enforce_eager and self.attention_backend is not None and model.tp_size == 1
+        # One extra block, never handed out by the block manager: graph padding rows write their keys/values there.
+        self.kv_cache = KVCache(c.num_hidden_layers, num_blocks + use_runner, block_size, model.num_kv_heads,
+                                c.head_dim, model.embed_tokens.weight.dtype, self.device)
         self._block_copies: list[tuple[int, int]] = []  # made since the last step, for the other ranks
+        self.graph_runner: CUDAGraphRunner | None = None
+        if use_runner:
+            max_blocks = -(-(max_model_len or c.max_position_embeddings) // block_size)
+            self.graph_runner = CUDAGraphRunner(model, self.kv_cache, num_blocks * block_size, max_num_seqs,
+                                                max_blocks, self.attention_backend,
+                                                use_graphs=self.device.type == "cuda")
+            start = time.perf_counter()
+            self.graph_runner.capture()
+            if self.graph_runner.use_graphs:
+                logger.info("captured %d CUDA graphs (decode batch sizes %s) in %.1f s", len(self.graph_runner.graphs),
+                            self.graph_runner.batch_sizes, time.perf_counter() - start)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy a KV block (a forked sequence's partly filled one); the other ranks copy theirs next step."""
@@ -71,11 +99,16 @@ class ModelRunner:
             prefill.append((seq.block_table, start, n))
             if start + n == seq.num_tokens:
                 sample_from(len(input_ids) - 1, seq)
-        step = StepInput(input_ids, decode, prefill, rows)
-        if self.model.tp_size > 1:
-            step.block_copies, self._block_copies = self._block_copies, []
-            distributed.broadcast_object(step)  # the workers run the same forward on their shards
-        logits = self.run_model(step)
+        if not prefill and self.graph_runner is not None and self.graph_runner.can_run(decode):
+            logits = self.graph_runner.run(input_ids, decode)  # [b, V], padded to a captured batch size inside
+            if rows != list(range(len(decode))):
+                logits = logits[torch.tensor(rows, device=self.device)]
+        else:  # eager: steps with prompt chunks, and every step without a graph runner (CPU, tensor parallel)
+            step = StepInput(input_ids, decode, prefill, rows)
+            if self.model.tp_size > 1:
+                step.block_copies, self._block_copies = self._block_copies, []
+                distributed.broadcast_object(step)  # the workers run the same forward on their shards
+            logits = self.run_model(step)
         for seq in batch.decode:
             seq.num_computed_tokens += 1
         for seq, n in batch.prefill:
@@ -92,7 +125,8 @@ class ModelRunner:
         """This rank's forward of one step: float32 logits [len(sample_rows), V] on rank 0, None elsewhere."""
         for src, dst in step.block_copies:
             self.kv_cache.copy_block(src, dst)
-        meta = AttentionMetadata.build(step.decode, step.prefill, self.kv_cache.block_size, self.device)
+        meta = AttentionMetadata.build(step.decode, step.prefill, self.kv_cache.block_size, self.device,
+                                       paged_backend=self.attention_backend)
         hidden = self.model(torch.tensor(step.input_ids, device=self.device), meta.positions, self.kv_cache, meta)
         if not step.sample_rows:
             return None

@@ -35,6 +35,7 @@ from torch import nn
 
 from nanoqwen.config import Qwen3Config
 from nanoqwen.distributed import all_reduce, check_tensor_parallel_size, gather
+from nanoqwen.ops.paged_attention import paged_decode_attention
 
 if TYPE_CHECKING:
     from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache
@@ -227,11 +228,17 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         kv_cache.store(self.layer_idx, k, v, meta)
         out = torch.empty_like(q)  # [N, Hq, D]
-        # Decode tokens (one query per sequence) are batched, a group of similar lengths per attention call.
-        for group in meta.decode_groups:
-            k_ctx, v_ctx = kv_cache.decode_context(self.layer_idx, group)  # [B, Hkv, S, D]
-            rows = slice(group.start, group.end)
-            out[rows] = decode_attention(q[rows], k_ctx, v_ctx, group.mask)
+        if meta.paged_decode is not None:
+            # GPU: all decode tokens (one query per sequence) in one call reading the cache blocks in place.
+            p, rows = meta.paged_decode, slice(0, meta.num_decode_tokens)
+            paged_decode_attention(q[rows], kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx], p.block_tables,
+                                   p.context_lens, self.head_dim**-0.5, p.backend, out=out[rows])
+        else:
+            # CPU: decode tokens are batched, a group of similar lengths per attention call, their blocks gathered.
+            for group in meta.decode_groups:
+                k_ctx, v_ctx = kv_cache.decode_context(self.layer_idx, group)  # [B, Hkv, S, D]
+                rows = slice(group.start, group.end)
+                out[rows] = decode_attention(q[rows], k_ctx, v_ctx, group.mask)
         # Prompt chunks attend causally to their own tokens and to what the cache already held.
         for chunk in meta.prefills:
             k_ctx, v_ctx = kv_cache.sequence_context(self.layer_idx, chunk)  # [1, Hkv, S, D]

@@ -1,0 +1,222 @@
+"""Correctness checks that need a CUDA GPU (run by bench/gpu.sh; each prints PASS / FAIL lines).
+
+    python bench/gpu_check.py kernels           # paged decode kernels vs the reference, in and out of a CUDA graph
+    python bench/gpu_check.py parity [--model DIR]   # greedy tokens: graphs, eager, gather path, transformers
+
+Exit status 1 when a check fails. The CPU tests (tests/test_gpu_paths.py) cover the same logic without a GPU.
+`--device cpu` is a dry run of this script itself (tiny shapes, the Triton kernel under TRITON_INTERPRET=1, no
+graphs or timings; parity with a small model folder given by --model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+if "--device" in sys.argv and "cpu" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel is defined
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nanoqwen.ops.paged_attention import has_module, paged_decode_attention  # noqa: E402
+from nanoqwen.ops.paged_attention import paged_decode_attention_reference as reference  # noqa: E402
+
+DEVICE = torch.device("cuda")
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
+failures: list[str] = []
+
+
+def report(ok: bool, what: str) -> None:
+    print(f"{'PASS' if ok else 'FAIL'}  {what}", flush=True)
+    if not ok:
+        failures.append(what)
+
+
+def random_case(b: int, hq: int, hkv: int, d: int, block_size: int, lens: list[int], dtype: torch.dtype,
+                seed: int = 0):
+    """A cache of random keys/values, b sequences of the given lengths on shuffled blocks, their queries."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens) + 2  # wider than needed, as a graph's static table is
+    num_blocks = sum(-(-n // block_size) for n in lens) + 4
+    k = torch.randn(num_blocks, block_size, hkv, d, device=DEVICE, dtype=dtype, generator=g)
+    v = torch.randn(num_blocks, block_size, hkv, d, device=DEVICE, dtype=dtype, generator=g)
+    perm = torch.randperm(num_blocks, device=DEVICE, generator=g)
+    tables = torch.zeros(b, width, dtype=torch.int32, device=DEVICE)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block_size)
+        tables[i, :nb] = perm[used: used + nb]
+        used += nb
+    q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype, generator=g)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+
+
+def check_kernels() -> None:
+    backends = [b for b, mod in (("triton", "triton"), ("flash", "flash_attn")) if has_module(mod)]
+    print(f"paged decode backends available: {backends or 'none'}")
+    lens = [0, 1, 15, 16, 17, 100, 1000, 4097]  # 0: a CUDA-graph padding row
+    # (Hq, Hkv, D): Qwen3-0.6B/1.7B (G=2), 4B/8B (G=4), 14B (G=5), 32B (G=8); a small head_dim
+    shapes = [(16, 8, 128), (32, 8, 128), (40, 8, 128), (64, 8, 128), (8, 4, 64)]
+    for backend in backends:
+        block_size = 256 if backend == "flash" else 16
+        # every shape in bf16; the other dtypes and block sizes on Qwen3-0.6B's shape (each case compiles once)
+        cases = [(torch.bfloat16, block_size, shape) for shape in shapes]
+        cases += [(torch.float16, block_size, shapes[0])]
+        if backend == "triton":
+            cases += [(torch.float32, block_size, shapes[0]), (torch.bfloat16, 32, shapes[0])]
+        if DEVICE.type == "cpu":  # dry run under the interpreter (whose bf16 tl.dot is broken): small, float32
+            lens, cases = [0, 1, 17, 40], [(torch.float32, 16, (4, 2, 16)), (torch.float32, 32, (10, 2, 16))]
+        for dtype, bs, (hq, hkv, d) in cases:
+            q, k, v, tables, ctx = random_case(len(lens), hq, hkv, d, bs, lens, dtype)
+            expected = reference(q, k, v, tables, ctx, d**-0.5)
+            out = paged_decode_attention(q, k, v, tables, ctx, d**-0.5, backend)
+            err = (out.float() - expected.float()).abs().max().item()
+            zeros = bool(out[0].eq(0).all())
+            report(err <= TOLERANCE[dtype] and zeros and bool(out.isfinite().all()),
+                   f"{backend} {str(dtype)[6:]} block {bs} Hq {hq} Hkv {hkv} D {d}: max |err| {err:.1e}, "
+                   f"padding row zeros {zeros}")
+        if DEVICE.type == "cuda":
+            check_in_graph(backend)
+            time_kernel(backend)
+
+
+def check_in_graph(backend: str) -> None:
+    """Capture the kernel on static tensors, change their contents, replay: the output follows the new contents."""
+    bs = 256 if backend == "flash" else 16
+    q, k, v, tables, ctx = random_case(4, 16, 8, 128, bs, [300, 5, 1, 0], torch.bfloat16, seed=1)
+    out = torch.empty_like(q)
+    paged_decode_attention(q, k, v, tables, ctx, 128**-0.5, backend, out=out)  # warm-up (compiles)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, k, v, tables, ctx, 128**-0.5, backend, out=out)
+    q2, k2, v2, tables2, ctx2 = random_case(4, 16, 8, 128, bs, [0, 290, 17, 2], torch.bfloat16, seed=2)
+    for static, new in ((q, q2), (k, k2), (v, v2), (tables, tables2), (ctx, ctx2)):
+        static.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    err = (out.float() - reference(q2, k2, v2, tables2, ctx2, 128**-0.5).float()).abs().max().item()
+    report(err <= TOLERANCE[torch.bfloat16] and bool(out[0].eq(0).all()),
+           f"{backend} replayed from a CUDA graph with new block tables and lengths: max |err| {err:.1e}")
+
+
+def time_kernel(backend: str) -> None:
+    """256 sequences of ~1000 tokens, Qwen3-0.6B's attention shape: time per call and KV bytes read per second."""
+    bs = 256 if backend == "flash" else 16
+    lens = [random.Random(i).randint(600, 1400) for i in range(256)]
+    q, k, v, tables, ctx = random_case(256, 16, 8, 128, bs, lens, torch.bfloat16, seed=3)
+    kv_bytes = 2 * sum(lens) * 8 * 128 * 2
+    for name, fn in ((backend, lambda: paged_decode_attention(q, k, v, tables, ctx, 128**-0.5, backend)),
+                     ("torch reference", lambda: reference(q, k, v, tables, ctx, 128**-0.5))):
+        fn()
+        torch.cuda.synchronize()
+        start, n = time.perf_counter(), 20
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / n
+        print(f"time  {name}: 256 x ~1000 tokens, {seconds * 1e6:.0f} us per call "
+              f"({kv_bytes / seconds / 1e9:.0f} GB/s of keys and values)", flush=True)
+
+
+def greedy(llm, prompts: list[list[int]], n: int):
+    from nanoqwen import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2),
+                        use_tqdm=False)
+    return [o.token_ids for o in outs], [[sorted(d.values(), key=lambda x: -x.logprob) for d in o.logprobs]
+                                         for o in outs]
+
+
+def margin(top: list) -> float:
+    """Gap between the two best log-probabilities (a near tie flips with any rounding difference)."""
+    return top[0].logprob - top[1].logprob if len(top) > 1 else float("inf")
+
+
+def check_parity(model_dir: str, new_tokens: int = 32) -> None:
+    from nanoqwen import LLM
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10000) for _ in range(n)] for n in (7, 33, 100, 250, 3)]  # 5 rows: bucket 8
+    runs = {}
+    kwargs = dict(dtype="bfloat16", device=DEVICE.type, max_model_len=512, max_num_seqs=8, kv_cache_memory=1 << 30)
+    # on CPU (a dry run) "auto" is the gather path: force the paged reference and the padded runner instead
+    paged = "auto" if DEVICE.type == "cuda" else "torch"
+    for name, env, eager in (("graphs", paged, False), ("eager", paged, True), ("gather", "off", True)):
+        os.environ["NANOQWEN_PAGED_ATTENTION"] = env
+        start = time.perf_counter()
+        llm = LLM(model_dir, enforce_eager=eager, **kwargs)
+        runner = llm.llm_engine.runner
+        graphs = runner.graph_runner.batch_sizes if runner.graph_runner else None
+        print(f"nanoqwen {name}: backend {runner.attention_backend}, graphs {graphs}, "
+              f"ready in {time.perf_counter() - start:.1f} s", flush=True)
+        runs[name] = greedy(llm, prompts, new_tokens)
+        del llm, runner
+        gc.collect()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    os.environ.pop("NANOQWEN_PAGED_ATTENTION")
+    for name in ("graphs", "eager"):
+        compare(f"nanoqwen {name} vs nanoqwen gather path", runs[name], runs["gather"])
+    if not has_module("transformers"):
+        print("SKIP  transformers is not installed: no comparison with it")
+        return
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                              attn_implementation="sdpa").to(DEVICE).eval()
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=0,
+                                           eos_token_id=None, pad_token_id=0, output_scores=True,
+                                           return_dict_in_generate=True)
+    tokens, tops = [], []
+    for p in prompts:  # one at a time: no padding
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([p], device=DEVICE), generation_config=config)
+        tokens.append(out.sequences[0, len(p):].tolist())
+        # the scores of greedy decoding are the raw logits: their top-2 log-probabilities at every step
+        tops.append([[SimpleNamespace(logprob=x) for x in scores[0].float().log_softmax(-1).topk(2).values.tolist()]
+                     for scores in out.scores])
+    compare("nanoqwen graphs vs transformers (sdpa)", runs["graphs"], (tokens, tops))
+
+
+def compare(what: str, ours, theirs) -> None:
+    """Greedy tokens equal, or diverging only at a near tie (both sides' top-2 gap under 0.1 nats)."""
+    ok, notes = True, []
+    for i, (a, b, ta, tb) in enumerate(zip(ours[0], theirs[0], ours[1], theirs[1], strict=True)):
+        if a == b:
+            continue
+        j = next(k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        gaps = margin(ta[j]), margin(tb[j])
+        tie = max(gaps) < 0.1
+        ok &= tie
+        notes.append(f"row {i} differs from token {j} (top-2 gaps {gaps[0]:.3f} / {gaps[1]:.3f}"
+                     f"{': a near tie' if tie else ''})")
+    same = sum(a == b for a, b in zip(ours[0], theirs[0], strict=True))
+    report(ok, f"{what}: {same} of {len(ours[0])} rows identical" + (f"; {'; '.join(notes)}" if notes else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("check", choices=["kernels", "parity"])
+    parser.add_argument("--model", default=str(Path(__file__).resolve().parent / ".models" / "qwen3-0.6b-random-bf16"))
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of this script")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA GPU: these checks need one (tests/test_gpu_paths.py covers the logic on CPU)")
+    check_kernels() if args.check == "kernels" else check_parity(args.model)
+    if failures:
+        sys.exit(f"{len(failures)} check(s) failed")
+
+
+if __name__ == "__main__":
+    main()
