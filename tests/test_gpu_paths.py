@@ -20,8 +20,8 @@ from nanoqwen.engine import cuda_graph  # noqa: E402
 from nanoqwen.engine.cuda_graph import CUDAGraphRunner, bucket_for, graph_batch_sizes  # noqa: E402
 from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache  # noqa: E402
 from nanoqwen.models import qwen3  # noqa: E402
-from nanoqwen.models.qwen3 import decode_attention  # noqa: E402
 from nanoqwen.ops import paged_attention  # noqa: E402
+from nanoqwen.ops.attention import decode_attention  # noqa: E402
 from nanoqwen.ops.paged_attention import attention_backend, has_module, paged_decode_attention_reference  # noqa: E402
 
 CPU = torch.device("cpu")

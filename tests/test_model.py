@@ -6,13 +6,8 @@ import pytest
 import torch
 
 from nanoqwen.engine.kv_cache import KVCache
-from nanoqwen.models.qwen3 import (
-    attention_reference,
-    attention_sdpa,
-    decode_attention,
-    prefill_attention_blocked,
-    rms_norm,
-)
+from nanoqwen.models.qwen3 import attention_reference, rms_norm
+from nanoqwen.ops.attention import attention_sdpa, decode_attention, prefill_attention_blocked
 
 
 def repeat_kv_attention(q, k, v, mask):

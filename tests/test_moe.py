@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from nanoqwen import LLM, ConfigError, SamplingParams, WeightsError
 from nanoqwen.config import Qwen3Config
 from nanoqwen.init_random import ASSETS, checkpoint_shapes, preset_config, write_random_model
-from nanoqwen.models.qwen3 import MLP, Experts, SparseMoeBlock, experts_reference
+from nanoqwen.models.qwen3 import MLP
+from nanoqwen.models.qwen3_moe import Experts, SparseMoeBlock, experts_reference
 
 PROMPT = [9707, 11, 847, 829, 374, 1207, 16948, 13, 358, 1075, 311, 3270, 2038, 304, 13027, 323, 8257, 13]
 OFFICIAL_MOE = ASSETS / "configs" / "Qwen3-30B-A3B.json"

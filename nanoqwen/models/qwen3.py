@@ -1,6 +1,6 @@
 """The Qwen3 decoder (dense and MoE), written from plain tensor operations.
 
-Read top to bottom: RMSNorm -> RoPE -> attention (QK-norm, GQA) -> SwiGLU MLP or sparse MoE
+Read top to bottom: RMSNorm -> RoPE -> attention (QK-norm, GQA) -> SwiGLU MLP or sparse MoE (qwen3_moe.py)
 block -> decoder layer -> the whole model. It computes what transformers' Qwen3ForCausalLM and
 Qwen3MoeForCausalLM compute.
 
@@ -35,6 +35,7 @@ from torch import nn
 
 from nanoqwen.config import Qwen3Config
 from nanoqwen.distributed import all_reduce, check_tensor_parallel_size, gather
+from nanoqwen.ops.attention import attention_sdpa, decode_attention, prefill_attention_blocked
 from nanoqwen.ops.paged_attention import paged_decode_attention
 
 if TYPE_CHECKING:
@@ -158,52 +159,6 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return (probs @ v.unsqueeze(2)).view(b, hq, t, d)
 
 
-def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   causal: bool = False) -> torch.Tensor:
-    """The same function as attention_reference through torch's fused kernel (faster)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
-
-
-def prefill_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int,
-                              block: int = 128) -> torch.Tensor:
-    """attention_reference for one prompt chunk, causal, in blocks of query rows (the CPU fast path in bf16/fp16).
-
-    q [Hq, T, D] at positions num_cached .. num_cached + T - 1; k, v [Hkv, S, D] with S = num_cached + T.
-    Query block [start, end) only needs keys 0 .. num_cached + end - 1, so the causal half is never
-    computed, and only the block's last `end - start` keys need masking. The scores are rounded to the
-    activation dtype, as transformers' eager attention does (softmax still accumulates in float32
-    inside torch); on CPU this is 3-4x faster than torch's fused kernel for bf16.
-    """
-    hq, t, d = q.shape
-    hkv = k.shape[0]
-    k, v = k.contiguous(), v.contiguous()  # one copy out of the paged pool's layout, not one per block
-    qg = q.view(hkv, hq // hkv, t, d)  # the G query heads of each key/value head, never repeating K/V
-    out = torch.empty_like(qg)
-    future = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)  # key after query
-    no_bias = q.new_empty(1, 1, 1)
-    for start in range(0, t, block):
-        end = min(start + block, t)
-        b, keys = end - start, num_cached + end
-        qb = qg[:, :, start:end].reshape(hkv, -1, d)  # [Hkv, G*b, D]
-        scores = torch.baddbmm(no_bias, qb, k[:, :keys].transpose(1, 2), beta=0, alpha=d**-0.5)
-        scores.view(hkv, -1, b, keys)[..., keys - b:].masked_fill_(future[:b, :b], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # [Hkv, G*b, keys]
-        out[:, :, start:end] = (probs @ v[:, :keys]).view(hkv, -1, b, d)
-    return out.view(hq, t, d)
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """attention_reference for one query per sequence: q [B, Hq, D], k/v [B, Hkv, S, D] -> [B, Hq, D].
-
-    The G query heads that share a key/value head are handed to the fused kernel as G rows of one
-    [B, Hkv, G, D] query: they sit at the same position, so no causal mask is needed and nothing is
-    repeated (several times faster on CPU than the kernel's own GQA handling for a single query).
-    """
-    b, hq, d = q.shape
-    hkv = k.shape[1]
-    return F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k, v, attn_mask=mask).view(b, hq, d)
-
-
 class Attention(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
@@ -271,82 +226,18 @@ class MLP(nn.Module):
         return all_reduce(out) if self.tp_size > 1 else out
 
 
-def experts_reference(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                      expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The definition, token by token: out[n] = sum_k weights[n, k] * expert_{expert_ids[n, k]}(x[n]).
-
-    x [N, H]; gate_up_proj [E, 2Ie, H]; down_proj [E, H, Ie]; expert_ids, weights [N, K] -> [N, H].
-    Every token's K experts' matrices are gathered ([N, K, 2Ie, H]): clear, but too big for real use.
-    """
-    gate, up = torch.einsum("nkjh,nh->nkj", gate_up_proj[expert_ids], x).chunk(2, dim=-1)  # [N, K, Ie] each
-    out = torch.einsum("nkhi,nki->nkh", down_proj[expert_ids], F.silu(gate) * up)  # [N, K, H]
-    return (out * weights[..., None]).sum(1)
-
-
-class Experts(nn.Module):
-    """E SwiGLU MLPs, stacked: gate_up_proj [E, 2Ie, H] (each expert's gate rows, then its up rows), down_proj
-    [E, H, Ie]. Tensor parallelism splits every expert over Ie, like the dense MLP over I: a rank holds
-    Ie/tp of each expert's columns ([gate_r; up_r] rows, the matching down_proj columns)."""
-
-    def __init__(self, config: Qwen3Config, tp_size: int = 1) -> None:
-        super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size // tp_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """experts_reference, grouped by expert: x [N, H]; expert_ids, weights [N, K] -> [N, H].
-
-        The N*K (token, expert) assignments are sorted by expert, so each expert that got tokens runs
-        one matmul pair over all of its tokens; results are weighted and added back to their tokens.
-        """
-        k = expert_ids.shape[1]
-        order = expert_ids.flatten().argsort(stable=True)  # [N*K] assignments, grouped by expert
-        tokens = order // k  # [N*K] the token of each sorted assignment
-        xs, ws = x[tokens], weights.flatten()[order, None]  # [N*K, H], [N*K, 1]
-        counts = torch.bincount(expert_ids.flatten(), minlength=self.gate_up_proj.shape[0]).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            start += count
-            gate, up = F.linear(xs[rows], self.gate_up_proj[e]).chunk(2, dim=-1)  # [count, Ie] each
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [count, H]
-            out.index_add_(0, tokens[rows], y * ws[rows])
-        return out
-
-
-class SparseMoeBlock(nn.Module):
-    """Route each token to its top-K of E experts and sum their outputs, weighted by the router."""
-
-    def __init__(self, config: Qwen3Config, tp_size: int = 1) -> None:
-        super().__init__()
-        self.top_k, self.norm_topk_prob, self.tp_size = config.num_experts_per_tok, config.norm_topk_prob, tp_size
-        self.gate = Linear(config.hidden_size, config.num_experts)  # the router, whole on every rank
-        self.experts = Experts(config, tp_size)
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (expert ids [N, K], weights [N, K] in x's dtype), computed as transformers does."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [N, E]
-        weights, expert_ids = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return expert_ids, weights.to(x.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, *self.route(x))  # with tp_size > 1 this rank's share of every expert's output
-        return all_reduce(out) if self.tp_size > 1 else out
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SparseMoeBlock(config, tp_size) if config.is_moe_layer(layer_idx) else MLP(config, tp_size)
+        if config.is_moe_layer(layer_idx):
+            from nanoqwen.models.qwen3_moe import SparseMoeBlock  # builds on Linear above: imported once it exists
+
+            self.mlp: nn.Module = SparseMoeBlock(config, tp_size)
+        else:
+            self.mlp = MLP(config, tp_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
