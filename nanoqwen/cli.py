@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 
 from nanoqwen.errors import NanoQwenError
-from nanoqwen.loader import DEFAULT_MODEL
+from nanoqwen.hub import DEFAULT_MODEL
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from nanoqwen.engine.llm_engine import LLMEngine
 from nanoqwen.errors import InvalidRequestError
-from nanoqwen.loader import DEFAULT_MODEL
+from nanoqwen.hub import DEFAULT_MODEL
 from nanoqwen.outputs import RequestOutput
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import Tokenizer

@@ -1,4 +1,5 @@
-"""From `--model` to a model on its device: find the folder, read the config, load the weights.
+"""From a model folder to a model on its device: read the config, load the weights (nanoqwen/hub.py finds
+the folder).
 
 Weights are read from model.safetensors or a sharded model.safetensors.index.json through
 safetensors' memory map, one tensor at a time, and copied straight into parameters that were
@@ -23,11 +24,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from nanoqwen.config import Qwen3Config, read_json
-from nanoqwen.errors import ConfigError, ModelNotFoundError, WeightsError
+from nanoqwen.errors import ConfigError, WeightsError
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 
-DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
-HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.md"]
 PROGRESS_BAR_MIN_BYTES = 1 << 30  # show a loading bar for checkpoints of 1 GiB and more
 
 # checkpoint name (after "model.layers.{i}.") -> (our parameter, index of its slice in a stacked matrix);
@@ -73,36 +72,6 @@ TP_SPLIT_DIM = {
 TP_FUSED_PARTS = {"mlp.experts.gate_up_proj": 2}  # gate rows, then up rows
 # Row-parallel biases exist on rank 0 only (the all_reduce sums the ranks' parts, so it adds the bias once).
 TP_RANK0_ONLY = ("self_attn.o_proj.bias",)
-
-
-def resolve_model_path(model: str) -> Path:
-    """A local folder as is; anything else shaped like `org/name` through the Hugging Face hub cache."""
-    path = Path(model).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise ModelNotFoundError(f"--model {model}: expected a model folder, found a file")
-        return path
-    if model.count("/") != 1 or model.startswith((".", "/", "~")):
-        raise ModelNotFoundError(
-            f"model folder {model} does not exist; pass a folder with config.json and *.safetensors, "
-            "a hub id like Qwen/Qwen3-0.6B, or make one with `nanoqwen init-random DIR`")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    try:
-        return Path(snapshot_download(model, allow_patterns=HUB_FILE_PATTERNS, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass  # not cached yet: download
-    try:
-        return Path(snapshot_download(model, allow_patterns=HUB_FILE_PATTERNS))
-    except RepositoryNotFoundError:
-        raise ModelNotFoundError(f"{model} is not a model on the Hugging Face hub (or needs a token: "
-                                 "run `hf auth login`)") from None
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
-        raise ModelNotFoundError(
-            f"cannot download {model}: the Hugging Face hub is not reachable ({type(e).__name__}); "
-            "pass a local folder with --model PATH, or make a random-weight one with "
-            "`nanoqwen init-random DIR`") from None
 
 
 def load_config(model_dir: Path) -> Qwen3Config:

@@ -29,7 +29,8 @@ from nanoqwen.engine.scheduler import Scheduler
 from nanoqwen.engine.sequence import Sequence, SequenceStatus
 from nanoqwen.engine.tp_worker import LoadModel, TPGroup
 from nanoqwen.errors import ConfigError, InvalidRequestError
-from nanoqwen.loader import load_config, load_model, resolve_model_path
+from nanoqwen.hub import resolve_model_path
+from nanoqwen.loader import load_config, load_model
 from nanoqwen.outputs import RequestMetrics, RequestOutput
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
