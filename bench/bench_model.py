@@ -1,4 +1,5 @@
 """nanoqwen vs transformers on one machine, in one run: prefill, decode at batch 1 and 16, peak memory.
+nanoqwen runs twice: with the checkpoint's bf16 weights and with `quantization="int8"` (weight-only int8).
 
     python bench/bench_model.py                 # random checkpoint with the exact Qwen3-0.6B shape
     python bench/bench_model.py --write         # also record the table in BENCHMARKS.md
@@ -42,18 +43,24 @@ def prompts(batch: int, length: int) -> list[list[int]]:
     return [[1000 + (7 * i + 13 * b) % 50000 for i in range(length)] for b in range(batch)]
 
 
-def run_nanoqwen(model_dir: str, device: str, repeats: int) -> dict:
+def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | None = None) -> dict:
     from nanoqwen import LLM, SamplingParams
+    from nanoqwen.models.qwen3 import Linear
+    from nanoqwen.quantization import Int8Linear, weight_bytes
 
     # No prefix caching: the timed repeats send the same prompts, and transformers has nothing like it.
     llm = LLM(model_dir, dtype="bfloat16", device=device, max_model_len=PREFILL_LEN + DECODE_TOKENS + 8,
-              max_num_seqs=16, max_num_batched_tokens=PREFILL_LEN * 16, enable_prefix_caching=False)
+              max_num_seqs=16, max_num_batched_tokens=PREFILL_LEN * 16, enable_prefix_caching=False,
+              quantization=quantization)
 
     def gen(batch: list[list[int]], n: int):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         return lambda: llm.generate(batch, params, use_tqdm=False)
 
-    return measure(gen, repeats)
+    # What a decode step reads in full: every projection and the LM head (of the embedding, one row a token).
+    matrices = [m for m in llm.llm_engine.model.modules() if isinstance(m, Linear | Int8Linear)]
+    return {**measure(gen, repeats), "weight_bytes": llm.llm_engine.weight_bytes,
+            "decode_read_bytes": sum(weight_bytes(m) for m in matrices)}
 
 
 def run_transformers(model_dir: str, device: str, repeats: int) -> dict:
@@ -73,7 +80,8 @@ def run_transformers(model_dir: str, device: str, repeats: int) -> dict:
                 model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
         return call
 
-    return measure(gen, repeats)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head is counted once
+    return {**measure(gen, repeats), "weight_bytes": size}
 
 
 def measure(gen, repeats: int) -> dict:
@@ -124,8 +132,12 @@ def child(system: str, model_dir: str, device: str, repeats: int) -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    fn = run_nanoqwen if system == "nanoqwen" else run_transformers
-    result = ceilings(device) if system == "ceilings" else fn(model_dir, device, repeats)
+    if system == "ceilings":
+        result = ceilings(device)
+    elif system.startswith("nanoqwen"):
+        result = run_nanoqwen(model_dir, device, repeats, quantization="int8" if system == "nanoqwen-int8" else None)
+    else:
+        result = run_transformers(model_dir, device, repeats)
     print("RESULT " + json.dumps(result))
 
 
@@ -155,24 +167,31 @@ def machine_line(device: str) -> str:
             f"transformers {transformers.__version__} · nanoqwen {nanoqwen.__version__}")
 
 
-def table(model_dir: Path, ours: dict, theirs: dict, ceil: dict) -> str:
+def table(model_dir: Path, ours: dict, theirs: dict, ceil: dict, int8: dict) -> str:
     size = weight_bytes(model_dir)
     read_bound, gemv_bound = ceil["read_gb_s"] * 1e9 / size, ceil["gemv_gb_s"] * 1e9 / size
-    rows = [
-        ("Prefill, 512-token prompt (tok/s)", "prefill_tok_s"),
-        ("Decode, batch 1 (tok/s)", "decode_b1_tok_s"),
-        ("Decode, batch 16 (tok/s, all sequences)", "decode_b16_tok_s"),
-        ("Peak memory (process max RSS, GiB)", "peak_rss_gib"),
+    int8_bound = ceil["read_gb_s"] * 1e9 / int8["decode_read_bytes"]
+    rows = [  # (label, key, unit, digits)
+        ("Prefill, 512-token prompt (tok/s)", "prefill_tok_s", 1, 1),
+        ("Decode, batch 1 (tok/s)", "decode_b1_tok_s", 1, 1),
+        ("Decode, batch 16 (tok/s, all sequences)", "decode_b16_tok_s", 1, 1),
+        ("Peak memory (process max RSS, GiB)", "peak_rss_gib", 1, 1),
+        ("Weights in memory (GB)", "weight_bytes", 1e9, 2),
     ]
-    lines = ["| | nanoqwen | transformers | nanoqwen / transformers |", "|---|---:|---:|---:|"]
-    for label, key in rows:
-        lines.append(f"| {label} | {ours[key]:.1f} | {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}× |")
+    lines = ["| | nanoqwen | transformers | nanoqwen / transformers | nanoqwen int8 | int8 / nanoqwen |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for label, key, unit, d in rows:
+        a, b, c = ours[key] / unit, theirs[key] / unit, int8[key] / unit
+        lines.append(f"| {label} | {a:.{d}f} | {b:.{d}f} | {a / b:.2f}× | {c:.{d}f} | {c / a:.2f}× |")
     lines += ["", f"Ceilings measured in the same run: read bandwidth {ceil['read_gb_s']:.1f} GB/s (sum of 1 GiB); "
               f"torch's bf16 matrix-vector product reads weights at {ceil['gemv_gb_s']:.1f} GB/s; bf16 matmul "
               f"{ceil['bf16_tflop_s']:.2f} TFLOP/s. With {size / 1e9:.2f} GB of weights, batch-1 decode is bound "
               f"at {read_bound:.1f} tok/s by bandwidth and at {gemv_bound:.1f} tok/s by torch's bf16 "
               f"matrix-vector kernel; nanoqwen's batch-1 decode is {ours['decode_b1_tok_s'] / read_bound:.0%} "
-              f"and {ours['decode_b1_tok_s'] / gemv_bound:.0%} of them."]
+              f"and {ours['decode_b1_tok_s'] / gemv_bound:.0%} of them. nanoqwen int8 (weight-only, quantised at "
+              f"load; the bf16 embedding kept for the lookup) reads {int8['decode_read_bytes'] / 1e9:.2f} GB of "
+              f"weights per decode step: bound at {int8_bound:.1f} tok/s by bandwidth; its batch-1 decode is "
+              f"{int8['decode_b1_tok_s'] / int8_bound:.0%} of that."]
     return "\n".join(lines)
 
 
@@ -206,15 +225,17 @@ def main() -> None:
         print(f"writing a random Qwen3-0.6B-shaped checkpoint to {model_dir} ...", file=sys.stderr)
         write_random_model(model_dir, "qwen3-0.6b", dtype="bfloat16", std=0.02)
     results = {}
-    for system in ("ceilings", "nanoqwen", "transformers"):
+    for system in ("ceilings", "nanoqwen", "nanoqwen-int8", "transformers"):
         print(f"running {system} ...", file=sys.stderr)
         results[system] = run_child(system, model_dir, args.device, args.repeats)
     body = (f"### Single-stream speed: prefill, decode at batch 1 and 16 ({args.device}, bfloat16)\n\n"
             f"`python bench/bench_model.py{' --device cuda' if args.device == 'cuda' else ''}` on "
             f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}; "
-            f"transformers with sdpa attention, same token ids, greedy, EOS ignored.\n\n"
+            f"transformers with sdpa attention, same token ids, greedy, EOS ignored; nanoqwen int8: "
+            f"`quantization=\"int8\"` (weight-only int8 made at load from the same checkpoint).\n\n"
             f"{machine_line(args.device)}\n\n"
-            + table(model_dir, results["nanoqwen"], results["transformers"], results["ceilings"]))
+            + table(model_dir, results["nanoqwen"], results["transformers"], results["ceilings"],
+                    results["nanoqwen-int8"]))
     print(body)
     if args.write:
         write_benchmarks(f"bench_model-{args.device}", body)

@@ -29,12 +29,15 @@ class LLM:
                  device: str | torch.device | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | float | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, seed: int | None = 0) -> None:
-        """kv_cache_memory: bytes (int) or a fraction of free memory (float); see LLMEngine for defaults."""
+                 enable_prefix_caching: bool = True, seed: int | None = 0, quantization: str | None = None) -> None:
+        """kv_cache_memory: bytes (int) or a fraction of free memory (float); see LLMEngine for defaults.
+        quantization: None (the checkpoint's weights) or "int8" (weight-only, made at load: nanoqwen/quantization.py).
+        """
         self.llm_engine = LLMEngine(model, dtype=dtype, device=device, max_model_len=max_model_len,
                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     kv_cache_memory=kv_cache_memory, block_size=block_size,
-                                    enable_prefix_caching=enable_prefix_caching, seed=seed)
+                                    enable_prefix_caching=enable_prefix_caching, seed=seed,
+                                    quantization=quantization)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

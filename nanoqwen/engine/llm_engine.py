@@ -23,6 +23,7 @@ from nanoqwen.engine.sequence import Sequence, SequenceStatus
 from nanoqwen.errors import ConfigError, InvalidRequestError
 from nanoqwen.loader import load_config, load_model, resolve_model_path
 from nanoqwen.outputs import RequestMetrics, RequestOutput
+from nanoqwen.quantization import check_quantization, quantize_model, weight_bytes
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -34,7 +35,8 @@ class LLMEngine:
                  device: str | torch.device | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | float | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, seed: int | None = 0) -> None:
+                 enable_prefix_caching: bool = True, seed: int | None = 0, quantization: str | None = None) -> None:
+        self.quantization = check_quantization(quantization)
         self.model_dir = resolve_model_path(str(model))
         self.config = load_config(self.model_dir)
         self.generation_config = GenerationConfig.from_file(
@@ -54,6 +56,10 @@ class LLMEngine:
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         model_ = load_model(self.model_dir, self.config, self.dtype, self.device, max_model_len or limit)
+        quantize_model(model_, self.quantization)  # no-op without quantization
+        self.weight_bytes = weight_bytes(model_)
+        logger.info("weights: %.2f GiB in memory (%s)", self.weight_bytes / 2**30,
+                    self.quantization or str(self.dtype).removeprefix("torch."))
         # The KV pool: as many blocks as the budget holds; it must fit at least one full-length sequence.
         c = self.config
         per_token = KVCache.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype)

@@ -73,7 +73,7 @@ def serve(args: argparse.Namespace) -> None:
     engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_enable_prefix_caching,
-                       seed=args.seed)
+                       seed=args.seed, quantization=args.quantization)
     stats = engine.kv_cache_stats
     log.info("loaded %s (%s, %s): max_model_len %d, %d KV blocks of %d tokens", args.model, engine.device,
              engine.dtype, engine.max_model_len, stats["num_blocks"], stats["block_size"])
