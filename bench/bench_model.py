@@ -1,4 +1,5 @@
 """nanoqwen vs transformers on one machine, in one run: prefill, decode at batch 1 and 16, peak memory.
+nanoqwen runs twice: with the checkpoint's bf16 weights and with `quantization="int8"` (weight-only int8).
 
     python bench/bench_model.py                 # random checkpoint with the exact Qwen3-0.6B shape
     python bench/bench_model.py --write         # also record the table in BENCHMARKS.md
@@ -22,6 +23,7 @@ import resource
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,20 +44,30 @@ def prompts(batch: int, length: int) -> list[list[int]]:
     return [[1000 + (7 * i + 13 * b) % 50000 for i in range(length)] for b in range(batch)]
 
 
-def run_nanoqwen(model_dir: str, device: str, repeats: int, enforce_eager: bool = False) -> dict:
+def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | None = None,
+                 enforce_eager: bool = False) -> dict:
     from nanoqwen import LLM, SamplingParams
+    from nanoqwen.models.qwen3 import Linear
+    from nanoqwen.quantization import Int8Linear, weight_bytes
 
     # No prefix caching: the timed repeats send the same prompts, and transformers has nothing like it.
     # On GPU, decode steps replay CUDA graphs unless enforce_eager.
     llm = LLM(model_dir, dtype="bfloat16", device=device, max_model_len=PREFILL_LEN + DECODE_TOKENS + 8,
               max_num_seqs=16, max_num_batched_tokens=PREFILL_LEN * 16, enable_prefix_caching=False,
-              enforce_eager=enforce_eager)
+              quantization=quantization, enforce_eager=enforce_eager)
 
     def gen(batch: list[list[int]], n: int):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         return lambda: llm.generate(batch, params, use_tqdm=False)
 
-    return measure(gen, repeats)
+    # What a decode step reads in full: every projection and the LM head (of the embedding, one row a token).
+    matrices = [m for m in llm.llm_engine.model.modules() if isinstance(m, Linear | Int8Linear)]
+    model = llm.llm_engine.model
+    return {**measure(gen, repeats), "weight_bytes": llm.llm_engine.weight_bytes,
+            "decode_read_bytes": sum(weight_bytes(m) for m in matrices),
+            # multiply-adds per token in the projections (a prompt's LM head runs for its last token only)
+            "layer_params": sum(m.weight.numel() for m in matrices if m is not model.lm_head),
+            "head_params": model.lm_head.weight.numel()}
 
 
 def run_transformers(model_dir: str, device: str, repeats: int) -> dict:
@@ -75,7 +87,8 @@ def run_transformers(model_dir: str, device: str, repeats: int) -> dict:
                 model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
         return call
 
-    return measure(gen, repeats)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head is counted once
+    return {**measure(gen, repeats), "weight_bytes": size}
 
 
 def measure(gen, repeats: int) -> dict:
@@ -94,8 +107,8 @@ def measure(gen, repeats: int) -> dict:
 
 
 def ceilings(device: str) -> dict:
-    """This machine's limits: read bandwidth (sum of 1 GiB), the bf16 matrix-vector rate that decode
-    at batch 1 is made of (GB of weights read per second), and bf16 matmul TFLOP/s."""
+    """This machine's limits: read bandwidth (sum of 1 GiB), copy bandwidth (1 GiB, read + write), the bf16
+    matrix-vector rate that decode at batch 1 is made of (GB of weights read per second), bf16 matmul TFLOP/s."""
     import torch
     import torch.nn.functional as F
 
@@ -108,18 +121,16 @@ def ceilings(device: str) -> dict:
 
     x = torch.ones(1 << 28, dtype=torch.float32, device=device)
     read = x.numel() * 4 / timed(x.sum) / 1e9
-    del x
+    y = torch.empty_like(x).fill_(0)  # touched, so the copy measures memory, not page faults
+    copy = 2 * x.numel() * 4 / timed(partial(y.copy_, x)) / 1e9  # bytes read + bytes written
+    del x, y
     w = torch.randn(8192, 32768, dtype=torch.bfloat16, device=device)
     v = torch.randn(1, 32768, dtype=torch.bfloat16, device=device)
     gemv = w.numel() * 2 / timed(lambda: F.linear(v, w)) / 1e9
     n = 4096 if device == "cuda" else 2048
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     flops = 2 * n**3 / timed(lambda: a @ a) / 1e12
-    return {"read_gb_s": read, "gemv_gb_s": gemv, "bf16_tflop_s": flops}
-
-
-def weight_bytes(model_dir: Path) -> int:
-    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    return {"read_gb_s": read, "copy_gb_s": copy, "gemv_gb_s": gemv, "bf16_tflop_s": flops}
 
 
 def child(system: str, model_dir: str, device: str, repeats: int) -> None:
@@ -129,7 +140,8 @@ def child(system: str, model_dir: str, device: str, repeats: int) -> None:
     if system == "ceilings":
         result = ceilings(device)
     elif system.startswith("nanoqwen"):
-        result = run_nanoqwen(model_dir, device, repeats, enforce_eager=system == "nanoqwen-eager")
+        result = run_nanoqwen(model_dir, device, repeats, quantization="int8" if system == "nanoqwen-int8" else None,
+                              enforce_eager=system == "nanoqwen-eager")
     else:
         result = run_transformers(model_dir, device, repeats)
     print("RESULT " + json.dumps(result))
@@ -161,30 +173,50 @@ def machine_line(device: str) -> str:
             f"transformers {transformers.__version__} · nanoqwen {nanoqwen.__version__}")
 
 
-def table(model_dir: Path, ours: dict, theirs: dict, ceil: dict, eager: dict | None = None) -> str:
-    """eager: nanoqwen with enforce_eager (GPU runs), shown as an extra column when given."""
-    size = weight_bytes(model_dir)
-    read_bound, gemv_bound = ceil["read_gb_s"] * 1e9 / size, ceil["gemv_gb_s"] * 1e9 / size
-    rows = [
-        ("Prefill, 512-token prompt (tok/s)", "prefill_tok_s"),
-        ("Decode, batch 1 (tok/s)", "decode_b1_tok_s"),
-        ("Decode, batch 16 (tok/s, all sequences)", "decode_b16_tok_s"),
-        ("Peak memory (process max RSS, GiB)", "peak_rss_gib"),
+def bounds(ours: dict, ceil: dict) -> dict:
+    """What the hardware allows for each row (tok/s): decode reads every weight once a step (bandwidth bound),
+    prefill and batch-16 decode multiply-add every weight once per token (matmul bound)."""
+    flops, read = ceil["bf16_tflop_s"] * 1e12, ceil["read_gb_s"] * 1e9
+    per_token = 2 * ours["layer_params"]  # FLOPs per prompt token (the head runs for the last one only)
+    b1 = read / ours["decode_read_bytes"]
+    return {"prefill_tok_s": flops / per_token,
+            "decode_b1_tok_s": b1,
+            "decode_b16_tok_s": min(16 * b1, flops / (per_token + 2 * ours["head_params"]))}
+
+
+def table(ours: dict, theirs: dict, ceil: dict, int8: dict, eager: dict | None = None) -> str:
+    """eager: nanoqwen with enforce_eager (GPU runs), an extra column when given."""
+    rows = [  # (label, key, unit, digits)
+        ("Prefill, 512-token prompt (tok/s)", "prefill_tok_s", 1, 1),
+        ("Decode, batch 1 (tok/s)", "decode_b1_tok_s", 1, 1),
+        ("Decode, batch 16 (tok/s, all sequences)", "decode_b16_tok_s", 1, 1),
+        ("Peak memory (process max RSS, GiB)", "peak_rss_gib", 1, 1),
+        ("Weights in memory (GB)", "weight_bytes", 1e9, 2),
     ]
-    if eager is None:
-        lines = ["| | nanoqwen | transformers | nanoqwen / transformers |", "|---|---:|---:|---:|"]
-    else:
-        lines = ["| | nanoqwen (CUDA graphs) | nanoqwen (--enforce-eager) | transformers | nanoqwen / transformers |",
-                 "|---|---:|---:|---:|---:|"]
-    for label, key in rows:
-        middle = "" if eager is None else f" {eager[key]:.1f} |"
-        lines.append(f"| {label} | {ours[key]:.1f} |{middle} {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}× |")
-    lines += ["", f"Ceilings measured in the same run: read bandwidth {ceil['read_gb_s']:.1f} GB/s (sum of 1 GiB); "
-              f"torch's bf16 matrix-vector product reads weights at {ceil['gemv_gb_s']:.1f} GB/s; bf16 matmul "
-              f"{ceil['bf16_tflop_s']:.2f} TFLOP/s. With {size / 1e9:.2f} GB of weights, batch-1 decode is bound "
-              f"at {read_bound:.1f} tok/s by bandwidth and at {gemv_bound:.1f} tok/s by torch's bf16 "
-              f"matrix-vector kernel; nanoqwen's batch-1 decode is {ours['decode_b1_tok_s'] / read_bound:.0%} "
-              f"and {ours['decode_b1_tok_s'] / gemv_bound:.0%} of them."]
+    limit, limit_int8 = bounds(ours, ceil), bounds(int8, ceil)
+    eager_head = " nanoqwen (--enforce-eager) |" if eager else ""
+    lines = [f"| | nanoqwen |{eager_head} transformers | nanoqwen / transformers | ceiling | nanoqwen / ceiling | "
+             "transformers / ceiling | nanoqwen int8 | int8 / nanoqwen | int8 / its ceiling |",
+             "|---|---:|" + ("---:|" if eager else "") + "---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, key, unit, d in rows:
+        a, b, c = ours[key] / unit, theirs[key] / unit, int8[key] / unit
+        e = f" {eager[key] / unit:.{d}f} |" if eager else ""
+        if key in limit:
+            bound = f"{limit[key]:.1f} | {a / limit[key]:.0%} | {b / limit[key]:.0%}"
+            bound8 = f"{c / limit_int8[key]:.0%}"
+        else:
+            bound, bound8 = " | | ", ""
+        lines.append(f"| {label} | {a:.{d}f} |{e} {b:.{d}f} | {a / b:.2f}× | {bound} | {c:.{d}f} | {c / a:.2f}× | "
+                     f"{bound8} |")
+    lines += ["", f"Ceilings measured in the same run: read bandwidth {ceil['read_gb_s']:.1f} GB/s (sum of 1 GiB), "
+              f"copy {ceil['copy_gb_s']:.1f} GB/s (1 GiB, bytes read + written), torch's bf16 matrix-vector product "
+              f"{ceil['gemv_gb_s']:.1f} GB/s of weights, bf16 matmul {ceil['bf16_tflop_s']:.2f} TFLOP/s. "
+              f"The ceiling column: batch-1 decode reads {ours['decode_read_bytes'] / 1e9:.2f} GB of weights a step "
+              f"(bf16; int8 {int8['decode_read_bytes'] / 1e9:.2f} GB) at the read bandwidth; prefill does "
+              f"{2 * ours['layer_params'] / 1e9:.2f} GFLOP a token at the matmul rate; batch-16 decode is the "
+              f"lower of 16 x the batch-1 bound and the matmul bound (LM head included). At torch's own bf16 "
+              f"matrix-vector rate, batch-1 decode would be bound at "
+              f"{ceil['gemv_gb_s'] * 1e9 / ours['decode_read_bytes']:.1f} tok/s."]
     return "\n".join(lines)
 
 
@@ -218,8 +250,9 @@ def main() -> None:
         print(f"writing a random Qwen3-0.6B-shaped checkpoint to {model_dir} ...", file=sys.stderr)
         write_random_model(model_dir, "qwen3-0.6b", dtype="bfloat16", std=0.02)
     results = {}
-    systems = ("ceilings", "nanoqwen", "nanoqwen-eager", "transformers") if args.device == "cuda" else \
-        ("ceilings", "nanoqwen", "transformers")
+    systems = ["ceilings", "nanoqwen", "nanoqwen-int8", "transformers"]
+    if args.device == "cuda":
+        systems.insert(2, "nanoqwen-eager")
     for system in systems:  # a failing system does not stop the others: their results are printed as they come
         print(f"running {system} ...", file=sys.stderr)
         try:
@@ -234,9 +267,10 @@ def main() -> None:
     body = (f"### Single-stream speed: prefill, decode at batch 1 and 16 ({args.device}, bfloat16)\n\n"
             f"`python bench/bench_model.py{' --device cuda' if args.device == 'cuda' else ''}` on "
             f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}; "
-            f"transformers with sdpa attention, same token ids, greedy, EOS ignored.\n\n"
+            f"transformers with sdpa attention, same token ids, greedy, EOS ignored; nanoqwen int8: "
+            f"`quantization=\"int8\"` (weight-only int8 made at load from the same checkpoint).\n\n"
             f"{machine_line(args.device)}\n\n"
-            + table(model_dir, results["nanoqwen"], results["transformers"], results["ceilings"],
+            + table(results["nanoqwen"], results["transformers"], results["ceilings"], results["nanoqwen-int8"],
                     results.get("nanoqwen-eager")))
     print(body)
     if args.write:

@@ -116,6 +116,7 @@ def run_nanoqwen(model_dir: str | Path, workload: Workload, device: str | None =
         "output_tok_s": output_tokens / seconds,
         "total_tok_s": (input_tokens + output_tokens) / seconds,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "weight_gib": engine.weight_bytes / 2**30,
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "engine_kwargs": dict(engine_kwargs),
@@ -225,7 +226,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 def format_report(result: dict[str, Any], model_dir: str | Path, args: argparse.Namespace) -> str:
     """A small human-readable table of one `run_nanoqwen` result."""
     rows = [
-        ("model", f"{model_dir} ({result['device']}, {result['dtype']})"),
+        ("model", f"{model_dir} ({result['device']}, {result['dtype']}; {result['weight_gib']:.2f} GiB of weights)"),
         ("engine", describe_engine(result["engine_kwargs"])),
         ("requests", f"{result['requests']}, seed {args.seed}; temperature 0.6, top-p 0.95, top-k 20, EOS ignored"),
         ("prompts", f"{args.min_input}-{args.max_input} tokens each, {result['input_tokens']:,} in all"),

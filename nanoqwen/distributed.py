@@ -91,10 +91,14 @@ def broadcast_object(obj: Any = None) -> Any:
     return box[0]
 
 
-def barrier() -> None:
-    """Wait on the control group until every rank got here (no timeout to speak of: loading can take long)."""
-    if _size > 1:
-        dist.barrier(group=_control)
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable object, in rank order, on every rank (over the control group: it also waits
+    until every rank got here, with no timeout to speak of, since loading can take long)."""
+    if _size == 1:
+        return [obj]
+    out: list[Any] = [None] * _size
+    dist.all_gather_object(out, obj, group=_control)
+    return out
 
 
 def torchrun_env() -> tuple[int, int, int] | None:

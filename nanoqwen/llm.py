@@ -30,9 +30,10 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | float | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, seed: int | None = 0, enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, quantization: str | None = None) -> None:
         """kv_cache_memory: bytes (int) or a fraction of free memory (float), per rank; see LLMEngine for defaults.
         enforce_eager: no torch.compile (CPU) and no CUDA graphs (GPU): faster start, slower steps.
+        quantization: None (the checkpoint's weights) or "int8" (weight-only, made at load: nanoqwen/quantization.py).
 
         tensor_parallel_size N > 1 splits the model over N processes (N GPUs, or CPU processes), started here
         or by torchrun; `llm.llm_engine.shutdown()` stops them (as does garbage collection or exit).
@@ -41,7 +42,8 @@ class LLM:
                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     kv_cache_memory=kv_cache_memory, block_size=block_size,
                                     enable_prefix_caching=enable_prefix_caching, seed=seed,
-                                    enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size)
+                                    enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                                    quantization=quantization)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -32,6 +32,7 @@ from nanoqwen.errors import ConfigError, InvalidRequestError
 from nanoqwen.hub import resolve_model_path
 from nanoqwen.loader import load_config, load_model
 from nanoqwen.outputs import RequestMetrics, RequestOutput
+from nanoqwen.quantization import check_quantization, quantize_model, weight_bytes
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -44,8 +45,10 @@ class LLMEngine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  kv_cache_memory: int | float | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, seed: int | None = 0, enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1) -> None:
-        """enforce_eager: no torch.compile of elementwise kernels (CPU), no CUDA graphs for decode steps (GPU)."""
+                 tensor_parallel_size: int = 1, quantization: str | None = None) -> None:
+        """enforce_eager: no torch.compile of elementwise kernels (CPU), no CUDA graphs for decode steps (GPU).
+        quantization: None or "int8" (weight-only, made at load: nanoqwen/quantization.py)."""
+        self.quantization = check_quantization(quantization)
         self.model_dir = resolve_model_path(str(model))
         self.config = load_config(self.model_dir)
         check_tensor_parallel_size(self.config, tensor_parallel_size)
@@ -93,9 +96,15 @@ class LLMEngine:
         limit = self.config.max_position_embeddings
         tp = self.tp_group
         if tp is not None:
-            tp.send(LoadModel(str(self.model_dir), self.dtype, max_model_len or limit, enforce_eager))
+            tp.send(LoadModel(str(self.model_dir), self.dtype, max_model_len or limit, enforce_eager,
+                              self.quantization))
         model_ = load_model(self.model_dir, self.config, self.dtype, self.device, max_model_len or limit,
                             tp_rank=0, tp_size=tp.size if tp else 1)
+        quantize_model(model_, self.quantization)  # no-op without quantization
+        self.weight_bytes = weight_bytes(model_)  # this rank's
+        self.rank_weight_bytes = [self.weight_bytes]  # every rank's (filled in below under tensor parallelism)
+        logger.info("weights: %.2f GiB in memory (%s)", self.weight_bytes / 2**30,
+                    self.quantization or str(self.dtype).removeprefix("torch."))
         select_kernels(self.device, self.dtype, enforce_eager)
         # The KV pool: as many blocks as the budget holds; it must fit at least one full-length sequence.
         # With tensor parallelism the budget is per rank, and a rank's block holds only its heads.
@@ -115,7 +124,7 @@ class LLMEngine:
                                   max_model_len=self.max_model_len, enforce_eager=enforce_eager)
         if tp is not None:
             tp.send((num_blocks, block_size))  # every rank gets the same blocks
-            tp.wait_ready()
+            self.rank_weight_bytes = tp.wait_ready(self.weight_bytes)
         return num_blocks
 
     @property

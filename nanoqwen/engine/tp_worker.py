@@ -48,6 +48,7 @@ class LoadModel:
     dtype: torch.dtype
     max_model_len: int
     enforce_eager: bool = False
+    quantization: str | None = None
 
 
 class TPGroup:
@@ -112,9 +113,9 @@ class TPGroup:
         """Broadcast a message (LoadModel, the KV-cache size) from rank 0 to the workers."""
         distributed.broadcast_object(message)
 
-    def wait_ready(self) -> None:
-        """Wait until every worker has loaded its shard and built its KV cache."""
-        distributed.barrier()
+    def wait_ready(self, weight_bytes: int) -> list[int]:
+        """Wait until every worker has loaded its shard and built its KV cache; every rank's weight bytes."""
+        return distributed.gather_objects(weight_bytes)
 
     # ---- health
     def failure(self, wait: float = 0.0) -> str | None:
@@ -289,6 +290,7 @@ def run_worker(rank: int, size: int, device: torch.device, model_dir: Path | Non
     from nanoqwen.compilation import select_kernels
     from nanoqwen.engine.model_runner import ModelRunner
     from nanoqwen.loader import load_config, load_model
+    from nanoqwen.quantization import quantize_model, weight_bytes
 
     load = distributed.broadcast_object()
     if load is None:
@@ -296,13 +298,14 @@ def run_worker(rank: int, size: int, device: torch.device, model_dir: Path | Non
     model_dir = model_dir or Path(load.model_dir)
     model = load_model(model_dir, load_config(model_dir), load.dtype, device, load.max_model_len, rank, size,
                        show_progress=False)
+    quantize_model(model, load.quantization)  # scales per row of this rank's shard
     select_kernels(device, load.dtype, load.enforce_eager)
     kv = distributed.broadcast_object()
     if kv is None:
         return
     num_blocks, block_size = kv
     runner = ModelRunner(model, num_blocks, block_size)
-    distributed.barrier()  # ready
+    distributed.gather_objects(weight_bytes(model))  # ready, and what this rank holds
     while (step := distributed.broadcast_object()) is not None:
         runner.run_model(step)
 

@@ -73,7 +73,7 @@ def serve(args: argparse.Namespace) -> None:
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_enable_prefix_caching,
                        seed=args.seed, enforce_eager=args.enforce_eager,
-                       tensor_parallel_size=args.tensor_parallel_size)
+                       tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
     try:
         _run(args, engine, _Server)
     finally:

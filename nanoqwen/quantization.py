@@ -1,0 +1,228 @@
+"""Weight-only int8 quantisation: `LLM(..., quantization="int8")`, `--quantization int8`.
+
+What is quantised: every `Linear` of the model, swapped for an `Int8Linear` right after loading (the checkpoint
+stays bf16/fp32 on disk): qkv_proj, o_proj, gate_up_proj and down_proj of every layer, and the LM head. A tied
+head gets its own int8 copy; the embedding lookup keeps the model-dtype matrix (it reads one row per token, so it
+costs memory but no decode time). Norms, embeddings and biases stay in the model dtype, and so do activations and
+the KV cache. Qwen3-MoE's experts are stacked tensors, not `Linear` modules: they are left unquantised, and so is
+its router (a `Linear` named `gate`: tiny, and kept exact so that int8 noise does not change which experts a
+token goes to, as vLLM does).
+
+Numerics (symmetric, one scale per output row, no zero point), for W [out, in]:
+
+    scale[o] = max_i |W[o, i]| / 127      computed in float32, then stored in the model dtype, rounded up
+                                          there so that |W / scale| <= 127 (a zero row gets scale 1): at most
+                                          one step of that dtype above (2^-7 relative in bf16; in fp16, rows
+                                          with max|W| < 7.8e-3 get a subnormal, coarser scale)
+    Wq[o, i] = round(W[o, i] / scale[o])  int8 in [-127, 127] (-128 is never used), round half to even
+    |W - Wq * scale| <= scale / 2         per element: about max|W[o]| / 254
+    y = (x @ Wq.T) * scale + bias         int8 values convert exactly to bf16/fp16/fp32 (|Wq| <= 127 fits an
+                                          8-bit significand); products accumulate in float32 inside the
+                                          kernels; the output is rounded to the activation dtype once (int8pack
+                                          kernel) or twice (matmul output, then the scaling: dequantise path)
+
+Kernels, chosen per call:
+- CPU, few rows (decode), bf16/fp16 activations: `torch.ops.aten._weight_int8pack_mm`, which reads the int8
+  matrix directly: half the bytes of a bf16 matrix-vector product, so batch-1 decode runs near 2x. Its cost grows
+  with every 4 rows while a bf16 matmul's barely grows, so above INT8PACK_MAX_ROWS rows (measured; see there) the
+  matmul dequantises instead. The kernel needs a contiguous 2-D input, the scale in the input dtype and
+  in_features % 16 == 0 (other widths crash the process in torch 2.13: they take the dequantise path). Its
+  float32 path is 10-20x slower than its bf16 one, and slower than a float32 matmul: float32 models always
+  dequantise (measured at about the float32 model's speed, with a quarter of the weight bytes).
+- CPU, otherwise (prefill, float32): dequantise block by block, `F.linear(x, Wq[rows].to(x.dtype)) * scale[rows]`,
+  with blocks of at most DEQUANT_BLOCK_BYTES so a big matrix (the LM head) never has a model-dtype copy in memory.
+- CUDA and other devices: `F.linear(x, Wq.to(x.dtype)) * scale`, the form torch.compile fuses into one kernel.
+  Run eagerly it converts each matrix on every call: memory is saved, speed is not gained (untested on a GPU).
+The two CPU kernels round differently (and differently from the bf16 model), so with int8 a sequence's greedy
+tokens can depend on the batch it runs in, where a near-tie is flipped: a prompt of <= INT8PACK_MAX_ROWS tokens
+prefilled alone takes int8pack, prefilled beside others the dequantise kernel. Decode rows take the same kernel
+at any batch size up to INT8PACK_MAX_ROWS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoqwen.errors import ConfigError
+from nanoqwen.models.qwen3 import Linear
+
+QUANTIZATION_METHODS = ("int8",)
+# Up to this many rows (tokens) int8pack beats dequantise + bf16 matmul on CPU. Measured on Qwen3-0.6B's
+# matrices (2-core AMD EPYC with AVX-512 bf16, torch 2.13), ms for int8pack / dequantise / plain bf16:
+#   qkv_proj 4096x1024:   1 row 0.06 / 0.37 / 0.17;  16 rows 0.42 / 0.48 / 0.37;  24 rows 0.61 / 0.63 / 0.43
+#   down_proj 1024x3072:  1 row 0.04 / 0.27 / 0.11;  16 rows 0.28 / 0.34 / 0.19;  24 rows 0.42 / 0.40 / 0.25
+#   lm_head 151936x1024:  1 row 4.3 / 16.6 / 11.4;   16 rows 18.5 / 24.2 / 15.4
+# (int8pack's cost steps up every 4 rows, the matmul's barely moves; a 512-token prefill dequantises at
+# 0.94-1.0x the bf16 time). So decode up to 16 sequences reads int8; batch 16 runs ~0.9x bf16, batch 1 ~2x.
+INT8PACK_MAX_ROWS = 16
+DEQUANT_BLOCK_BYTES = 16 << 20  # the largest model-dtype copy of a weight block the dequantise path makes
+QUANTIZE_BLOCK_ELEMENTS = 1 << 18  # rows quantised at a time: float32 temporaries of 1 MiB
+KEEP_UNQUANTIZED = ("gate",)  # Linears left as they are, by attribute name: Qwen3-MoE's router
+
+
+def check_quantization(method: str | None) -> str | None:
+    """The method if it is supported (None: no quantisation), else a ConfigError naming the choices."""
+    if method is None or method in QUANTIZATION_METHODS:
+        return method
+    raise ConfigError(f"quantization={method!r} is not supported; use one of: {', '.join(QUANTIZATION_METHODS)} "
+                      "(or None for the checkpoint's own weights)")
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (int8 Wq [out, in], scale [out] in W's dtype); see the module docstring."""
+    out_features, in_features = weight.shape
+    dtype = weight.dtype
+    q = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(out_features, dtype=dtype, device=weight.device)
+    up = torch.tensor(float("inf"), dtype=dtype, device=weight.device)
+    step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(in_features, 1))
+    for start in range(0, out_features, step):  # in row blocks that fit a cache: several times faster
+        w = weight[start: start + step]
+        amax = w.abs().amax(dim=1).float()  # exact in any dtype: a max does not round
+        s32 = torch.where(amax > 0, amax / 127, 1.0)
+        s = s32.to(dtype)
+        s = torch.where(s.float() < s32, torch.nextafter(s, up), s)  # round up: |w / s| <= 127, no clipping
+        # float32 division (out of place: a float32 weight's .float() is the weight itself). Converting first is
+        # faster than dividing the bf16 block by a float32 column, which torch 2.13 does ~30x slower.
+        q[start: start + step] = torch.div(w.float(), s.float()[:, None]).round_().clamp_(-127, 127)
+        scale[start: start + step] = s
+    return q, scale
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Wq * scale in float32 [out, in]: the weight an Int8Linear computes with."""
+    return q.float() * scale.float()[:, None]
+
+
+class Int8Linear(nn.Module):
+    """y = (x @ weight.T) * scale + bias with an int8 `weight` [out, in] and a per-row `scale` [out] (buffers).
+
+    Named like `Linear` (weight [out, in], bias [out]), so whatever slices a Linear's rows or columns can slice
+    this one's the same way (scale goes with the rows).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        dtype = dtype or torch.get_default_dtype()
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.empty(out_features, dtype=dtype, device=device))
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: Linear) -> Int8Linear:
+        """The int8 version of a Linear (its scale and bias in the Linear's dtype); the Linear is left as it is."""
+        w = linear.weight
+        module = cls(w.shape[1], w.shape[0], bias=False, dtype=w.dtype, device="meta")  # no memory until filled
+        module.weight, module.scale = quantize_weight(w)
+        module.bias = linear.bias
+        return module
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = pick_kernel(x, self.in_features)
+        y = kernel(x, self.weight, self.scale.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def int8pack_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(x @ q.T) * scale through the CPU kernel that reads int8 weights directly (see int8pack_supported)."""
+    in_features = q.shape[1]
+    rows = x.numel() // in_features
+    y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, in_features).contiguous(), q, scale)
+    return y.view(*x.shape[:-1], q.shape[0])
+
+
+def int8pack_supported(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether the CPU int8pack kernel takes (and is fast for) this input: bf16/fp16, in_features % 16 == 0."""
+    return dtype in (torch.bfloat16, torch.float16) and in_features > 0 and in_features % 16 == 0
+
+
+def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(x @ q.T) * scale with q converted to x's dtype in row blocks of at most DEQUANT_BLOCK_BYTES."""
+    out_features, in_features = q.shape
+    step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * x.element_size()))
+    if out_features <= step:
+        return F.linear(x, q.to(x.dtype)) * scale
+    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+    for start in range(0, out_features, step):
+        end = min(start + step, out_features)
+        torch.mul(F.linear(x, q[start:end].to(x.dtype)), scale[start:end], out=out[..., start:end])
+    return out
+
+
+def fused_dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(x @ q.T) * scale in one expression: what torch.compile fuses into one kernel on a GPU."""
+    return F.linear(x, q.to(x.dtype)) * scale
+
+
+def pick_kernel(x: torch.Tensor, in_features: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                                               torch.Tensor]:
+    """The kernel for this input: int8pack for few rows on CPU, dequantise otherwise (module docstring)."""
+    if x.device.type != "cpu":
+        return fused_dequantized_linear
+    rows = x.numel() // in_features if in_features else 0
+    if rows <= INT8PACK_MAX_ROWS and int8pack_supported(x.dtype, in_features):
+        return int8pack_linear
+    return dequantized_linear
+
+
+def quantize_model(model: nn.Module, method: str | None = "int8") -> nn.Module:
+    """Swap every Linear of the model for an Int8Linear, in place; returns the model.
+
+    One Linear at a time, each freed as soon as its int8 version replaces it and its memory handed back to the
+    OS (release_freed_memory), so memory peaks near the model-dtype weights plus one matrix (a tied LM head's
+    matrix stays: it is the embedding).
+    """
+    if check_quantization(method) is None:
+        return model
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, Linear) and name.rpartition(".")[2] not in KEEP_UNQUANTIZED]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        int8 = Int8Linear.from_linear(getattr(parent, attr))
+        setattr(parent, attr, int8)
+        if int8.weight.device.type == "cpu":
+            release_freed_memory()  # every time (~10 us): see there
+    return model
+
+
+def release_freed_memory() -> None:
+    """Return the freed heap pages to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    glibc keeps freed memory for reuse: the model-dtype matrices' pages would stay in the process's RSS, and a
+    matrix allocated above glibc's mmap threshold (the LM head's, 0.16 GB for Qwen3-0.6B) would take new pages
+    on top of them. Measured on Qwen3-0.6B in an engine: RSS 1.40 GiB before quantising, 1.41 GiB after without
+    this, 1.13 GiB with it; in a long-lived process (the test suite) the peak rose by the head's 0.16 GB.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        pass
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights in memory (parameters and saved buffers; a tensor shared by two names once)."""
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
+    return sum(tensors.values())
