@@ -80,3 +80,21 @@ def fresh_cache(model, num_tokens: int, block_size: int = 4, num_seqs: int = 1, 
     else:
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]
     return cache, tables[0] if num_seqs == 1 else tables
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy generate, with EOS disabled so exactly n tokens come out."""
+    import transformers
+
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=0,
+                                           eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+def our_greedy(llm, prompt: list[int], n: int) -> list[int]:
+    from nanoqwen import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return llm.generate([prompt], params, use_tqdm=False)[0].token_ids

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import prompt_logits
+from conftest import hf_greedy, our_greedy, prompt_logits
 from safetensors.torch import load_file, save_file
 
 from nanoqwen import LLM, ConfigError, SamplingParams, WeightsError
@@ -243,19 +243,6 @@ def hf_model(path, dtype):
     return model.eval()
 
 
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    import transformers
-
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=0,
-                                           eos_token_id=None, pad_token_id=0)
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), generation_config=config)
-    return out[0, len(prompt):].tolist()
-
-
-def our_greedy(llm: LLM, prompt: list[int], n: int) -> list[int]:
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    return llm.generate([prompt], params, use_tqdm=False)[0].token_ids
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SHAPES, prompt_logits
+from conftest import SHAPES, hf_greedy, our_greedy, prompt_logits
 
-from nanoqwen import LLM, SamplingParams
+from nanoqwen import LLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,18 +18,6 @@ def hf_model(path, dtype):
     return model.eval()
 
 
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """transformers' own greedy generate, with EOS disabled so exactly n tokens come out."""
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=0,
-                                           eos_token_id=None, pad_token_id=0)
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), generation_config=config)
-    return out[0, len(prompt):].tolist()
-
-
-def our_greedy(llm: LLM, prompt: list[int], n: int) -> list[int]:
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    return llm.generate([prompt], params, use_tqdm=False)[0].token_ids
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
