@@ -66,7 +66,7 @@ def _by_size(eager: Callable[..., torch.Tensor], compiled: Callable[..., torch.T
              ) -> Callable[..., torch.Tensor]:
     """The compiled function for calls on many tokens (x [N, ...] first), the plain one for few."""
     def kernel(x: torch.Tensor, *args: object) -> torch.Tensor:
-        return (compiled if x.shape[0] >= MIN_COMPILED_TOKENS else eager)(x, *args)
+        return (kernel.compiled if x.shape[0] >= MIN_COMPILED_TOKENS else eager)(x, *args)  # type: ignore[attr-defined]
     kernel.compiled = compiled  # type: ignore[attr-defined]
     return kernel
 

@@ -41,6 +41,15 @@ def test_compiled_kernels_equal_the_reference_functions(compiled):
                 torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+def test_only_calls_on_many_tokens_take_the_compiled_kernel(compiled, monkeypatch):
+    calls = []
+    monkeypatch.setattr(qwen3.kernels.swiglu, "compiled", lambda x: calls.append(x.shape[0]) or qwen3.swiglu(x))
+    with torch.inference_mode():
+        for n in (1, 16, MIN_COMPILED_TOKENS - 1, MIN_COMPILED_TOKENS, 300):
+            qwen3.kernels.swiglu(torch.randn(n, 8))
+    assert calls == [MIN_COMPILED_TOKENS, 300]
+
+
 def test_engine_compiles_by_default_and_matches_enforce_eager(tiny_dir):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
