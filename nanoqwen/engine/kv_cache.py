@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -33,7 +34,15 @@ class PrefillChunk:
     query_start: int  # offset of its first token in the flat batch
     query_len: int
     context_len: int  # tokens in the cache after this step, including the query
-    mask: torch.Tensor | None = None  # [1, 1, T, S] bool, only when part of the context was cached before
+    device: torch.device | None = None
+
+    @cached_property
+    def causal_mask(self) -> torch.Tensor:
+        """[1, 1, T, S] bool: query i (position context_len - T + i) sees keys 0 .. that position. Built on first
+        use, once per step, only by the attention paths that take a mask (SDPA over a partly cached context):
+        T x S can be large, and the CPU bf16 path never needs it."""
+        q_pos = torch.arange(self.context_len - self.query_len, self.context_len)[:, None]
+        return (torch.arange(self.context_len)[None, :] <= q_pos)[None, None].to(self.device)
 
 
 @dataclass
@@ -87,12 +96,8 @@ class AttentionMetadata:
         start = len(decode)
         for table, num_cached, query_len in prefill:
             context_len = num_cached + query_len
-            chunk = PrefillChunk(table[: -(-context_len // block_size)], start, query_len, context_len)
-            if num_cached:
-                # query i (position num_cached + i) sees keys 0 .. num_cached + i
-                q_pos = torch.arange(num_cached, context_len)[:, None]
-                chunk.mask = (torch.arange(context_len)[None, :] <= q_pos)[None, None].to(device)
-            meta.prefills.append(chunk)
+            meta.prefills.append(PrefillChunk(table[: -(-context_len // block_size)], start, query_len, context_len,
+                                              device))
             place(table, num_cached, context_len)
             start += query_len
         meta.slot_mapping = torch.tensor(slots, device=device)

@@ -203,7 +203,8 @@ class Attention(nn.Module):
                 o = prefill_attention_blocked(qp, k_ctx[0], v_ctx[0], chunk.context_len - chunk.query_len)
             else:
                 causal = chunk.context_len == chunk.query_len  # nothing cached before: the plain causal mask
-                o = attention_sdpa(qp[None], k_ctx, v_ctx, None if causal else chunk.mask, causal=causal)[0]
+                o = attention_sdpa(qp[None], k_ctx, v_ctx, None if causal else chunk.causal_mask,
+                                  causal=causal)[0]
             out[rows] = o.transpose(0, 1)
         out = self.o_proj(out.view(n, -1))  # [N, H]; with tp_size > 1 only this rank's heads' share
         return all_reduce(out) if self.tp_size > 1 else out
