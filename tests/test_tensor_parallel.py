@@ -387,11 +387,28 @@ def test_failing_worker_stops_the_engine_with_its_error(checkpoint, tmp_path, mo
 # ---------------------------------------------------------------- the server and torchrun
 
 
-def start_server(path, log, *extra: str) -> tuple[subprocess.Popen, str]:
+@contextlib.contextmanager
+def tp2_server(path, log) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A `nanoqwen serve --tensor-parallel-size 2` process and its base URL; killed on the way out if still up."""
+    proc, base = start_server(path, log)
+    try:
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def assert_logged_worker_kill(log, pid: int) -> None:
+    assert re.search(rf"nanoqwen: error: tensor-parallel worker 1 \(pid {pid}\) was killed by SIGKILL",
+                     log.read_text())
+
+
+def start_server(path, log) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "nanoqwen", "serve", "--model", str(path), "--port", str(port), "--dtype", "float32",
            "--device", "cpu", "--max-model-len", "1024", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
-           "--tensor-parallel-size", "2", "--enforce-eager", *extra]
+           "--tensor-parallel-size", "2", "--enforce-eager"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
@@ -412,8 +429,7 @@ def worker_pid(log) -> int:
 
 def test_server_with_tp2_answers_like_tp1_and_exits_when_a_worker_dies(checkpoint, tmp_path):
     path, log = checkpoint("tiny", dtype="float32"), tmp_path / "server.log"
-    proc, base = start_server(path, log)
-    try:
+    with tp2_server(path, log) as (proc, base):
         messages = [{"role": "user", "content": "Why is the sky blue?"}]
         ref = make_llm(path, max_model_len=1024, **EAGER).chat(messages, SamplingParams(temperature=0, max_tokens=12),
                                                       use_tqdm=False)[0]
@@ -434,28 +450,17 @@ def test_server_with_tp2_answers_like_tp1_and_exits_when_a_worker_dies(checkpoin
         assert re.search(r'data: \{"error": \{"message": "the engine stopped: tensor-parallel worker 1 \(pid \d+\) '
                          r'was killed by SIGKILL; the tensor-parallel group is stopped"', rest)
         assert proc.wait(timeout=30) == 1 and time.monotonic() - killed < 30
-        assert re.search(rf"nanoqwen: error: tensor-parallel worker 1 \(pid {pid}\) was killed by SIGKILL",
-                         log.read_text())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert_logged_worker_kill(log, pid)
 
 
 def test_idle_server_exits_when_a_worker_dies(checkpoint, tmp_path):
     log = tmp_path / "server.log"
-    proc, _ = start_server(checkpoint("tiny", dtype="float32"), log)
-    try:
+    with tp2_server(checkpoint("tiny", dtype="float32"), log) as (proc, _):
         pid = worker_pid(log)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         assert proc.wait(timeout=30) == 1 and time.monotonic() - killed < 10  # no request needed to notice
-        assert re.search(rf"nanoqwen: error: tensor-parallel worker 1 \(pid {pid}\) was killed by SIGKILL",
-                         log.read_text())
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert_logged_worker_kill(log, pid)
 
 
 def test_torchrun_two_ranks_generate_like_tp1(checkpoint):
