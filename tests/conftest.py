@@ -29,6 +29,15 @@ SHAPES = {
 }
 
 
+# Token-id prompts of different lengths (5, 13, 1 and 20 tokens) for engine tests.
+PROMPTS = [
+    [9707, 11, 847, 829, 374],
+    [785, 6722, 315, 9625, 374, 264, 1293, 11652, 9934, 13, 576, 1156, 374],
+    [40],
+    [3838, 374, 279, 7290, 315, 2272, 30, 358, 1744, 432, 374, 220, 19, 17, 13, 2055, 1128, 30, 1084, 220],
+]
+
+
 def tiny_config(**overrides) -> dict:
     raw = preset_config("tiny")
     raw.update(overrides)

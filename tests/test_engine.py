@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fresh_cache, prompt_logits
+from conftest import PROMPTS, fresh_cache, prompt_logits
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.engine.kv_cache import AttentionMetadata
 
-PROMPTS = [
-    [9707, 11, 847, 829, 374],
-    [785, 6722, 315, 9625, 374, 264, 1293, 11652, 9934, 13, 576, 1156, 374],
-    [40],
-    [3838, 374, 279, 7290, 315, 2272, 30, 358, 1744, 432, 374, 220, 19, 17, 13, 2055, 1128, 30, 1084, 220],
-]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 

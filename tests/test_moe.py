@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy, our_greedy, prompt_logits
+from conftest import PROMPTS, hf_greedy, our_greedy, prompt_logits
 from safetensors.torch import load_file, save_file
 
 from nanoqwen import LLM, ConfigError, SamplingParams, WeightsError
@@ -393,12 +393,6 @@ def test_bad_moe_checkpoint_names_the_tensor(moe_checkpoint, tmp_path, fused, ed
 
 # ---------------------------------------------------------------- the engine
 
-PROMPTS = [
-    [9707, 11, 847, 829, 374],
-    [785, 6722, 315, 9625, 374, 264, 1293, 11652, 9934, 13, 576, 1156, 374],
-    [40],
-    [3838, 374, 279, 7290, 315, 2272, 30, 358, 1744, 432, 374, 220, 19, 17, 13, 2055, 1128, 30, 1084, 220],
-]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
