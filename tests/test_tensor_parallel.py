@@ -292,6 +292,32 @@ def test_llm_refuses_before_starting_anything(checkpoint, monkeypatch):
 # ---------------------------------------------------------------- failures
 
 
+def test_a_workers_joining_report_is_kept_whichever_read_takes_it():
+    """Rank 0 reads a worker's pipe in two places while it waits for "joining" (the wait itself, and the health
+    check that looks for errors); a report taken by the health check must still count (CI once lost it and
+    waited out the join timeout)."""
+    from multiprocessing.connection import Connection
+
+    from nanoqwen.engine.tp_worker import TPGroup
+
+    group = TPGroup(2, torch.device("cpu"))
+    read_fd, write_fd = os.pipe()
+    group.conns.append(Connection(read_fd, writable=False))
+    group.procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    try:
+        with Connection(write_fd, readable=False) as worker_end:
+            worker_end.send("joining")
+        assert group.failure() is None  # the health check reads the pipe first
+        start = time.monotonic()
+        group._wait_for_workers("joining", timeout=5.0)
+        assert time.monotonic() - start < 1
+    finally:
+        group.procs[0].kill()
+        group.procs[0].wait()
+        group.conns[0].close()
+
+
+
 def test_killed_worker_stops_the_engine_within_seconds(checkpoint):
     path = checkpoint("gqa2-untied", dtype="float32")
     llm = make_llm(path, tensor_parallel_size=2, max_model_len=4096, kv_cache_memory=16 << 20, **EAGER)

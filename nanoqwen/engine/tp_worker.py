@@ -57,8 +57,9 @@ class TPGroup:
     def __init__(self, size: int, device: torch.device) -> None:
         self.size, self.device = size, device
         self.procs: list[subprocess.Popen] = []  # worker rank i + 1
-        self.conns: list[Connection] = []  # each worker's error reports
+        self.conns: list[Connection] = []  # each worker's reports
         self.errors: dict[int, str] = {}
+        self.inbox: dict[int, list[object]] = {}  # each worker's other reports ("joining"), kept until read
         self.dead: str | None = None  # why the group stopped working
         self.closed = False
 
@@ -123,7 +124,7 @@ class TPGroup:
         deadline = time.monotonic() + wait
         while True:
             for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
-                self._read_errors(rank, conn)
+                self._receive(rank, conn)
                 if proc.poll() is not None:
                     return self._describe(rank)
             if time.monotonic() >= deadline:
@@ -199,7 +200,8 @@ class TPGroup:
         pending = set(range(1, self.size))
         while pending:
             for rank in sorted(pending):
-                if message in self._read_errors(rank, self.conns[rank - 1]):
+                self._receive(rank, self.conns[rank - 1])
+                if message in self.inbox.get(rank, []):
                     pending.discard(rank)
             if (reason := self.failure()) is not None:
                 raise EngineDeadError(f"{reason} while starting")
@@ -208,17 +210,16 @@ class TPGroup:
                                       f"{timeout:.0f} s")
             time.sleep(0.02)
 
-    def _read_errors(self, rank: int, conn: Connection) -> list[object]:
-        """Take what a worker sent: keep its error reports, return its other messages."""
-        messages = []
+    def _receive(self, rank: int, conn: Connection) -> None:
+        """Take what a worker sent: its error report into `errors`, anything else into its `inbox`. Every read
+        keeps what it took: `failure()` reads the same pipes while `_wait_for_workers` waits for "joining"."""
         with contextlib.suppress(OSError, EOFError):
             while conn.poll():
                 message = conn.recv()
                 if isinstance(message, tuple) and message[0] == "error":
                     self.errors[rank] = message[1]
                 else:
-                    messages.append(message)
-        return messages
+                    self.inbox.setdefault(rank, []).append(message)
 
 
 @contextlib.contextmanager
