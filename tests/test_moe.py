@@ -410,3 +410,17 @@ def test_engine_batching_chunking_and_prefix_cache_with_moe(moe_checkpoint):
     small = LLM(path, dtype="float32", device="cpu", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=3,
                 enable_prefix_caching=False)
     assert [o.token_ids for o in small.generate(PROMPTS + shared, GREEDY, use_tqdm=False)] == alone + cached
+
+
+def test_moe_on_the_paged_decode_path_gives_the_same_tokens_without_graphs(moe_checkpoint, monkeypatch):
+    """The GPU decode path (paged attention; its PyTorch reference runs on CPU) with a MoE model: the same tokens,
+    and no CUDA-graph runner (a dense model gets one here, tests/test_gpu_paths.py): the expert dispatch reads
+    each expert's token count on the host, which a graph capture forbids."""
+    path = moe_checkpoint("mlp-only-norm")
+    kwargs = dict(dtype="float32", device="cpu", max_model_len=256, block_size=4)
+    expected = [o.token_ids for o in LLM(path, **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    monkeypatch.setenv("NANOQWEN_PAGED_ATTENTION", "torch")
+    llm = LLM(path, **kwargs)
+    runner = llm.llm_engine.runner
+    assert runner.attention_backend == "torch" and runner.graph_runner is None
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected

@@ -48,8 +48,12 @@ class ModelRunner:
         self.attention_backend = attention_backend(self.device, block_size)  # None: the CPU grouped gather path
         # Graphs need the paged kernels; on CPU they are never captured (NANOQWEN_PAGED_ATTENTION=torch runs the same
         # padded static-buffer steps eagerly there, for tests). Not with tensor parallelism (yet): its collectives
-        # would have to be captured in the graphs too.
-        use_runner = not enforce_eager and self.attention_backend is not None and model.tp_size == 1
+        # would have to be captured in the graphs too. Not for MoE models: the expert dispatch reads each expert's
+        # token count on the host (models/qwen3_moe.py), which a graph capture forbids.
+        use_runner = (not enforce_eager and self.attention_backend is not None and model.tp_size == 1
+                      and not c.is_moe)
+        if not enforce_eager and self.device.type == "cuda" and c.is_moe:
+            logger.info("CUDA graphs are off for this MoE model: its expert dispatch syncs with the host")
         # One extra block, never handed out by the block manager: graph padding rows write their keys/values there.
         self.kv_cache = KVCache(c.num_hidden_layers, num_blocks + use_runner, block_size, model.num_kv_heads,
                                 c.head_dim, model.embed_tokens.weight.dtype, self.device)
