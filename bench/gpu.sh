@@ -7,6 +7,8 @@
 # Stages: setup (a Python with CUDA torch, the packages), checkpoint (a random Qwen3-0.6B-shaped checkpoint),
 # kernels (paged decode kernels vs the reference, also replayed from a CUDA graph; bench/gpu_check.py),
 # parity (greedy tokens: CUDA graphs vs eager vs the gather path vs transformers; bench/gpu_check.py),
+# moe (the same in float32 on a tiny random Qwen3-MoE checkpoint; no graphs there: its expert dispatch syncs with
+# the host; bf16 on so small a model is mostly near ties),
 # decode (prefill and batch-1/16 decode: nanoqwen with graphs, with --enforce-eager, transformers;
 # bench/bench_model.py), throughput (256 requests, prompts and outputs 100-1024; bench/bench_throughput.py).
 #
@@ -21,9 +23,10 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu.log") 2>&1
 BUDGET=${GPU_SH_BUDGET:-540}
 START=$SECONDS
-STAGES=${*:-checkpoint kernels parity decode throughput}
+STAGES=${*:-checkpoint kernels parity moe decode throughput}
 SUMMARY="$OUT/summary.md"
 MODEL=bench/.models/qwen3-0.6b-random-bf16
+MOE_MODEL=bench/.models/qwen3-moe-tiny-random-bf16  # weights N(0, 0.08): greedy tokens are not near ties
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 PIP_FLAGS=(-q --disable-pip-version-check --retries 1 --timeout 20)  # fail fast on a machine without network
@@ -109,6 +112,13 @@ if want checkpoint || want parity || want decode || want throughput; then
 fi
 want kernels && run_stage kernels 90 "$PY" bench/gpu_check.py kernels
 want parity && run_stage parity 150 "$PY" bench/gpu_check.py parity --model "$MODEL"
+if want moe; then
+  if [ ! -f "$MOE_MODEL/config.json" ]; then
+    run_stage moe-checkpoint 60 "$PY" -m nanoqwen.cli init-random "$MOE_MODEL" --preset qwen3-moe-tiny \
+      --dtype bfloat16 --std 0.08
+  fi
+  run_stage moe 90 "$PY" bench/gpu_check.py parity --model "$MOE_MODEL" --dtype float32
+fi
 # (both benchmarks use $MODEL, their default checkpoint, when not given --model)
 want decode && run_stage decode 170 "$PY" bench/bench_model.py --device cuda --write
 want throughput && run_stage throughput 300 "$PY" bench/bench_throughput.py --gpu-workload --device cuda \
@@ -121,7 +131,7 @@ want throughput && run_stage throughput 300 "$PY" bench/bench_throughput.py --gp
   echo "\`bench/gpu.sh\` at commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)'), $((SECONDS - START)) s."
   echo
   cat "$OUT/stages.md"
-  for name in kernels parity; do
+  for name in kernels parity moe; do
     if [ -f "$OUT/$name.out" ]; then
       echo
       echo "Checks ($name):"

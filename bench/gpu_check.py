@@ -141,13 +141,13 @@ def margin(top: list) -> float:
     return top[0].logprob - top[1].logprob if len(top) > 1 else float("inf")
 
 
-def check_parity(model_dir: str, new_tokens: int = 32) -> None:
+def check_parity(model_dir: str, dtype: str = "bfloat16", new_tokens: int = 32) -> None:
     from nanoqwen import LLM
 
     rng = random.Random(0)
     prompts = [[rng.randrange(10000) for _ in range(n)] for n in (7, 33, 100, 250, 3)]  # 5 rows: bucket 8
     runs = {}
-    kwargs = dict(dtype="bfloat16", device=DEVICE.type, max_model_len=512, max_num_seqs=8, kv_cache_memory=1 << 30)
+    kwargs = dict(dtype=dtype, device=DEVICE.type, max_model_len=512, max_num_seqs=8, kv_cache_memory=1 << 30)
     # on CPU (a dry run) "auto" is the gather path: force the paged reference and the padded runner instead
     paged = "auto" if DEVICE.type == "cuda" else "torch"
     for name, env, eager in (("graphs", paged, False), ("eager", paged, True), ("gather", "off", True)):
@@ -171,7 +171,7 @@ def check_parity(model_dir: str, new_tokens: int = 32) -> None:
         return
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
                                                               attn_implementation="sdpa").to(DEVICE).eval()
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=0,
                                            eos_token_id=None, pad_token_id=0, output_scores=True,
@@ -208,12 +208,13 @@ def main() -> None:
     parser.add_argument("check", choices=["kernels", "parity"])
     parser.add_argument("--model", default=str(Path(__file__).resolve().parent / ".models" / "qwen3-0.6b-random-bf16"))
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of this script")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="parity: the model dtype")
     args = parser.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA GPU: these checks need one (tests/test_gpu_paths.py covers the logic on CPU)")
-    check_kernels() if args.check == "kernels" else check_parity(args.model)
+    check_kernels() if args.check == "kernels" else check_parity(args.model, args.dtype)
     if failures:
         sys.exit(f"{len(failures)} check(s) failed")
 
