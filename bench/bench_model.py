@@ -48,6 +48,7 @@ def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | 
                  enforce_eager: bool = False) -> dict:
     from nanoqwen import LLM, SamplingParams
     from nanoqwen.models.qwen3 import Linear
+    from nanoqwen.models.qwen3_moe import Experts
     from nanoqwen.quantization import Int8Linear, weight_bytes
 
     # No prefix caching: the timed repeats send the same prompts, and transformers has nothing like it.
@@ -60,13 +61,21 @@ def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | 
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         return lambda: llm.generate(batch, params, use_tqdm=False)
 
-    # What a decode step reads in full: every projection and the LM head (of the embedding, one row a token).
-    matrices = [m for m in llm.llm_engine.model.modules() if isinstance(m, Linear | Int8Linear)]
+    # What a decode step reads in full: every projection and the LM head (of the embedding, one row a token);
+    # of a MoE layer's experts, the K of E that the token is routed to.
     model = llm.llm_engine.model
+    matrices = [m for m in model.modules() if isinstance(m, Linear | Int8Linear)]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    active = model.config.num_experts_per_tok / model.config.num_experts if experts else 0.0
+    # 16 tokens routed uniformly (as random weights route) reach 1 - (1 - K/E)^16 of the experts, not 16 K/E
+    active16 = 1 - (1 - active) ** 16
+    dense_bytes, expert_bytes = sum(weight_bytes(m) for m in matrices), sum(map(weight_bytes, experts))
     return {**measure(gen, repeats), "weight_bytes": llm.llm_engine.weight_bytes,
-            "decode_read_bytes": sum(weight_bytes(m) for m in matrices),
+            "decode_read_bytes": dense_bytes + active * expert_bytes,
+            "decode_b16_read_bytes": dense_bytes + active16 * expert_bytes,
             # multiply-adds per token in the projections (a prompt's LM head runs for its last token only)
-            "layer_params": sum(m.weight.numel() for m in matrices if m is not model.lm_head),
+            "layer_params": sum(m.weight.numel() for m in matrices if m is not model.lm_head)
+            + active * sum(p.numel() for m in experts for p in m.parameters()),
             "head_params": model.lm_head.weight.numel()}
 
 
@@ -178,10 +187,10 @@ def bounds(ours: dict, ceil: dict) -> dict:
     prefill and batch-16 decode multiply-add every weight once per token (matmul bound)."""
     flops, read = ceil["bf16_tflop_s"] * 1e12, ceil["read_gb_s"] * 1e9
     per_token = 2 * ours["layer_params"]  # FLOPs per prompt token (the head runs for the last one only)
-    b1 = read / ours["decode_read_bytes"]
     return {"prefill_tok_s": flops / per_token,
-            "decode_b1_tok_s": b1,
-            "decode_b16_tok_s": min(16 * b1, flops / (per_token + 2 * ours["head_params"]))}
+            "decode_b1_tok_s": read / ours["decode_read_bytes"],
+            "decode_b16_tok_s": min(16 * read / ours["decode_b16_read_bytes"],
+                                    flops / (per_token + 2 * ours["head_params"]))}
 
 
 def table(ours: dict, theirs: dict, ceil: dict, int8: dict, eager: dict | None = None) -> str:
@@ -208,13 +217,16 @@ def table(ours: dict, theirs: dict, ceil: dict, int8: dict, eager: dict | None =
             bound, bound8 = " | | ", ""
         lines.append(f"| {label} | {a:.{d}f} |{e} {b:.{d}f} | {a / b:.2f}× | {bound} | {c:.{d}f} | {c / a:.2f}× | "
                      f"{bound8} |")
+    moe_note = (" (a MoE model: the experts that 16 uniformly routed tokens are expected to reach; batch 1 reads "
+                "the K experts of its token)" if ours["decode_b16_read_bytes"] != ours["decode_read_bytes"] else "")
     lines += ["", f"Ceilings measured in the same run: read bandwidth {ceil['read_gb_s']:.1f} GB/s (sum of 1 GiB), "
               f"copy {ceil['copy_gb_s']:.1f} GB/s (1 GiB, bytes read + written), torch's bf16 matrix-vector product "
               f"{ceil['gemv_gb_s']:.1f} GB/s of weights, bf16 matmul {ceil['bf16_tflop_s']:.2f} TFLOP/s. "
               f"The ceiling column: batch-1 decode reads {ours['decode_read_bytes'] / 1e9:.2f} GB of weights a step "
               f"(bf16; int8 {int8['decode_read_bytes'] / 1e9:.2f} GB) at the read bandwidth; prefill does "
               f"{2 * ours['layer_params'] / 1e9:.2f} GFLOP a token at the matmul rate; batch-16 decode is the "
-              f"lower of 16 x the batch-1 bound and the matmul bound (LM head included). At torch's own bf16 "
+              f"lower of the matmul bound (LM head included) and reading "
+              f"{ours['decode_b16_read_bytes'] / 1e9:.2f} GB a step{moe_note}. At torch's own bf16 "
               f"matrix-vector rate, batch-1 decode would be bound at "
               f"{ceil['gemv_gb_s'] * 1e9 / ours['decode_read_bytes']:.1f} tok/s."]
     return "\n".join(lines)
@@ -264,8 +276,10 @@ def main() -> None:
     missing = [s for s in systems if s not in results]
     if missing:
         sys.exit(f"no table: {', '.join(missing)} failed")
-    body = (f"### Single-stream speed: prefill, decode at batch 1 and 16 ({args.device}, bfloat16)\n\n"
-            f"`python bench/bench_model.py{' --device cuda' if args.device == 'cuda' else ''}` on "
+    body = (f"### Single-stream speed{f' of {model_dir.name}' if args.model else ''}: prefill, decode at batch 1 "
+            f"and 16 ({args.device}, bfloat16)\n\n"
+            f"`python bench/bench_model.py{' --device cuda' if args.device == 'cuda' else ''}"
+            f"{f' --model {args.model}' if args.model else ''}` on "
             f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}; "
             f"transformers with sdpa attention, same token ids, greedy, EOS ignored; nanoqwen int8: "
             f"`quantization=\"int8\"` (weight-only int8 made at load from the same checkpoint).\n\n"
@@ -273,8 +287,8 @@ def main() -> None:
             + table(results["nanoqwen"], results["transformers"], results["ceilings"], results["nanoqwen-int8"],
                     results.get("nanoqwen-eager")))
     print(body)
-    if args.write:
-        write_benchmarks(f"bench_model-{args.device}", body)
+    if args.write:  # a --model gets its own section: the default one is the 0.6B table
+        write_benchmarks(f"bench_model-{args.device}" + (f"-{model_dir.name}" if args.model else ""), body)
 
 
 if __name__ == "__main__":
