@@ -75,7 +75,7 @@ def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | 
             "decode_b16_read_bytes": dense_bytes + active16 * expert_bytes,
             # multiply-adds per token in the projections (a prompt's LM head runs for its last token only)
             "layer_params": sum(m.weight.numel() for m in matrices if m is not model.lm_head)
-            + active * sum(p.numel() for m in experts for p in m.parameters()),
+            + active * sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in experts),  # (int8: buffers)
             "head_params": model.lm_head.weight.numel()}
 
 

@@ -4,9 +4,9 @@ What is quantised: every `Linear` of the model, swapped for an `Int8Linear` righ
 stays bf16/fp32 on disk): qkv_proj, o_proj, gate_up_proj and down_proj of every layer, and the LM head. A tied
 head gets its own int8 copy; the embedding lookup keeps the model-dtype matrix (it reads one row per token, so it
 costs memory but no decode time). Norms, embeddings and biases stay in the model dtype, and so do activations and
-the KV cache. Qwen3-MoE's experts are stacked tensors, not `Linear` modules: they are left unquantised, and so is
-its router (a `Linear` named `gate`: tiny, and kept exact so that int8 noise does not change which experts a
-token goes to, as vLLM does).
+the KV cache. Qwen3-MoE's experts (stacked [E, out, in] tensors) become `Int8Experts`: every expert's matrix
+quantised and computed exactly as an Int8Linear of it would be. Its router stays exact (a `Linear` named `gate`:
+tiny, and kept so that int8 noise does not change which experts a token goes to, as vLLM does).
 
 Numerics (symmetric, one scale per output row, no zero point), for W [out, in]:
 
@@ -51,6 +51,7 @@ from torch import nn
 
 from nanoqwen.errors import ConfigError
 from nanoqwen.models.qwen3 import Linear
+from nanoqwen.models.qwen3_moe import Experts
 
 QUANTIZATION_METHODS = ("int8",)
 # Up to this many rows (tokens) int8pack beats dequantise + bf16 matmul on CPU. Measured on Qwen3-0.6B's
@@ -143,6 +144,27 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class Int8Experts(Experts):
+    """Qwen3-MoE experts with int8 matrices: buffers gate_up_proj [E, 2Ie, H] and down_proj [E, H, Ie] (int8),
+    gate_up_proj_scale [E, 2Ie] and down_proj_scale [E, H] (one scale per row of each expert, model dtype).
+    Expert e's matrix is quantised as Int8Linear quantises a matrix, and each expert's matmul picks its kernel
+    the same way (int8pack for up to INT8PACK_MAX_ROWS tokens on CPU, else dequantise): Experts.forward's
+    grouping is unchanged, only `expert_linear` reads int8.
+    """
+
+    def __init__(self, experts: Experts) -> None:
+        nn.Module.__init__(self)  # not Experts.__init__: no model-dtype parameters to allocate
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(experts, name)  # [E, out, in]
+            q, scale = quantize_weight(w.reshape(-1, w.shape[-1]))  # the experts' rows, one after another
+            self.register_buffer(name, q.view(w.shape))
+            self.register_buffer(f"{name}_scale", scale.view(w.shape[:2]))
+
+    def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        q, scale = getattr(self, name)[e], getattr(self, f"{name}_scale")[e]
+        return pick_kernel(x, q.shape[1])(x, q, scale.to(x.dtype))
+
+
 def int8pack_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(x @ q.T) * scale through the CPU kernel that reads int8 weights directly (see int8pack_supported)."""
     in_features = q.shape[1]
@@ -186,22 +208,26 @@ def pick_kernel(x: torch.Tensor, in_features: int) -> Callable[[torch.Tensor, to
 
 
 def quantize_model(model: nn.Module, method: str | None = "int8") -> nn.Module:
-    """Swap every Linear of the model for an Int8Linear, in place; returns the model.
+    """Swap every Linear of the model for an Int8Linear and every MoE layer's Experts for Int8Experts, in place;
+    returns the model.
 
-    One Linear at a time, each freed as soon as its int8 version replaces it and its memory handed back to the
-    OS (release_freed_memory), so memory peaks near the model-dtype weights plus one matrix (a tied LM head's
-    matrix stays: it is the embedding).
+    One module at a time, each freed as soon as its int8 version replaces it and its memory handed back to the
+    OS (release_freed_memory), so memory peaks near the model-dtype weights plus one matrix (one layer's stacked
+    experts for MoE; a tied LM head's matrix stays: it is the embedding).
     """
     if check_quantization(method) is None:
         return model
     names = [name for name, module in model.named_modules()
-             if isinstance(module, Linear) and name.rpartition(".")[2] not in KEEP_UNQUANTIZED]
+             if (isinstance(module, Linear) and name.rpartition(".")[2] not in KEEP_UNQUANTIZED)
+             or type(module) is Experts]
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        int8 = Int8Linear.from_linear(getattr(parent, attr))
+        module = getattr(parent, attr)
+        int8 = Int8Linear.from_linear(module) if isinstance(module, Linear) else Int8Experts(module)
         setattr(parent, attr, int8)
-        if int8.weight.device.type == "cpu":
+        del module  # the model-dtype matrices' last reference
+        if next(int8.buffers()).device.type == "cpu":
             release_freed_memory()  # every time (~10 us): see there
     return model
 

@@ -503,18 +503,21 @@ def test_torchrun_two_ranks_generate_like_tp1(checkpoint):
     assert result.stdout == ref.text + "\n"  # printed once: by rank 0
 
 
-def test_tp2_with_int8_quantises_each_rank_shard(case_dir):
+@pytest.mark.parametrize("case", ["gqa2-untied", "moe-per-expert"])
+def test_tp2_with_int8_quantises_each_rank_shard(case_dir, case):
     """quantization="int8" under TP: every rank quantises its own shard (the row-parallel projections' scales are
-    per row of the rank's columns, so results are close to TP=1 int8, not bit-equal)."""
-    from nanoqwen.quantization import Int8Linear
+    per row of the rank's columns, so results are close to TP=1 int8, not bit-equal); MoE experts too."""
+    from nanoqwen.quantization import Int8Experts, Int8Linear
 
-    path = case_dir("gqa2-untied")
+    path = case_dir(case)
 
     ref = make_llm(path, quantization="int8", **EAGER)
     expected = ref.generate(PROMPTS, GREEDY, use_tqdm=False)
     with tp_llm(path, quantization="int8", **EAGER) as llm:
         model = llm.llm_engine.model
         assert isinstance(model.layers[0].self_attn.o_proj, Int8Linear) and isinstance(model.lm_head, Int8Linear)
+        if case.startswith("moe"):
+            assert isinstance(model.layers[0].mlp.experts, Int8Experts)
         # both ranks quantised: each holds about half of TP=1's int8 bytes (an unquantised fp32 shard: ~2x)
         for rank_bytes in llm.llm_engine.rank_weight_bytes:
             assert 0.45 < rank_bytes / ref.llm_engine.weight_bytes < 0.6

@@ -48,7 +48,7 @@ class Experts(nn.Module):
         order = expert_ids.flatten().argsort(stable=True)  # [N*K] assignments, grouped by expert
         tokens = order // k  # [N*K] the token of each sorted assignment
         xs, ws = x[tokens], weights.flatten()[order, None]  # [N*K, H], [N*K, 1]
-        counts = torch.bincount(expert_ids.flatten(), minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(expert_ids.flatten(), minlength=len(self.gate_up_proj)).tolist()
         out = torch.zeros_like(x)
         start = 0
         for e, count in enumerate(counts):
@@ -56,10 +56,15 @@ class Experts(nn.Module):
                 continue
             rows = slice(start, start + count)
             start += count
-            gate, up = F.linear(xs[rows], self.gate_up_proj[e]).chunk(2, dim=-1)  # [count, Ie] each
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [count, H]
+            gate, up = self.expert_linear(xs[rows], "gate_up_proj", e).chunk(2, dim=-1)  # [count, Ie] each
+            y = self.expert_linear(F.silu(gate) * up, "down_proj", e)  # [count, H]
             out.index_add_(0, tokens[rows], y * ws[rows])
         return out
+
+    def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        """x [n, in] through expert e's matrix `name` (gate_up_proj or down_proj) -> [n, out]. The one place
+        that reads the matrices: int8 experts (quantization.py) override it."""
+        return F.linear(x, getattr(self, name)[e])
 
 
 class SparseMoeBlock(nn.Module):
