@@ -26,6 +26,7 @@ from tqdm import tqdm
 from nanoqwen.config import Qwen3Config, read_json
 from nanoqwen.errors import ConfigError, WeightsError
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
+from nanoqwen.quantization import check_quantization, quantize_model, quantize_module
 
 PROGRESS_BAR_MIN_BYTES = 1 << 30  # show a loading bar for checkpoints of 1 GiB and more
 
@@ -206,14 +207,24 @@ def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: Shard
     return param.narrow(0, start, sizes[shard])
 
 
-def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool | None = None) -> None:
+def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool | None = None,
+                 on_module_loaded: Callable[[str], None] | None = None) -> None:
     """Copy every checkpoint tensor (this rank's slice of it) into its parameter; error on missing, unexpected
-    or misshaped ones."""
+    or misshaped ones.
+
+    on_module_loaded(name) is called as soon as every parameter of module `name` is filled (int8 quantises it
+    there, so the model-dtype copy of the whole model never exists: unfilled parameters take no memory yet).
+    The loader drops its own references to that module's parameters first; nothing is written to them after.
+    """
     params = dict(model.named_parameters())
     expected = list(_expected_slices(model))
     loaded: set[tuple[str, Shard]] = set()
     rank, size = model.tp_rank, model.tp_size
     dests: dict[str, tuple[tuple[str, Shard], torch.Tensor]] = {}  # checkpoint name -> (target, where)
+    rows_left: dict[str, int] = {}  # checkpoint name -> rows not copied yet
+    unfilled: dict[str, set[tuple[str, Shard]]] = {}  # module name -> its slices not filled yet
+    for param, shard in expected:
+        unfilled.setdefault(param.rpartition(".")[0], set()).add((param, shard))
 
     def plan(ckpt_name: str, shape: tuple[int, ...]) -> Part | None:
         """Check a checkpoint tensor against its parameter and pick this rank's part of it."""
@@ -239,6 +250,7 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
             raise WeightsError(f"tensor {ckpt_name!r} has shape {list(shape)} in the checkpoint, "
                                f"but config.json implies {full}")
         dests[ckpt_name] = target, dest
+        rows_left[ckpt_name] = dest.shape[0]
         if dim is None:
             return 0, [(0, shape[0])]
         # this rank's slice of each stacked part (one part, unless the tensor fills a whole stacked parameter)
@@ -255,10 +267,24 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
         for ckpt_name, first_row, rows in iter_checkpoint(files, plan=plan):
             target, dest = dests[ckpt_name]
             dest[first_row: first_row + rows.shape[0]].copy_(rows)
-            loaded.add(target)
-            if target[0].endswith(("experts.gate_up_proj", "experts.down_proj")) and target[1] is None:
-                loaded.update(_expert_slices(target[0], dest.shape[0]))  # a fused tensor fills every expert
             bar.update(rows.numel() * rows.element_size())
+            rows_left[ckpt_name] -= rows.shape[0]
+            if rows_left[ckpt_name] > 0:
+                continue
+            filled = {target}
+            if target[0].endswith(("experts.gate_up_proj", "experts.down_proj")) and target[1] is None:
+                filled.update(_expert_slices(target[0], dest.shape[0]))  # a fused tensor fills every expert
+            loaded.update(filled)
+            del dests[ckpt_name], dest
+            module = target[0].rpartition(".")[0]
+            left = unfilled.get(module)
+            if left is not None:
+                left -= filled
+                if not left and on_module_loaded is not None:
+                    del unfilled[module]
+                    for name in [n for n in params if n.rpartition(".")[0] == module]:
+                        del params[name]
+                    on_module_loaded(module)
     missing = [s for s in expected if s not in loaded]  # in the model's order
     if missing:
         names = [_checkpoint_name(n, s) for n, s in missing]
@@ -323,13 +349,20 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None = None, tp_rank: int = 0, tp_size: int = 1,
-               show_progress: bool | None = None) -> Qwen3ForCausalLM:
+               show_progress: bool | None = None, quantization: str | None = None) -> Qwen3ForCausalLM:
     """Build the model (this rank's shard of it) with uninitialised parameters on `device` in `dtype`, then
-    fill them from disk."""
+    fill them from disk. quantization="int8": each matrix is quantised as soon as it is filled, so memory
+    peaks near the int8 model, not the model-dtype one; the LM head last (a tied head is settled at the end)."""
     files = safetensors_files(model_dir)
     with _default_dtype(dtype), torch.device(device):
         model = Qwen3ForCausalLM(config, max_model_len, tp_rank, tp_size)
-    load_weights(model, files, show_progress)
+    on_loaded = None
+    if check_quantization(quantization) is not None:
+        def on_loaded(name: str) -> None:
+            if name != "lm_head":
+                quantize_module(model, name)
+    load_weights(model, files, show_progress, on_loaded)
+    quantize_model(model, quantization)  # what is left: the LM head
     return model.eval()
 
 

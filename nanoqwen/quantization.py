@@ -1,12 +1,14 @@
 """Weight-only int8 quantisation: `LLM(..., quantization="int8")`, `--quantization int8`.
 
-What is quantised: every `Linear` of the model, swapped for an `Int8Linear` right after loading (the checkpoint
-stays bf16/fp32 on disk): qkv_proj, o_proj, gate_up_proj and down_proj of every layer, and the LM head. A tied
-head gets its own int8 copy; the embedding lookup keeps the model-dtype matrix (it reads one row per token, so it
-costs memory but no decode time). Norms, embeddings and biases stay in the model dtype, and so do activations and
-the KV cache. Qwen3-MoE's experts (stacked [E, out, in] tensors) become `Int8Experts`: every expert's matrix
-quantised and computed exactly as an Int8Linear of it would be. Its router stays exact (a `Linear` named `gate`:
-tiny, and kept so that int8 noise does not change which experts a token goes to, as vLLM does).
+What is quantised: every `Linear` of the model, swapped for an `Int8Linear` as soon as the loader has filled it
+(loader.load_model: loading never holds the whole model-dtype model, memory peaks near the int8 one; the
+checkpoint stays bf16/fp32 on disk): qkv_proj, o_proj, gate_up_proj and down_proj of every layer, and the LM
+head. A tied head gets its own int8 copy; the embedding lookup keeps the model-dtype matrix (it reads one row
+per token, so it costs memory but no decode time). Norms, embeddings and biases stay in the model dtype, and so
+do activations and the KV cache. Qwen3-MoE's experts (stacked [E, out, in] tensors) become `Int8Experts`: every
+expert's matrix quantised and computed exactly as an Int8Linear of it would be. Its router stays exact (a
+`Linear` named `gate`: tiny, and kept so that int8 noise does not change which experts a token goes to, as vLLM
+does).
 
 Numerics (symmetric, one scale per output row, no zero point), for W [out, in]:
 
@@ -209,7 +211,7 @@ def pick_kernel(x: torch.Tensor, in_features: int) -> Callable[[torch.Tensor, to
 
 def quantize_model(model: nn.Module, method: str | None = "int8") -> nn.Module:
     """Swap every Linear of the model for an Int8Linear and every MoE layer's Experts for Int8Experts, in place;
-    returns the model.
+    returns the model. (Loading with quantization quantises each module as it is filled: loader.load_model.)
 
     One module at a time, each freed as soon as its int8 version replaces it and its memory handed back to the
     OS (release_freed_memory), so memory peaks near the model-dtype weights plus one matrix (one layer's stacked
@@ -217,19 +219,27 @@ def quantize_model(model: nn.Module, method: str | None = "int8") -> nn.Module:
     """
     if check_quantization(method) is None:
         return model
-    names = [name for name, module in model.named_modules()
-             if (isinstance(module, Linear) and name.rpartition(".")[2] not in KEEP_UNQUANTIZED)
-             or type(module) is Experts]
-    for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        module = getattr(parent, attr)
-        int8 = Int8Linear.from_linear(module) if isinstance(module, Linear) else Int8Experts(module)
-        setattr(parent, attr, int8)
-        del module  # the model-dtype matrices' last reference
-        if next(int8.buffers()).device.type == "cpu":
-            release_freed_memory()  # every time (~10 us): see there
+    for name in [name for name, _ in model.named_modules() if name]:  # (named before any swap)
+        quantize_module(model, name)
     return model
+
+
+def quantize_module(model: nn.Module, name: str) -> None:
+    """Swap module `name` for its int8 version if it is a Linear (other than the router) or Experts; else leave
+    it. The model-dtype weights are freed here, unless something else still holds them (a tied embedding)."""
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    module = getattr(parent, attr)
+    if isinstance(module, Linear) and attr not in KEEP_UNQUANTIZED:
+        int8 = Int8Linear.from_linear(module)
+    elif type(module) is Experts:
+        int8 = Int8Experts(module)
+    else:
+        return
+    setattr(parent, attr, int8)
+    del module  # the model-dtype matrices' last reference
+    if next(int8.buffers()).device.type == "cpu":
+        release_freed_memory()  # every time (~10 us): see there
 
 
 def release_freed_memory() -> None:

@@ -32,7 +32,7 @@ from nanoqwen.errors import ConfigError, InvalidRequestError
 from nanoqwen.hub import resolve_model_path
 from nanoqwen.loader import load_config, load_model
 from nanoqwen.outputs import RequestMetrics, RequestOutput
-from nanoqwen.quantization import check_quantization, quantize_model, weight_bytes
+from nanoqwen.quantization import check_quantization, weight_bytes
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -99,8 +99,7 @@ class LLMEngine:
             tp.send(LoadModel(str(self.model_dir), self.dtype, max_model_len or limit, enforce_eager,
                               self.quantization))
         model_ = load_model(self.model_dir, self.config, self.dtype, self.device, max_model_len or limit,
-                            tp_rank=0, tp_size=tp.size if tp else 1)
-        quantize_model(model_, self.quantization)  # no-op without quantization
+                            tp_rank=0, tp_size=tp.size if tp else 1, quantization=self.quantization)
         self.weight_bytes = weight_bytes(model_)  # this rank's
         self.rank_weight_bytes = [self.weight_bytes]  # every rank's (filled in below under tensor parallelism)
         logger.info("weights: %.2f GiB in memory (%s)", self.weight_bytes / 2**30,

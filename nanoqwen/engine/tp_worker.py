@@ -291,15 +291,14 @@ def run_worker(rank: int, size: int, device: torch.device, model_dir: Path | Non
     from nanoqwen.compilation import select_kernels
     from nanoqwen.engine.model_runner import ModelRunner
     from nanoqwen.loader import load_config, load_model
-    from nanoqwen.quantization import quantize_model, weight_bytes
+    from nanoqwen.quantization import weight_bytes
 
     load = distributed.broadcast_object()
     if load is None:
         return
     model_dir = model_dir or Path(load.model_dir)
     model = load_model(model_dir, load_config(model_dir), load.dtype, device, load.max_model_len, rank, size,
-                       show_progress=False)
-    quantize_model(model, load.quantization)  # scales per row of this rank's shard
+                       show_progress=False, quantization=load.quantization)  # int8 scales per row of its shard
     select_kernels(device, load.dtype, load.enforce_eager)
     kv = distributed.broadcast_object()
     if kv is None:
