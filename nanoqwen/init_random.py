@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from nanoqwen.config import Qwen3Config, read_json
 from nanoqwen.errors import ConfigError
-from nanoqwen.loader import write_index
+from nanoqwen.weight_files import write_index
 
 ASSETS = Path(str(resources.files("nanoqwen") / "assets"))
 QWEN3_0_6B = ASSETS / "qwen3-0.6b"

@@ -1,5 +1,5 @@
 """From a model folder to a model on its device: read the config, load the weights (nanoqwen/hub.py finds
-the folder).
+the folder; nanoqwen/weight_files.py reads its safetensors files).
 
 Weights are read from model.safetensors or a sharded model.safetensors.index.json through
 safetensors' memory map, one tensor at a time, and copied straight into parameters that were
@@ -13,20 +13,18 @@ parameter is cut), through safetensors' sliced reads: a rank's memory is about 1
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
-from nanoqwen.config import Qwen3Config, read_json
+from nanoqwen.config import Qwen3Config
 from nanoqwen.errors import ConfigError, WeightsError
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.quantization import check_quantization, quantize_model, quantize_module
+from nanoqwen.weight_files import Part, iter_checkpoint, safetensors_files
 
 PROGRESS_BAR_MIN_BYTES = 1 << 30  # show a loading bar for checkpoints of 1 GiB and more
 
@@ -79,98 +77,6 @@ def load_config(model_dir: Path) -> Qwen3Config:
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"{model_dir} has no config.json: is this a Qwen3 model folder?")
     return Qwen3Config.from_file(model_dir / "config.json")
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The weight files of a folder: the shards an index lists, or the single model.safetensors."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise WeightsError(f"{index} has no 'weight_map' object")
-        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
-    elif (model_dir / "model.safetensors").is_file():
-        files = [model_dir / "model.safetensors"]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"{model_dir} has no model.safetensors (or model.safetensors.index.json)")
-    for f in files:
-        if not f.is_file():
-            raise WeightsError(f"{f} is listed in model.safetensors.index.json but missing")
-    return files
-
-
-# The part of a checkpoint tensor to read: (dimension, [(start, end), ...]), the ranges concatenated in order
-Part = tuple[int, list[tuple[int, int]]]
-Plan = Callable[[str, tuple[int, ...]], Part | None]  # (name, full shape) -> the part to read, None to skip it
-
-
-def iter_checkpoint(files: list[Path], group_bytes: int = 128 << 20, plan: Plan | None = None
-                    ) -> Iterator[tuple[str, int, torch.Tensor]]:
-    """(name, first row, rows) pieces of every tensor, read through safetensors' memory map.
-
-    `plan` picks the part of each tensor to read (default: all of it); rows count within that part.
-    Pages of a memory map count as the process's memory until the map is closed, so the file is
-    reopened every `group_bytes` and big tensors are read in row blocks: loading never holds
-    more than the parameters plus one group.
-    """
-    for f in files:
-        with _reading(f):
-            with safe_open(f, framework="pt", device="cpu") as st:
-                shapes = {name: (tuple(st.get_slice(name).get_shape()), st.get_slice(name).get_dtype())
-                          for name in st.keys()}
-            pieces = []  # (name, first row, end row, its row in the part, (dim, ranges) or None, bytes)
-            for name, (shape, dtype) in shapes.items():
-                if not shape:  # a scalar: read whole
-                    pieces.append((name, 0, 1, 0, None, _DTYPE_BYTES.get(dtype, 4)))
-                    continue
-                part = plan(name, shape) if plan is not None else (0, [(0, shape[0])])
-                if part is None:
-                    continue
-                dim, ranges = part
-                row_bytes = _DTYPE_BYTES.get(dtype, 4) * math.prod(shape[1:])
-                if dim > 0:  # a row holds only the ranges' share of dimension `dim`
-                    row_bytes = row_bytes // shape[dim] * sum(end - start for start, end in ranges)
-                row_ranges = ranges if dim == 0 else [(0, shape[0])]
-                done = 0  # rows of the part before this range
-                for first, last in row_ranges:
-                    step = max(1, group_bytes // max(row_bytes, 1)) if len(shape) > 1 else last - first
-                    pieces += [(name, r, min(r + step, last), done + r - first, (dim, ranges),
-                                row_bytes * (min(r + step, last) - r)) for r in range(first, last, step)]
-                    done += last - first
-            while pieces:
-                group, total = [], 0
-                while pieces and (not group or total + pieces[0][5] <= group_bytes):
-                    total += pieces[0][5]
-                    group.append(pieces.pop(0))
-                with safe_open(f, framework="pt", device="cpu") as st:
-                    for name, start, end, row, cut, _ in group:
-                        if cut is None:
-                            yield name, 0, st.get_tensor(name)
-                        elif cut[0] == 0:
-                            yield name, row, st.get_slice(name)[start:end]
-                        else:
-                            dim, ranges = cut
-                            lead = (slice(start, end), *[slice(None)] * (dim - 1))  # e.g. [rows, :, a:b]
-                            reads = [st.get_slice(name)[(*lead, slice(a, b))] for a, b in ranges]
-                            yield name, row, reads[0] if len(reads) == 1 else torch.cat(reads, dim=dim)
-
-
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
-
-@contextlib.contextmanager
-def _reading(file: Path) -> Iterator[None]:
-    """Turn safetensors' errors for a truncated or corrupt file into a WeightsError naming it."""
-    try:
-        yield
-    except (OSError, ValueError) as e:
-        raise WeightsError(f"{file} is not a readable safetensors file ({e}); re-download it") from None
-    except Exception as e:  # safetensors_rust.SafetensorError derives from Exception only
-        if type(e).__name__ != "SafetensorError":
-            raise
-        raise WeightsError(f"{file} is truncated or corrupt ({e}); re-download it") from None
 
 
 def checkpoint_to_param(name: str) -> tuple[str, Shard] | None:
@@ -364,10 +270,3 @@ def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device:
     load_weights(model, files, show_progress, on_loaded)
     quantize_model(model, quantization)  # what is left: the LM head
     return model.eval()
-
-
-def write_index(model_dir: Path, shards: dict[str, list[str]], total_size: int) -> None:
-    """Write model.safetensors.index.json for shards {file name: [tensor names]}."""
-    weight_map = {name: file for file, names in shards.items() for name in names}
-    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
