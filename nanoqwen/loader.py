@@ -119,7 +119,8 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
     or misshaped ones.
 
     on_module_loaded(name) is called as soon as every parameter of module `name` is filled (int8 quantises it
-    there, so the model-dtype copy of the whole model never exists: unfilled parameters take no memory yet).
+    there, so on CPU the model-dtype copy of the whole model never exists: the pages of a parameter not filled
+    yet are not committed; a GPU allocates them all when the model is built).
     The loader drops its own references to that module's parameters first; nothing is written to them after.
     """
     params = dict(model.named_parameters())
@@ -257,8 +258,9 @@ def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device:
                max_model_len: int | None = None, tp_rank: int = 0, tp_size: int = 1,
                show_progress: bool | None = None, quantization: str | None = None) -> Qwen3ForCausalLM:
     """Build the model (this rank's shard of it) with uninitialised parameters on `device` in `dtype`, then
-    fill them from disk. quantization="int8": each matrix is quantised as soon as it is filled, so memory
-    peaks near the int8 model, not the model-dtype one; the LM head last (a tied head is settled at the end)."""
+    fill them from disk. quantization="int8": each matrix is quantised as soon as it is filled, so (on CPU)
+    memory peaks near the int8 model, not the model-dtype one; the LM head last (a tied head is settled at the
+    end)."""
     files = safetensors_files(model_dir)
     with _default_dtype(dtype), torch.device(device):
         model = Qwen3ForCausalLM(config, max_model_len, tp_rank, tp_size)

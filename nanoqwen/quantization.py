@@ -1,7 +1,8 @@
 """Weight-only int8 quantisation: `LLM(..., quantization="int8")`, `--quantization int8`.
 
 What is quantised: every `Linear` of the model, swapped for an `Int8Linear` as soon as the loader has filled it
-(loader.load_model: loading never holds the whole model-dtype model, memory peaks near the int8 one; the
+(loader.load_model: on CPU loading never holds the whole model-dtype model, memory peaks near the int8 one; on
+a GPU the parameters are allocated when the model is built, so the peak there is the model-dtype model; the
 checkpoint stays bf16/fp32 on disk): qkv_proj, o_proj, gate_up_proj and down_proj of every layer, and the LM
 head. A tied head gets its own int8 copy; the embedding lookup keeps the model-dtype matrix (it reads one row
 per token, so it costs memory but no decode time). Norms, embeddings and biases stay in the model dtype, and so
