@@ -91,6 +91,12 @@ def fresh_cache(model, num_tokens: int, block_size: int = 4, num_seqs: int = 1, 
     return cache, tables[0] if num_seqs == 1 else tables
 
 
+def hf_model(path, dtype):
+    """transformers' model of a checkpoint folder (Qwen3ForCausalLM or Qwen3MoeForCausalLM), sdpa attention."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """transformers' own greedy generate, with EOS disabled so exactly n tokens come out."""
     import transformers

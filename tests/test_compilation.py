@@ -50,17 +50,21 @@ def test_only_calls_on_many_tokens_take_the_compiled_kernel(compiled, monkeypatc
     assert calls == [MIN_COMPILED_TOKENS, 300]
 
 
-def test_engine_compiles_by_default_and_matches_enforce_eager(tiny_dir):
+def test_engine_compiles_by_default_and_matches_enforce_eager(tiny_dir, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
-    eager = LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=64, enforce_eager=True)
-    assert eager.llm_engine.model.layers[0].input_layernorm is not None
+    prompts = [list(range(1, 81)), [9, 8, 7]]  # an 83-token prefill step: the compiled kernels' range
+    kwargs = dict(dtype="float32", device="cpu", max_model_len=128)
+    eager = LLM(tiny_dir, enforce_eager=True, **kwargs)
     assert qwen3.kernels.rms_norm is qwen3.rms_norm  # enforce_eager puts the plain functions back
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    LLM(tiny_dir, dtype="float32", device="cpu", max_model_len=64)
+    compiled = LLM(tiny_dir, **kwargs)
     assert qwen3.kernels.rms_norm is not qwen3.rms_norm
-    got = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    calls = []
+    original = qwen3.kernels.swiglu.compiled
+    monkeypatch.setattr(qwen3.kernels.swiglu, "compiled", lambda x: calls.append(x.shape[0]) or original(x))
+    got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
     assert got == want
+    assert calls and min(calls) >= MIN_COMPILED_TOKENS  # the prefill went through the compiled kernel
 
 
 def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch, caplog):

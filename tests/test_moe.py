@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROMPTS, hf_greedy, our_greedy, prompt_logits
+from conftest import PROMPTS, hf_greedy, hf_model, our_greedy, prompt_logits
 from safetensors.torch import load_file, save_file
 
 from nanoqwen import LLM, ConfigError, SamplingParams, WeightsError
@@ -236,13 +236,10 @@ def test_moe_block_matches_transformers_block(norm, dtype):
 # ---------------------------------------------------------------- parity with transformers
 
 
-def hf_model(path, dtype):
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+def hf_moe_model(path, dtype):
+    model = hf_model(path, dtype)
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
-    return model.eval()
-
-
+    return model
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
@@ -252,7 +249,7 @@ def test_float32_logits_and_greedy_match_transformers(moe_checkpoint, shape, fus
     names = file_tensors(path).keys()
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in names) == fused
     assert any(k.endswith("mlp.experts.0.gate_proj.weight") for k in names) != fused
-    ref = hf_model(path, torch.float32)
+    ref = hf_moe_model(path, torch.float32)
     llm = LLM(path, dtype="float32", device="cpu", max_model_len=256)
     model = llm.llm_engine.model
     kinds = {type(layer.mlp) for layer in model.layers}
@@ -271,7 +268,7 @@ def test_float32_logits_and_greedy_match_transformers(moe_checkpoint, shape, fus
 
 def test_bfloat16_greedy_and_logits_close(moe_checkpoint):
     path = moe_checkpoint("mlp-only-norm", dtype="bfloat16")
-    ref = hf_model(path, torch.bfloat16)
+    ref = hf_moe_model(path, torch.bfloat16)
     llm = LLM(path, dtype="bfloat16", device="cpu", max_model_len=64)
     with torch.inference_mode():
         expected = ref(torch.tensor([PROMPT])).logits[0].float()
@@ -285,7 +282,7 @@ def test_bfloat16_greedy_and_logits_close(moe_checkpoint):
 def test_per_expert_layout_is_what_transformers_save_pretrained_writes(moe_checkpoint, tmp_path):
     """transformers 5 holds experts fused, but save_pretrained writes them per expert, as our files are."""
     path = moe_checkpoint("mlp-only-norm")
-    ref = hf_model(path, torch.float32)
+    ref = hf_moe_model(path, torch.float32)
     assert tuple(ref.model.layers[0].mlp.experts.gate_up_proj.shape) == (8, 64, 64)  # [E, 2Ie, H]
     ref.save_pretrained(tmp_path / "saved")
     ours, theirs = file_tensors(path), file_tensors(tmp_path / "saved")

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SHAPES, hf_greedy, our_greedy, prompt_logits
+from conftest import SHAPES, hf_greedy, hf_model, our_greedy, prompt_logits
 
 from nanoqwen import LLM
 
 transformers = pytest.importorskip("transformers")
 
 PROMPT = [9707, 11, 847, 829, 374, 1207, 16948, 13, 358, 1075, 311, 3270, 2038, 304, 13027, 323, 8257, 13]
-
-
-def hf_model(path, dtype):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
-
-
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -469,7 +469,8 @@ def test_server_with_tp2_answers_like_tp1_and_exits_when_a_worker_dies(checkpoin
         body = {"prompt": "Count to a thousand", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
-            assert [next(lines) for _ in range(6)]  # a few tokens in
+            first = [next(lines) for _ in range(6)]  # a few tokens in (events and the blank lines between them)
+            assert sum(line.startswith("data: {") for line in first) >= 2, first
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
             rest = "\n".join(lines)
@@ -519,6 +520,7 @@ def test_tp2_with_int8_quantises_each_rank_shard(case_dir, case):
         if case.startswith("moe"):
             assert isinstance(model.layers[0].mlp.experts, Int8Experts)
         # both ranks quantised: each holds about half of TP=1's int8 bytes (an unquantised fp32 shard: ~2x)
+        assert len(llm.llm_engine.rank_weight_bytes) == 2
         for rank_bytes in llm.llm_engine.rank_weight_bytes:
             assert 0.45 < rank_bytes / ref.llm_engine.weight_bytes < 0.6
         got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
