@@ -58,8 +58,9 @@ def iter_checkpoint(files: list[Path], group_bytes: int = 128 << 20, plan: Plan 
                           for name in st.keys()}
             pieces = []  # (name, first row, end row, its row in the part, (dim, ranges) or None, bytes)
             for name, (shape, dtype) in shapes.items():
-                if not shape:  # a scalar: read whole
-                    pieces.append((name, 0, 1, 0, None, _DTYPE_BYTES.get(dtype, 4)))
+                if not shape:  # a scalar: read whole (plan still checks that it has a place)
+                    if plan is None or plan(name, shape) is not None:
+                        pieces.append((name, 0, 1, 0, None, _DTYPE_BYTES.get(dtype, 4)))
                     continue
                 part = plan(name, shape) if plan is not None else (0, [(0, shape[0])])
                 if part is None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from nanoqwen import LLM, ConfigError, InvalidRequestError, ModelNotFoundError, SamplingParams, WeightsError
@@ -75,12 +77,16 @@ def test_wrong_shape_names_tensor_and_both_shapes(tiny_dir, tmp_path):
         LLM(bad, dtype="float32")
 
 
-def test_unexpected_tensor_is_named(tiny_dir, tmp_path):
+@pytest.mark.parametrize("name, make", [
+    ("model.layers.9.mlp.up_proj.weight", lambda t: t["model.layers.1.mlp.up_proj.weight"].clone()),
+    ("model.rotary_emb.scale", lambda t: torch.tensor(1.0)),  # a scalar (0-d) tensor
+])
+def test_unexpected_tensor_is_named(tiny_dir, tmp_path, name, make):
     bad = copy_model(tiny_dir, tmp_path / "m")
     tensors = load_file(bad / "model.safetensors")
-    tensors["model.layers.9.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"].clone()
+    tensors[name] = make(tensors)
     save_file(tensors, bad / "model.safetensors")
-    with pytest.raises(WeightsError, match=r"unexpected tensor 'model\.layers\.9\.mlp\.up_proj\.weight'"):
+    with pytest.raises(WeightsError, match=rf"unexpected tensor '{re.escape(name)}'"):
         LLM(bad, dtype="float32")
 
 
