@@ -43,12 +43,17 @@ def tp_size() -> int:
     return _size
 
 
-def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method: str = "env://") -> None:
-    """Join the group of `size` ranks as `rank` (env:// reads MASTER_ADDR/MASTER_PORT, as torchrun sets them)."""
-    global _rank, _size, _control
+def check_no_group() -> None:
+    """Refuse a second tensor-parallel group in one process (torch.distributed holds one default group)."""
     if dist.is_initialized():
         raise ConfigError("a tensor-parallel group is already running in this process: shut the other engine "
                           "down first (llm.llm_engine.shutdown())")
+
+
+def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method: str = "env://") -> None:
+    """Join the group of `size` ranks as `rank` (env:// reads MASTER_ADDR/MASTER_PORT, as torchrun sets them)."""
+    global _rank, _size, _control
+    check_no_group()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -289,6 +289,24 @@ def test_llm_refuses_before_starting_anything(checkpoint, monkeypatch):
     assert not dist.is_initialized()
 
 
+def test_a_second_engine_is_refused_and_leaves_the_running_one_alone(checkpoint, monkeypatch):
+    """One tensor-parallel group per process: a second TP engine is refused before it starts a worker, and the
+    first keeps working (its group used to be torn down by the refused one's clean-up)."""
+    path = checkpoint("gqa2-untied", dtype="float32")
+    with tp_llm(path, **EAGER) as llm:
+        def greedy() -> list[list[int]]:
+            return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+        expected = greedy()
+        started = []
+        monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a) or pytest.fail("started"))
+        with pytest.raises(ConfigError, match="a tensor-parallel group is already running in this process"):
+            make_llm(path, tensor_parallel_size=2, **EAGER)
+        monkeypatch.undo()
+        assert not started and dist.is_initialized()
+        assert greedy() == expected
+
+
 # ---------------------------------------------------------------- failures
 
 

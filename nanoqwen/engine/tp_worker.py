@@ -62,6 +62,7 @@ class TPGroup:
         self.inbox: dict[int, list[object]] = {}  # each worker's other reports ("joining"), kept until read
         self.dead: str | None = None  # why the group stopped working
         self.closed = False
+        self.owns_group = False  # this process's torch.distributed group is this TPGroup's (shut down with it)
 
     @classmethod
     def start(cls, size: int, device: torch.device, model_dir: Path) -> TPGroup:
@@ -69,6 +70,7 @@ class TPGroup:
 
         model_dir: this process's copy of the model (on another node a hub id may resolve to another path).
         """
+        distributed.check_no_group()  # before starting anything: another engine's group must be left alone
         env = distributed.torchrun_env()
         if env is not None:
             rank, world, local_rank = env
@@ -83,26 +85,30 @@ class TPGroup:
                 finally:
                     distributed.destroy_tensor_parallel()
                 raise SystemExit(0)
-            return cls(size, device)
+            group = cls(size, device)
+            group.owns_group = True
+            return group
 
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ConfigError(f"tensor_parallel_size={size} needs {size} GPUs, torch sees "
                               f"{torch.cuda.device_count()}")
         group = cls(size, _rank_device(device, 0))
         init_method = f"tcp://127.0.0.1:{distributed.free_port()}"
-        for rank in range(1, size):
-            read_fd, write_fd = os.pipe()  # the worker's reports ("joining", its error) come back on it
-            cmd = [sys.executable, "-c", WORKER_COMMAND, "--rank", str(rank), "--size", str(size),
-                   "--device", device.type, "--init-method", init_method, "--report-fd", str(write_fd),
-                   "--threads", str(torch.get_num_threads())]
-            # Its own session: Ctrl-C in the terminal reaches rank 0 only, which then stops the workers.
-            proc = subprocess.Popen(cmd, pass_fds=(write_fd,), start_new_session=True)
-            os.close(write_fd)
-            group.procs.append(proc)
-            group.conns.append(Connection(read_fd, writable=False))
-            logger.info("tensor-parallel worker %d started (pid %d)", rank, proc.pid)
-        try:
+        try:  # (a failure part-way stops the workers already started)
+            for rank in range(1, size):
+                read_fd, write_fd = os.pipe()  # the worker's reports ("joining", its error) come back on it
+                group.conns.append(Connection(read_fd, writable=False))
+                cmd = [sys.executable, "-c", WORKER_COMMAND, "--rank", str(rank), "--size", str(size),
+                       "--device", device.type, "--init-method", init_method, "--report-fd", str(write_fd),
+                       "--threads", str(torch.get_num_threads())]
+                # Its own session: Ctrl-C in the terminal reaches rank 0 only, which then stops the workers.
+                try:
+                    group.procs.append(subprocess.Popen(cmd, pass_fds=(write_fd,), start_new_session=True))
+                finally:
+                    os.close(write_fd)
+                logger.info("tensor-parallel worker %d started (pid %d)", rank, group.procs[-1].pid)
             group._wait_for_workers("joining", JOIN_TIMEOUT)
+            group.owns_group = True
             distributed.init_tensor_parallel(0, size, group.device, init_method)
         except BaseException:
             group.shutdown()
@@ -179,7 +185,7 @@ class TPGroup:
         if self.closed:
             return
         self.closed = True
-        if self.dead is None and distributed.tp_size() > 1:
+        if self.dead is None and self.owns_group and distributed.tp_size() > 1:
             with contextlib.suppress(Exception):
                 distributed.broadcast_object(None)
             for proc in self.procs:
@@ -191,7 +197,8 @@ class TPGroup:
                 proc.wait()
         for conn in self.conns:
             conn.close()
-        distributed.destroy_tensor_parallel()
+        if self.owns_group:
+            distributed.destroy_tensor_parallel()
         self.dead = self.dead or "the engine was shut down"
 
     def _wait_for_workers(self, message: str, timeout: float) -> None:
