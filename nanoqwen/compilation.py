@@ -1,10 +1,10 @@
 """torch.compile for the model's elementwise math: RMSNorm, RoPE and SwiGLU.
 
 In eager PyTorch each of these is 5-8 separate passes over memory (cast, square, mean, rsqrt,
-multiply, cast back, ...); compiled, each becomes one fused kernel (C++/OpenMP on CPU, Triton on
-GPU). On the 2-core development machine that made prefill about 20% faster and batch-1 decode
-about 20% faster (BENCHMARKS.md). Matmuls and attention stay on torch's own kernels, and the plain
-functions in models/qwen3.py stay the reference the compiled ones are tested against.
+multiply, cast back, ...); compiled, each becomes one fused kernel (C++/OpenMP; used on CPU only). On the
+2-core development machine that made prefill about 20% faster (BENCHMARKS.md). Matmuls and attention stay
+on torch's own kernels, and the plain functions in models/qwen3.py stay the reference the compiled ones are
+tested against.
 
 A compiled call costs ~20-60 us of guard checks before its kernel runs, more than the eager ops cost
 for the few tokens of a decode step, so the compiled versions are used only for calls with at least
@@ -27,39 +27,46 @@ from nanoqwen.models import qwen3
 logger = logging.getLogger("nanoqwen")
 FUNCTIONS = ("rms_norm", "apply_rope", "swiglu")
 MIN_COMPILED_TOKENS = 64
-_compiled: dict[tuple[str, str], bool] = {}  # (device type, dtype) -> compiled and warmed up
+_compiled: dict[tuple[str, str], dict[str, Callable[..., torch.Tensor]] | None] = {}  # (device, dtype) -> kernels
 
 
 def compile_kernels(device: torch.device, dtype: torch.dtype) -> bool:
-    """Route the layers' elementwise functions through torch.compile; True if that worked.
+    """Route the layers' elementwise functions through torch.compile; True if that worked (else the plain ones).
 
-    Warm-up runs each function on small tensors of this device and dtype (one token and several, the
-    two shapes decode and prefill use), so compilation happens at load time, not on a user's request.
+    Compiled and warmed up once per (device, dtype) at MIN_COMPILED_TOKENS tokens, the smallest calls that
+    use them, so compilation happens at load time, not on a user's request.
     """
     key = (device.type, str(dtype))
-    if key in _compiled:
-        return _compiled[key]
-    # one compiled graph per (dtype, rank of x, one token or many): allow more than dynamo's default of 8
+    if key not in _compiled:
+        _compiled[key] = _compile(device, dtype)
+    kernels = _compiled[key]
+    _install(kernels or {name: getattr(qwen3, name) for name in FUNCTIONS})
+    return kernels is not None
+
+
+def _compile(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[..., torch.Tensor]] | None:
+    # one compiled graph per (dtype, rank of x): allow more than dynamo's default of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = {name: torch.compile(getattr(qwen3, name), dynamic=True) for name in FUNCTIONS}
+    n = MIN_COMPILED_TOKENS
     try:
         with torch.inference_mode():
-            for n in (1, 3):
-                x = torch.randn(n, 2, 8, device=device, dtype=dtype)
-                cos_sin = torch.randn(n, 8, device=device, dtype=dtype)
-                compiled["rms_norm"](x, torch.ones(8, device=device, dtype=dtype), 1e-6)
-                compiled["rms_norm"](x.view(n, 16), torch.ones(16, device=device, dtype=dtype), 1e-6)
-                compiled["apply_rope"](x, cos_sin, cos_sin)
-                compiled["swiglu"](x.view(n, 16))
+            x = torch.randn(n, 2, 8, device=device, dtype=dtype)
+            cos_sin = torch.randn(n, 8, device=device, dtype=dtype)
+            compiled["rms_norm"](x, torch.ones(8, device=device, dtype=dtype), 1e-6)
+            compiled["rms_norm"](x.view(n, 16), torch.ones(16, device=device, dtype=dtype), 1e-6)
+            compiled["apply_rope"](x, cos_sin, cos_sin)
+            compiled["swiglu"](x.view(n, 16))
     except Exception as e:  # inductor raises many kinds (no compiler, codegen failure): stay correct, eager
         logger.warning("torch.compile is not available here (%s: %s); running eager. Pass enforce_eager=True "
                        "(--enforce-eager) to skip this attempt.", type(e).__name__, str(e).splitlines()[0][:200])
-        _compiled[key] = False
-        return False
-    for name, fn in compiled.items():
-        setattr(qwen3.kernels, name, _by_size(getattr(qwen3, name), fn))
-    _compiled[key] = True
-    return True
+        return None
+    return {name: _by_size(getattr(qwen3, name), fn) for name, fn in compiled.items()}
+
+
+def _install(kernels: dict[str, Callable[..., torch.Tensor]]) -> None:
+    for name, fn in kernels.items():
+        setattr(qwen3.kernels, name, fn)
 
 
 def _by_size(eager: Callable[..., torch.Tensor], compiled: Callable[..., torch.Tensor]
@@ -72,16 +79,15 @@ def _by_size(eager: Callable[..., torch.Tensor], compiled: Callable[..., torch.T
 
 
 def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool) -> None:
-    """The engine's choice for this process (each tensor-parallel rank makes the same): the plain functions
-    when enforce_eager, else the compiled ones on CPU."""
-    if enforce_eager:
-        use_eager_kernels()
-    elif device.type == "cpu":
+    """The engine's choice for this process (each tensor-parallel rank makes the same): the compiled functions
+    on CPU unless enforce_eager, else the plain ones."""
+    if device.type == "cpu" and not enforce_eager:
         compile_kernels(device, dtype)
+    else:  # (a GPU engine after a CPU one in the same process must not keep the CPU's compiled kernels)
+        use_eager_kernels()
 
 
 def use_eager_kernels() -> None:
-    """Back to the plain functions (the reference), for every model in this process."""
-    for name in FUNCTIONS:
-        setattr(qwen3.kernels, name, getattr(qwen3, name))
+    """Back to the plain functions (the reference), for every model in this process; forget what was compiled."""
+    _install({name: getattr(qwen3, name) for name in FUNCTIONS})
     _compiled.clear()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.compilation import FUNCTIONS, MIN_COMPILED_TOKENS, compile_kernels, use_eager_kernels
+from nanoqwen.compilation import FUNCTIONS, MIN_COMPILED_TOKENS, compile_kernels, select_kernels, use_eager_kernels
 from nanoqwen.models import qwen3
 
 
@@ -65,6 +65,19 @@ def test_engine_compiles_by_default_and_matches_enforce_eager(tiny_dir, monkeypa
     got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert calls and min(calls) >= MIN_COMPILED_TOKENS  # the prefill went through the compiled kernel
+
+
+def test_kernels_follow_each_engines_choice(compiled):
+    """Each (device, dtype) keeps its compiled kernels, installed again when an engine selects it; an engine on
+    another device (a GPU) gets the plain functions, not a CPU engine's compiled ones."""
+    cpu = torch.device("cpu")
+    f32 = qwen3.kernels.rms_norm
+    assert compile_kernels(cpu, torch.bfloat16) and qwen3.kernels.rms_norm is not f32
+    bf16 = qwen3.kernels.rms_norm
+    assert compile_kernels(cpu, torch.float32) and qwen3.kernels.rms_norm is f32
+    assert compile_kernels(cpu, torch.bfloat16) and qwen3.kernels.rms_norm is bf16
+    select_kernels(torch.device("meta"), torch.bfloat16, enforce_eager=False)
+    assert all(getattr(qwen3.kernels, name) is getattr(qwen3, name) for name in FUNCTIONS)
 
 
 def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch, caplog):
