@@ -34,7 +34,7 @@ Kernels, chosen per call:
   dequantise (measured at about the float32 model's speed, with a quarter of the weight bytes).
 - CPU, otherwise (prefill, float32): dequantise block by block, `F.linear(x, Wq[rows].to(x.dtype)) * scale[rows]`,
   with blocks of at most DEQUANT_BLOCK_BYTES so a big matrix (the LM head) never has a model-dtype copy in memory.
-- CUDA and other devices: `F.linear(x, Wq.to(x.dtype)) * scale`, the form torch.compile fuses into one kernel.
+- CUDA and other devices: the same dequantise path (nothing compiles it into one kernel there).
   Run eagerly it converts each matrix on every call: memory is saved, speed is not gained (untested on a GPU).
 The two CPU kernels round differently (and differently from the bf16 model), so with int8 a sequence's greedy
 tokens can depend on the batch it runs in, where a near-tie is flipped: a prompt of <= INT8PACK_MAX_ROWS tokens
@@ -194,16 +194,11 @@ def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     return out
 
 
-def fused_dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(x @ q.T) * scale in one expression: what torch.compile fuses into one kernel on a GPU."""
-    return F.linear(x, q.to(x.dtype)) * scale
-
-
 def pick_kernel(x: torch.Tensor, in_features: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
                                                                torch.Tensor]:
     """The kernel for this input: int8pack for few rows on CPU, dequantise otherwise (module docstring)."""
     if x.device.type != "cpu":
-        return fused_dequantized_linear
+        return dequantized_linear
     rows = x.numel() // in_features if in_features else 0
     if rows <= INT8PACK_MAX_ROWS and int8pack_supported(x.dtype, in_features):
         return int8pack_linear
