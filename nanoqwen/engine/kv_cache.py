@@ -192,6 +192,8 @@ def kv_cache_budget(kv_cache_memory: int | float | None, device: torch.device) -
     Default: on GPU 90% of the free memory left after the weights, minus 1 GiB for activations; on CPU
     4 GiB, or half the available memory if that is less (vLLM's CPU default is 4 GiB too).
     """
+    if device.type == "cuda":  # what loading freed (bf16 matrices quantised, a tied head's discarded allocation)
+        torch.cuda.empty_cache()  # is still reserved by torch's allocator, which mem_get_info counts as used
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _available_cpu_memory()
     if kv_cache_memory is None:
         if device.type == "cuda":
