@@ -60,19 +60,22 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         found = []
-        for i, block_hash in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // self.block_size)):
-            block_id = self.cached_blocks.get(block_hash)
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(seq, num_blocks)
+        for i in range(num_blocks):
+            block_id = self.cached_blocks.get(hashes[i])
             if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(seq, i):
                 break
             found.append(block_id)
         return found
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Chained hashes of seq's first num_blocks full blocks, computed once per sequence (tokens never change)."""
+        """Chained hashes of (at least) seq's first num_blocks full blocks, computed once per sequence (its tokens
+        never change); the sequence's own list, not a copy."""
         hashes = seq.block_hashes
         while len(hashes) < num_blocks:
             hashes.append(hash((hashes[-1] if hashes else None, self._block_tokens(seq, len(hashes)))))
-        return hashes[:num_blocks]
+        return hashes
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
@@ -107,6 +110,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks:  # most decode steps: no block filled up
+            return
         hashes = self._block_hashes(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):  # only the newly filled ones: no rescan per step
             block = self.blocks[seq.block_table[i]]

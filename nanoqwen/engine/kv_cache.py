@@ -22,7 +22,7 @@ from functools import cached_property
 
 import torch
 
-from nanoqwen.engine.paged_decode import PagedDecode
+from nanoqwen.engine.paged_decode import PagedDecode, padded_block_tables
 from nanoqwen.errors import ConfigError
 
 
@@ -117,15 +117,14 @@ def _group_end(decode: list[tuple[list[int], int]], start: int, block_size: int)
 def _decode_group(decode: list[tuple[list[int], int]], start: int, end: int, block_size: int,
                   device: torch.device) -> DecodeGroup:
     rows = decode[start:end]
-    num_blocks = [-(-ctx // block_size) for _, ctx in rows]
-    width = max(num_blocks)
+    tables = padded_block_tables(rows, block_size)
+    width = len(tables[0])
     lens = torch.tensor([ctx for _, ctx in rows])
     keep = torch.arange(width * block_size)[None, :] < lens[:, None]  # [B, S]
     group = DecodeGroup(start, end, width * block_size, keep[:, None, None, :].to(device))
-    if len(rows) == 1 and _consecutive(rows[0][0][:width]):
-        group.first_block = rows[0][0][0]
+    if len(rows) == 1 and _consecutive(tables[0]):
+        group.first_block = tables[0][0]
     else:
-        tables = [table[:nb] + [0] * (width - nb) for (table, _), nb in zip(rows, num_blocks, strict=True)]
         group.block_tables = torch.tensor(tables, device=device)
     return group
 

@@ -20,11 +20,15 @@ class PagedDecode:
     backend: str  # "triton", "flash" or "torch" (nanoqwen/ops/paged_attention.py)
 
     @classmethod
-    def build(cls, decode: list[tuple[list[int], int]], block_size: int, device: torch.device, backend: str,
-              width: int | None = None) -> PagedDecode:
-        """decode: (block_table, context_len) per decoding sequence. width: table columns (default: the widest)."""
-        num_blocks = [-(-ctx // block_size) for _, ctx in decode]
-        width = max(num_blocks) if width is None else width
-        tables = [table[:nb] + [0] * (width - nb) for (table, _), nb in zip(decode, num_blocks, strict=True)]
-        return cls(torch.tensor(tables, dtype=torch.int32, device=device),
+    def build(cls, decode: list[tuple[list[int], int]], block_size: int, device: torch.device,
+              backend: str) -> PagedDecode:
+        """decode: (block_table, context_len) per decoding sequence."""
+        return cls(torch.tensor(padded_block_tables(decode, block_size), dtype=torch.int32, device=device),
                    torch.tensor([ctx for _, ctx in decode], dtype=torch.int32, device=device), backend)
+
+
+def padded_block_tables(decode: list[tuple[list[int], int]], block_size: int) -> list[list[int]]:
+    """Each row's blocks up to its context_len, padded with block 0 to the widest row's count."""
+    num_blocks = [-(-ctx // block_size) for _, ctx in decode]
+    width = max(num_blocks)
+    return [table[:nb] + [0] * (width - nb) for (table, _), nb in zip(decode, num_blocks, strict=True)]
