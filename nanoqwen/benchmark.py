@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from nanoqwen.engine.kv_cache import KVCache
 from nanoqwen.errors import InvalidRequestError
 
 Workload = list[tuple[list[int], int]]  # (prompt token ids, output length) per request
@@ -26,7 +27,8 @@ TOKEN_ID_LIMIT = 10000  # random prompt token ids are drawn from [0, TOKEN_ID_LI
 SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}  # Qwen3's recommended sampling
 # Defaults sized to finish in minutes on a 2-core CPU, and (--gpu-workload) nano-vllm's GPU-sized workload.
 # On CPU the KV cache takes RAM as blocks are first used, and a prefix cache keeps what it used: the budget is
-# sized to the workload (32 sequences of up to 768 tokens need 1.3 GiB at Qwen3-0.6B's 112 KiB a token).
+# sized to the workload (32 sequences of the average 416 tokens take 1.4 GiB at Qwen3-0.6B's 112 KiB a token;
+# the longest, 768, would take 2.6 GiB: the scheduler preempts when the cache runs short).
 CPU_WORKLOAD = {"num_requests": 64, "min_input": 32, "max_input": 512, "min_output": 32, "max_output": 256,
                 "max_num_seqs": 32, "max_num_batched_tokens": 2048, "kv_cache_gib": 1.5}
 GPU_WORKLOAD = {"num_requests": 256, "min_input": 100, "max_input": 1024, "min_output": 100, "max_output": 1024,
@@ -106,7 +108,8 @@ def run_nanoqwen(model_dir: str | Path, workload: Workload, device: str | None =
     output_tokens = sum(len(o.token_ids) for o in outputs)
     stats = engine.kv_cache_stats
     c = engine.config
-    per_token = 2 * c.num_hidden_layers * engine.model.num_kv_heads * c.head_dim * engine.dtype.itemsize  # per rank
+    per_token = KVCache.bytes_per_token(c.num_hidden_layers, engine.model.num_kv_heads, c.head_dim,
+                                        engine.dtype)  # per rank
     capacity = stats["num_blocks"] * stats["block_size"]
     result: dict[str, Any] = {
         "requests": len(workload),
@@ -116,7 +119,7 @@ def run_nanoqwen(model_dir: str | Path, workload: Workload, device: str | None =
         "output_tok_s": output_tokens / seconds,
         "total_tok_s": (input_tokens + output_tokens) / seconds,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "weight_gib": engine.weight_bytes / 2**30,
+        "weight_gib": sum(engine.rank_weight_bytes) / 2**30,  # every rank's
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "engine_kwargs": dict(engine_kwargs),
@@ -173,7 +176,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache size in GiB (default: 1.5 for the CPU workload; the engine's own default "
                         "with --gpu-workload)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="on GPU, run decode steps eagerly instead of replaying captured CUDA graphs")
+                   help="no torch.compile (CPU) and no CUDA graphs (GPU): faster start-up, slower steps")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra LLM(...) keyword, value as JSON or a string, e.g. enable_prefix_caching=false or "
                         "kv_cache_memory=0.5 (repeatable)")
