@@ -19,7 +19,6 @@ import asyncio
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,13 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_model  # noqa: E402  (bench/ is not a package)
 
+from nanoqwen.distributed import free_port  # noqa: E402
+
 SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args: argparse.Namespace, model_dir: Path, max_seqs: int) -> tuple[subprocess.Popen, str]:

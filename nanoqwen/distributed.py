@@ -35,10 +35,6 @@ _rank, _size = 0, 1
 _control: dist.ProcessGroup | None = None
 
 
-def tp_rank() -> int:
-    return _rank
-
-
 def tp_size() -> int:
     return _size
 
@@ -114,7 +110,7 @@ def torchrun_env() -> tuple[int, int, int] | None:
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback interface, for the rendezvous of locally started workers."""
+    """A free TCP port on the loopback interface (the rendezvous of locally started workers; tests, benchmarks)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -126,9 +122,8 @@ def tp_split_sizes(config: Any) -> dict[str, int]:
              "num_key_value_heads": config.num_key_value_heads,  # each rank holds whole key/value heads
              "intermediate_size": config.intermediate_size,
              "vocab_size": config.vocab_size}
-    for name in ("moe_intermediate_size",):  # MoE models: each expert's columns are split too
-        if getattr(config, name, None):
-            sizes[name] = getattr(config, name)
+    if getattr(config, "moe_intermediate_size", None):  # MoE models: each expert's columns are split too
+        sizes["moe_intermediate_size"] = config.moe_intermediate_size
     return sizes
 
 

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from nanoqwen import LLM, SamplingParams
+from nanoqwen.distributed import free_port
 from nanoqwen.errors import InvalidRequestError
 from nanoqwen.outputs import CompletionOutput, RequestOutput
 from nanoqwen.server import build_app
@@ -37,12 +37,6 @@ QUESTIONS = ["Why is the sky blue?", "Write a haiku about tea.", "hi"]
 
 
 # ---------------------------------------------------------------- a real server process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metrics(base: str) -> dict[str, float]:
