@@ -112,23 +112,17 @@ class Int8Linear(nn.Module):
     this one's the same way (scale goes with the rows).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None = None) -> None:
+        """weight [out, in] int8, scale [out] and bias [out] (or None) in the model dtype; see from_linear."""
         super().__init__()
-        dtype = dtype or torch.get_default_dtype()
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("scale", torch.empty(out_features, dtype=dtype, device=device))
-        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
-                     if bias else None)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+        self.bias = bias
 
     @classmethod
     def from_linear(cls, linear: Linear) -> Int8Linear:
         """The int8 version of a Linear (its scale and bias in the Linear's dtype); the Linear is left as it is."""
-        w = linear.weight
-        module = cls(w.shape[1], w.shape[0], bias=False, dtype=w.dtype, device="meta")  # no memory until filled
-        module.weight, module.scale = quantize_weight(w)
-        module.bias = linear.bias
-        return module
+        return cls(*quantize_weight(linear.weight), linear.bias)
 
     @property
     def in_features(self) -> int:
