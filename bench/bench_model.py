@@ -45,10 +45,9 @@ def prompts(batch: int, length: int) -> list[list[int]]:
 
 
 def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | None = None,
-                 enforce_eager: bool = False) -> dict:
+                 enforce_eager: bool = False, batches: tuple[int, ...] = (1, 16)) -> dict:
     from nanoqwen import LLM, SamplingParams
-    from nanoqwen.models.qwen3 import Linear
-    from nanoqwen.models.qwen3_moe import Experts
+    from nanoqwen.models.qwen3 import Experts, Linear
     from nanoqwen.quantization import Int8Linear, weight_bytes
 
     # No prefix caching: the timed repeats send the same prompts, and transformers has nothing like it.
@@ -70,7 +69,8 @@ def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | 
     # 16 tokens routed uniformly (as random weights route) reach 1 - (1 - K/E)^16 of the experts, not 16 K/E
     active16 = 1 - (1 - active) ** 16
     dense_bytes, expert_bytes = sum(weight_bytes(m) for m in matrices), sum(map(weight_bytes, experts))
-    return {**measure(gen, repeats), "weight_bytes": llm.llm_engine.weight_bytes,
+    return {**measure(gen, repeats, batches), "weight_bytes": llm.llm_engine.weight_bytes,
+            "kernel_path": llm.llm_engine.kernel_path,
             "decode_read_bytes": dense_bytes + active * expert_bytes,
             "decode_b16_read_bytes": dense_bytes + active16 * expert_bytes,
             # multiply-adds per token in the projections (a prompt's LM head runs for its last token only)
@@ -100,12 +100,12 @@ def run_transformers(model_dir: str, device: str, repeats: int) -> dict:
     return {**measure(gen, repeats), "weight_bytes": size}
 
 
-def measure(gen, repeats: int) -> dict:
+def measure(gen, repeats: int, batches: tuple[int, ...] = (1, 16)) -> dict:
     """The same procedure for both systems; gen(prompts, n) returns a call generating n tokens each."""
     long_prompt = prompts(1, PREFILL_LEN)
     gen(long_prompt, 2)()  # warm-up
     result = {"prefill_tok_s": PREFILL_LEN / best_of(gen(long_prompt, 1), repeats)}
-    for batch in (1, 16):
+    for batch in batches:
         p = prompts(batch, BATCH_PROMPT_LEN)
         gen(p, 2)()
         first = best_of(gen(p, 1), repeats)
@@ -137,9 +137,15 @@ def ceilings(device: str) -> dict:
     v = torch.randn(1, 32768, dtype=torch.bfloat16, device=device)
     gemv = w.numel() * 2 / timed(lambda: F.linear(v, w)) / 1e9
     n = 4096 if device == "cuda" else 2048
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    flops = 2 * n**3 / timed(lambda: a @ a) / 1e12
-    return {"read_gb_s": read, "copy_gb_s": copy, "gemv_gb_s": gemv, "bf16_tflop_s": flops}
+    a = torch.randn(n, n, dtype=torch.float32, device=device)
+    f32_flops = 2 * n**3 / timed(lambda: a @ a) / 1e12
+    b = a[:512, :512].bfloat16().contiguous()
+    flops = 2 * 512**3 / timed(lambda: b @ b) / 1e12
+    if flops > 0.05:  # fast bf16 (a GPU, or a CPU with native bf16): measure at full size; a CPU without runs
+        a = a.bfloat16()  # bf16 at a few GFLOP/s, where 2048^3 would take minutes
+        flops = 2 * n**3 / timed(lambda: a @ a) / 1e12
+    return {"read_gb_s": read, "copy_gb_s": copy, "gemv_gb_s": gemv, "bf16_tflop_s": flops,
+            "f32_tflop_s": f32_flops}
 
 
 def child(system: str, model_dir: str, device: str, repeats: int) -> None:
@@ -175,9 +181,11 @@ def machine_line(device: str) -> str:
     if device == "cuda":
         hw = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     else:
-        cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                    if x.startswith("model name")), platform.processor())
-        hw = f"{cpu}, {os.cpu_count()} threads"
+        from nanoqwen.ops.cpu import cpu_name_and_flags, isa_summary
+
+        name, flags = cpu_name_and_flags()
+        hw = (f"{name or platform.processor()} (flags: {isa_summary(flags)}; torch's CPU capability "
+              f"{torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} threads")
     return (f"{datetime.date.today()} · {hw} · Python {platform.python_version()} · torch {torch.__version__} · "
             f"transformers {transformers.__version__} · nanoqwen {nanoqwen.__version__}")
 
@@ -185,7 +193,8 @@ def machine_line(device: str) -> str:
 def bounds(ours: dict, ceil: dict) -> dict:
     """What the hardware allows for each row (tok/s): decode reads every weight once a step (bandwidth bound),
     prefill and batch-16 decode multiply-add every weight once per token (matmul bound)."""
-    flops, read = ceil["bf16_tflop_s"] * 1e12, ceil["read_gb_s"] * 1e9
+    # (a CPU without fast bf16 computes 16-bit prefill in float32: nanoqwen/ops/cpu.py)
+    flops, read = max(ceil["bf16_tflop_s"], ceil.get("f32_tflop_s", 0.0)) * 1e12, ceil["read_gb_s"] * 1e9
     per_token = 2 * ours["layer_params"]  # FLOPs per prompt token (the head runs for the last one only)
     return {"prefill_tok_s": flops / per_token,
             "decode_b1_tok_s": read / ours["decode_read_bytes"],
@@ -232,6 +241,19 @@ def table(ours: dict, theirs: dict, ceil: dict, int8: dict, eager: dict | None =
     return "\n".join(lines)
 
 
+def section_name(script: str, device: str) -> str:
+    """The BENCHMARKS.md section of a script's table: one per device, and on CPU one per CPU class
+    (avx512-bf16: native bf16 matrix instructions; avx512; avx2), e.g. bench_model-cpu-avx2."""
+    if device != "cpu":
+        return f"{script}-{device}"
+    from nanoqwen.ops.cpu import cpu_name_and_flags
+
+    flags = cpu_name_and_flags()[1]
+    cpu_class = ("avx512-bf16" if {"avx512_bf16", "amx_bf16"} & flags else "avx512" if "avx512f" in flags
+                 else "avx2")
+    return f"{script}-cpu-{cpu_class}"
+
+
 def write_benchmarks(section: str, body: str) -> None:
     """Replace (or append) the section between this script's markers in BENCHMARKS.md."""
     path = ROOT / "BENCHMARKS.md"
@@ -245,6 +267,15 @@ def write_benchmarks(section: str, body: str) -> None:
     path.write_text(text)
 
 
+def ensure_checkpoint(model_dir: Path) -> None:
+    """Write the random Qwen3-0.6B-shaped checkpoint to model_dir unless it has one."""
+    if not (model_dir / "config.json").exists():
+        from nanoqwen.init_random import write_random_model
+
+        print(f"writing a random Qwen3-0.6B-shaped checkpoint to {model_dir} ...", file=sys.stderr)
+        write_random_model(model_dir, "qwen3-0.6b", dtype="bfloat16", std=0.02)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help=f"model folder (default: a random one in {DEFAULT_DIR})")
@@ -256,11 +287,7 @@ def main() -> None:
     if args.child:
         return child(args.child, args.model, args.device, args.repeats)
     model_dir = Path(args.model) if args.model else DEFAULT_DIR
-    if not (model_dir / "config.json").exists():
-        from nanoqwen.init_random import write_random_model
-
-        print(f"writing a random Qwen3-0.6B-shaped checkpoint to {model_dir} ...", file=sys.stderr)
-        write_random_model(model_dir, "qwen3-0.6b", dtype="bfloat16", std=0.02)
+    ensure_checkpoint(model_dir)
     results = {}
     systems = ["ceilings", "nanoqwen", "nanoqwen-int8", "transformers"]
     if args.device == "cuda":
@@ -287,8 +314,9 @@ def main() -> None:
             + table(results["nanoqwen"], results["transformers"], results["ceilings"], results["nanoqwen-int8"],
                     results.get("nanoqwen-eager")))
     print(body)
-    if args.write:  # a --model gets its own section: the default one is the 0.6B table
-        write_benchmarks(f"bench_model-{args.device}" + (f"-{model_dir.name}" if args.model else ""), body)
+    if args.write:  # one section per CPU class; a --model gets its own section (the default one is the 0.6B)
+        write_benchmarks(section_name("bench_model", args.device) + (f"-{model_dir.name}" if args.model else ""),
+                         body)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`python -m nanoqwen ...` (and `torchrun --nproc-per-node N -m nanoqwen ... -tp N`): the nanoqwen command."""
+"""`python -m nanoqwen ...` (and `torchrun --nproc-per-node N -m nanoqwen ... -tp N`): the nanoqwen
+command."""
 
 import sys
 

@@ -13,6 +13,7 @@ import time
 from typing import TextIO
 
 from nanoqwen.llm import LLM
+from nanoqwen.outputs import speed_summary
 from nanoqwen.sampling_params import SamplingParams
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -20,10 +21,12 @@ HELP = "Commands: /think  /no_think  /reset  /exit  (Ctrl-C stops an answer, Ctr
 
 
 class AnswerPrinter:
-    """Prints streamed text, showing the <think>…</think> part dimmed (or labelled when not a terminal).
+    """Prints streamed text, showing the <think>…</think> part dimmed (or labelled when not a
+    terminal).
 
-    Newlines around the tags are the model's formatting of the template ("<think>\n…\n</think>\n\n"),
-    so they are dropped at the start and end of each part, however the text is split into pieces.
+    Newlines around the tags are the model's formatting of the template
+    ("<think>\n…\n</think>\n\n"), so they are dropped at the start and end of each part, however
+    the text is split into pieces.
     """
 
     def __init__(self, out: TextIO) -> None:
@@ -78,7 +81,8 @@ class AnswerPrinter:
 
 
 def _partial_tag_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a beginning of `tag` (held back until it is decided)."""
+    """Length of the longest end of `text` that is a beginning of `tag` (held back until it is
+    decided)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n
@@ -87,8 +91,10 @@ def _partial_tag_suffix(text: str, tag: str) -> int:
 
 def answer(llm: LLM, messages: list[dict], params: SamplingParams, enable_thinking: bool,
            out: TextIO = sys.stdout) -> str:
-    """Stream one assistant answer to `out`, print timing, and return its text (partial if interrupted)."""
-    prompt = llm.get_tokenizer().apply_chat_template(messages, tokenize=True, enable_thinking=enable_thinking)
+    """Stream one assistant answer to `out`, print timing, and return its text (partial if
+    interrupted)."""
+    prompt = llm.get_tokenizer().apply_chat_template(messages, tokenize=True,
+                                                     enable_thinking=enable_thinking)
     printer = AnswerPrinter(out)
     start = time.perf_counter()
     first = None
@@ -105,14 +111,13 @@ def answer(llm: LLM, messages: list[dict], params: SamplingParams, enable_thinki
         printer.finish()
     end = time.perf_counter()
     if first is not None:
-        decode_rate = (num_tokens - 1) / (end - first) if num_tokens > 1 and end > first else 0.0
-        out.write(f"[prefill {len(prompt)} tokens in {first - start:.2f}s · "
-                  f"decode {num_tokens} tokens at {decode_rate:.1f} tok/s]\n")
+        out.write(f"[{speed_summary(len(prompt), first - start, num_tokens, end - first)}]\n")
     return text
 
 
-def chat_loop(llm: LLM, params: SamplingParams, enable_thinking: bool = True, system: str | None = None,
-              inp: TextIO = sys.stdin, out: TextIO = sys.stdout) -> None:
+def chat_loop(llm: LLM, params: SamplingParams, enable_thinking: bool = True,
+              system: str | None = None, inp: TextIO = sys.stdin,
+              out: TextIO = sys.stdout) -> None:
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
     out.write(f"nanoqwen chat · thinking {'on' if enable_thinking else 'off'}\n{HELP}\n")
     while True:

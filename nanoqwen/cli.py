@@ -6,41 +6,14 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from nanoqwen.config import add_engine_args, engine_config_from_args
 from nanoqwen.errors import NanoQwenError
-from nanoqwen.hub import DEFAULT_MODEL
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"model folder or Hugging Face hub id (default: {DEFAULT_MODEL})")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                   help="weights and activations dtype (auto: the checkpoint's on GPU, bfloat16 on CPU)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + answer in tokens (default: the model's max_position_embeddings)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no torch.compile (CPU) and no CUDA graphs (GPU): faster start-up, slower steps")
-    add_tensor_parallel_arg(p)
-    add_quantization_arg(p)
-
-
-def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="split the model over N processes (N GPUs, or CPU processes); nanoqwen starts them, "
-                        "or run under `torchrun --nproc-per-node N` (default 1)")
-
-
-def add_quantization_arg(p: argparse.ArgumentParser) -> None:
-    from nanoqwen.quantization import QUANTIZATION_METHODS
-
-    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
-                   help="int8: weight-only int8 made at load time (about half the weight bytes; faster decode on CPU)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (defaults: the model's generation_config.json)")
-    g.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: no limit)")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="most tokens to generate (default: no limit)")
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
@@ -50,9 +23,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def build_llm(args: argparse.Namespace):
     from nanoqwen.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               max_num_seqs=1, seed=args.seed, enforce_eager=args.enforce_eager,
-               tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
+    return LLM.from_config(engine_config_from_args(args))
 
 
 def sampling_params(llm, args: argparse.Namespace):
@@ -71,17 +42,35 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not args.no_chat_template:
         prompt = llm.get_tokenizer().apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=True, enable_thinking=not args.no_think)
-    for delta, _ in llm.stream(prompt, params):
+    last = None  # the last output carries the metrics
+    for delta, last in llm.stream(prompt, params):  # noqa: B007
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if last is not None and not args.quiet:  # the speed, on stderr (as llama.cpp's CLI prints it)
+        sys.stdout.flush()
+        print(speed_line(llm, last), file=sys.stderr)
+
+
+def speed_line(llm, output) -> str:
+    """One line: prefill and decode speed, the weights' format and the kernel path chosen."""
+    from nanoqwen.outputs import speed_summary
+
+    engine, m = llm.llm_engine, output.metrics
+    first = m.first_token_time if m.first_token_time is not None else m.arrival_time
+    speed = speed_summary(len(output.prompt_token_ids), first - m.arrival_time,
+                          len(output.token_ids), (m.last_token_time or first) - first)
+    weights = engine.quantization or str(engine.dtype).removeprefix("torch.")
+    size = sum(engine.rank_weight_bytes) / 2**30
+    return f"[{speed} · {weights} weights, {size:.2f} GiB · kernels: {engine.kernel_path}]"
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
     from nanoqwen.chat import chat_loop
 
     llm = build_llm(args)
-    chat_loop(llm, sampling_params(llm, args), enable_thinking=not args.no_think, system=args.system)
+    chat_loop(llm, sampling_params(llm, args), enable_thinking=not args.no_think,
+              system=args.system)
 
 
 def cmd_init_random(args: argparse.Namespace) -> None:
@@ -97,16 +86,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from nanoqwen import benchmark
 
     benchmark.resolve_bench_args(args)
-    workload = benchmark.workload_from_args(args)  # checks the flags before any model is made or loaded
+    # checks the flags before any model is made or loaded
+    workload = benchmark.workload_from_args(args)
     engine_kwargs = benchmark.engine_kwargs_from_args(args)
-    if args.tensor_parallel_size != 1:
-        engine_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
-    if args.quantization:
-        engine_kwargs["quantization"] = args.quantization
     if args.model is None:
         args.model = benchmark.default_checkpoint_dir()
         if not (args.model / "config.json").exists():
-            print(f"writing a random Qwen3-0.6B-shaped checkpoint to {args.model} (first use) ...", file=sys.stderr)
+            print(f"writing a random Qwen3-0.6B-shaped checkpoint to {args.model} (first use) ...",
+                  file=sys.stderr)
         benchmark.ensure_random_checkpoint(args.model)
         print(f"model: random Qwen3-0.6B-shaped checkpoint in {args.model}", file=sys.stderr)
     print(f"running {len(workload)} requests ...", file=sys.stderr)
@@ -127,45 +114,53 @@ def build_parser() -> argparse.ArgumentParser:
     from nanoqwen.benchmark import add_bench_args
     from nanoqwen.init_random import PRESETS
 
-    parser = argparse.ArgumentParser(prog="nanoqwen", description="Run Qwen3 models: chat, generate, serve.")
+    parser = argparse.ArgumentParser(prog="nanoqwen",
+                                     description="Run Qwen3 models: chat, generate, serve.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
     add_engine_args(p)
+    p.set_defaults(max_num_seqs=1)  # one conversation
     add_sampling_args(p)
-    p.add_argument("--no-think", action="store_true", help="start with thinking off (/think turns it on)")
+    p.add_argument("--no-think", action="store_true",
+                   help="start with thinking off (/think turns it on)")
     p.add_argument("--system", default=None, help="system prompt")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("generate", help="one answer to one prompt, streamed to stdout")
     add_engine_args(p)
+    p.set_defaults(max_num_seqs=1)  # one prompt
     add_sampling_args(p)
     p.add_argument("--prompt", required=True, help="the prompt text, or - to read it from stdin")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--no-think", action="store_true", help="answer without a thinking part")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no speed line on stderr at the end "
+                        "(prefill and decode speed, weights, kernels)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("init-random", help="write a model folder with random weights (for offline use)")
+    p = sub.add_parser("init-random",
+                       help="write a model folder with random weights (for offline use)")
     p.add_argument("dir", help="output folder")
     p.add_argument("--preset", choices=list(PRESETS), default="tiny")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--std", type=float, default=0.02, help="standard deviation of the random weights")
+    p.add_argument("--std", type=float, default=0.02,
+                   help="standard deviation of the random weights")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init_random)
 
     p = sub.add_parser("bench", help="throughput on N random requests (like nano-vllm's bench.py)")
     p.add_argument("--model", default=None,
-                   help="model folder or hub id (default: a random Qwen3-0.6B-shaped checkpoint, made on first use "
-                        "in ~/.cache/nanoqwen/random-qwen3-0.6b)")
+                   help="model folder or hub id (default: a random Qwen3-0.6B-shaped checkpoint, "
+                        "made on first use in ~/.cache/nanoqwen/random-qwen3-0.6b)")
     add_bench_args(p)
-    add_tensor_parallel_arg(p)
-    add_quantization_arg(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_bench)
 
     from nanoqwen.server.run import add_serve_args
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, metrics)")
+    p = sub.add_parser("serve",
+                       help="an OpenAI-compatible HTTP server (chat, completions, metrics)")
     add_engine_args(p)
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)

@@ -1,14 +1,17 @@
-"""torch.compile for the model's elementwise math: RMSNorm, RoPE and SwiGLU.
+"""The kernels an engine selects for the layers (`models.qwen3.kernels`): torch.compile for the
+model's elementwise math (RMSNorm, RoPE, SwiGLU), and, on CPUs whose bf16 matmuls are slow, the
+float32 matmul path of nanoqwen/ops/cpu.py (`select_kernels`).
 
 In eager PyTorch each of these is 5-8 separate passes over memory (cast, square, mean, rsqrt,
-multiply, cast back, ...); compiled, each becomes one fused kernel (C++/OpenMP; used on CPU only). On the
-2-core development machine that made prefill about 20% faster (BENCHMARKS.md). Matmuls and attention stay
-on torch's own kernels, and the plain functions in models/qwen3.py stay the reference the compiled ones are
-tested against.
+multiply, cast back, ...); compiled, each becomes one fused kernel (C++/OpenMP; used on CPU only).
+On the 2-core development machine that made prefill faster (BENCHMARKS.md). Matmuls and attention
+stay on torch's own kernels, and the plain functions in models/qwen3.py stay the reference the
+compiled ones are tested against.
 
-A compiled call costs ~20-60 us of guard checks before its kernel runs, more than the eager ops cost
-for the few tokens of a decode step, so the compiled versions are used only for calls with at least
-`MIN_COMPILED_TOKENS` tokens (prompt chunks, big batches); smaller calls run the plain functions.
+A compiled call costs tens of microseconds of guard checks before its kernel runs, more than the
+eager ops cost for the few tokens of a decode step, so the compiled versions are used only for calls
+with at least `MIN_COMPILED_TOKENS` tokens (prompt chunks, big batches); smaller calls run the plain
+functions.
 
 The switch is process-wide (the layers call `models.qwen3.kernels`), compiles once per process with
 dynamic shapes, and falls back to eager with a warning when compilation is not available (no C++
@@ -21,20 +24,24 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from nanoqwen.models import qwen3
+from nanoqwen.ops import cpu
 
 logger = logging.getLogger("nanoqwen")
 FUNCTIONS = ("rms_norm", "apply_rope", "swiglu")
 MIN_COMPILED_TOKENS = 64
-_compiled: dict[tuple[str, str], dict[str, Callable[..., torch.Tensor]] | None] = {}  # (device, dtype) -> kernels
+# (device, dtype) -> kernels
+_compiled: dict[tuple[str, str], dict[str, Callable[..., torch.Tensor]] | None] = {}
 
 
 def compile_kernels(device: torch.device, dtype: torch.dtype) -> bool:
-    """Route the layers' elementwise functions through torch.compile; True if that worked (else the plain ones).
+    """Route the layers' elementwise functions through torch.compile; True if that worked (else the
+    plain ones).
 
-    Compiled and warmed up once per (device, dtype) at MIN_COMPILED_TOKENS tokens, the smallest calls that
-    use them, so compilation happens at load time, not on a user's request.
+    Compiled and warmed up once per (device, dtype) at MIN_COMPILED_TOKENS tokens, the smallest
+    calls that use them, so compilation happens at load time, not on a user's request.
     """
     key = (device.type, str(dtype))
     if key not in _compiled:
@@ -44,7 +51,8 @@ def compile_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     return kernels is not None
 
 
-def _compile(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[..., torch.Tensor]] | None:
+def _compile(device: torch.device, dtype: torch.dtype
+             ) -> dict[str, Callable[..., torch.Tensor]] | None:
     # one compiled graph per (dtype, rank of x): allow more than dynamo's default of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = {name: torch.compile(getattr(qwen3, name), dynamic=True) for name in FUNCTIONS}
@@ -57,9 +65,11 @@ def _compile(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[...
             compiled["rms_norm"](x.view(n, 16), torch.ones(16, device=device, dtype=dtype), 1e-6)
             compiled["apply_rope"](x, cos_sin, cos_sin)
             compiled["swiglu"](x.view(n, 16))
-    except Exception as e:  # inductor raises many kinds (no compiler, codegen failure): stay correct, eager
-        logger.warning("torch.compile is not available here (%s: %s); running eager. Pass enforce_eager=True "
-                       "(--enforce-eager) to skip this attempt.", type(e).__name__, str(e).splitlines()[0][:200])
+    except Exception as e:
+        # inductor raises many kinds (no compiler, codegen failure): stay correct, eager
+        logger.warning("torch.compile is not available here (%s: %s); running eager. "
+                       "Pass enforce_eager=True (--enforce-eager) to skip this attempt.",
+                       type(e).__name__, str(e).splitlines()[0][:200])
         return None
     return {name: _by_size(getattr(qwen3, name), fn) for name, fn in compiled.items()}
 
@@ -73,21 +83,43 @@ def _by_size(eager: Callable[..., torch.Tensor], compiled: Callable[..., torch.T
              ) -> Callable[..., torch.Tensor]:
     """The compiled function for calls on many tokens (x [N, ...] first), the plain one for few."""
     def kernel(x: torch.Tensor, *args: object) -> torch.Tensor:
-        return (kernel.compiled if x.shape[0] >= MIN_COMPILED_TOKENS else eager)(x, *args)  # type: ignore[attr-defined]
+        many = x.shape[0] >= MIN_COMPILED_TOKENS
+        use = kernel.compiled if many else eager  # type: ignore[attr-defined]
+        return use(x, *args)
     kernel.compiled = compiled  # type: ignore[attr-defined]
     return kernel
 
 
-def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool) -> None:
-    """The engine's choice for this process (each tensor-parallel rank makes the same): the compiled functions
-    on CPU unless enforce_eager, else the plain ones."""
+def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool) -> str:
+    """The engine's choice for this process (each tensor-parallel rank makes the same), and a line
+    saying it.
+
+    Elementwise: the compiled functions on CPU unless enforce_eager, else the plain ones. Matmuls:
+    on a CPU whose bf16 matmuls are slow, 16-bit products over many rows compute in float32
+    (nanoqwen/ops/cpu.py).
+    """
+    path = cpu.MatmulPath("bf16", "native")
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        path = cpu.select_matmul_path()
+    cpu.use_matmul_path(path)
+    qwen3.kernels.linear = cpu.linear if path.path == "float32" or path.gemv else F.linear
+    compiled = False
     if device.type == "cpu" and not enforce_eager:
-        compile_kernels(device, dtype)
-    else:  # (a GPU engine after a CPU one in the same process must not keep the CPU's compiled kernels)
+        compiled = compile_kernels(device, dtype)
+    else:
+        # (a GPU engine after a CPU one in the same process must not keep the CPU's compiled
+        # kernels)
         use_eager_kernels()
+    if device.type != "cpu":
+        return f"{device.type}: torch's kernels"
+    name, flags = cpu.cpu_name_and_flags()
+    elementwise = "compiled elementwise kernels" if compiled else "eager elementwise ops"
+    matmul = path.describe() if dtype != torch.float32 else "float32 matmuls"
+    return f"{name} ({cpu.isa_summary(flags)}): {matmul}; {elementwise}"
 
 
 def use_eager_kernels() -> None:
-    """Back to the plain functions (the reference), for every model in this process; forget what was compiled."""
+    """Back to the plain functions (the reference), for every model in this process; forget what was
+    compiled."""
     _install({name: getattr(qwen3, name) for name in FUNCTIONS})
     _compiled.clear()

@@ -1,19 +1,23 @@
-"""Typed views of a checkpoint's config.json and generation_config.json.
+"""Typed configs: a checkpoint's config.json and generation_config.json, and the engine's options.
 
 Both the original Qwen3 layout (`rope_theta` and `rope_scaling` at the top level) and the
 transformers 5 layout (`rope_parameters`; `num_local_experts` for `num_experts`) are accepted.
-Dense Qwen3 and Qwen3-MoE configs are read into the same Qwen3Config; a dense one has no experts.
+Dense Qwen3 and Qwen3-MoE configs are read into the same Qwen3Config; a dense one has no
+experts.
 Anything missing or contradictory is a ConfigError that names the field and the file.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from nanoqwen.errors import ConfigError
+from nanoqwen.hub import DEFAULT_MODEL
 
 MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", MOE_ARCHITECTURE)
@@ -30,7 +34,8 @@ def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); re-download or rewrite the file") from None
+        raise ConfigError(f"{path} is not valid JSON ({e}); "
+                          "re-download or rewrite the file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a JSON object, found {type(data).__name__}")
     return data
@@ -64,7 +69,8 @@ class Qwen3Config:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
-    rope_scaling: dict[str, Any] | None = None  # None, or {"rope_type": "yarn", "factor": ..., ...}
+    # None, or {"rope_type": "yarn", "factor": ..., ...}
+    rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     torch_dtype: str = "bfloat16"
@@ -84,7 +90,8 @@ class Qwen3Config:
         return self.architectures[0] == MOE_ARCHITECTURE
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """Whether decoder layer `layer_idx` has a sparse MoE block instead of the dense MLP (transformers' rule)."""
+        """Whether decoder layer `layer_idx` has a sparse MoE block instead of the dense MLP
+        (transformers' rule)."""
         return (layer_idx not in self.mlp_only_layers and self.num_experts > 0
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
@@ -97,10 +104,11 @@ class Qwen3Config:
     def from_dict(cls, raw: dict[str, Any], where: str = "config.json") -> Qwen3Config:
         archs = raw.get("architectures")
         if archs is None:
-            raise ConfigError(f"{where}: required field 'architectures' is missing; expected ['Qwen3ForCausalLM']")
+            raise ConfigError(f"{where}: required field 'architectures' is missing; "
+                              "expected ['Qwen3ForCausalLM']")
         if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
-            raise ConfigError(f"{where}: field 'architectures' must be a list like ['Qwen3ForCausalLM'], "
-                              f"found {archs!r}")
+            raise ConfigError(f"{where}: field 'architectures' must be a list like "
+                              f"['Qwen3ForCausalLM'], found {archs!r}")
         if archs[0] not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"{where}: architecture {archs[0]!r} is not supported; "
@@ -114,28 +122,34 @@ class Qwen3Config:
             )
         }
         heads = ints["num_attention_heads"]
-        ints["num_key_value_heads"] = raw["num_key_value_heads"] if raw.get("num_key_value_heads") is not None \
-            else heads
-        ints["head_dim"] = raw["head_dim"] if raw.get("head_dim") is not None else ints["hidden_size"] // heads
+        ints["num_key_value_heads"] = (raw["num_key_value_heads"]
+                                       if raw.get("num_key_value_heads") is not None else heads)
+        ints["head_dim"] = (raw["head_dim"] if raw.get("head_dim") is not None
+                            else ints["hidden_size"] // heads)
         for name, value in ints.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{where}: field '{name}' must be a positive integer, found {value!r}")
+                raise ConfigError(f"{where}: field '{name}' must be a positive integer, "
+                                  f"found {value!r}")
         if heads % ints["num_key_value_heads"]:
-            raise ConfigError(f"{where}: num_key_value_heads={ints['num_key_value_heads']} must divide "
-                              f"num_attention_heads={heads}")
+            raise ConfigError(f"{where}: num_key_value_heads={ints['num_key_value_heads']} "
+                              f"must divide num_attention_heads={heads}")
         if ints["head_dim"] % 2:
-            raise ConfigError(f"{where}: head_dim={ints['head_dim']} must be even (RoPE rotates pairs)")
+            raise ConfigError(f"{where}: head_dim={ints['head_dim']} must be even "
+                              "(RoPE rotates pairs)")
         if raw.get("use_sliding_window"):
-            raise ConfigError(f"{where}: use_sliding_window=true is not supported (no Qwen3 checkpoint uses it)")
+            raise ConfigError(f"{where}: use_sliding_window=true is not supported "
+                              "(no Qwen3 checkpoint uses it)")
         rope_theta, rope_scaling = _rope_fields(raw, where)
         eos = raw.get("eos_token_id")
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         dtypes = {raw[k] for k in ("torch_dtype", "dtype") if raw.get(k) is not None}
         if len(dtypes) > 1:
-            raise ConfigError(f"{where}: torch_dtype={raw['torch_dtype']!r} contradicts dtype={raw['dtype']!r}")
+            raise ConfigError(f"{where}: torch_dtype={raw['torch_dtype']!r} "
+                              f"contradicts dtype={raw['dtype']!r}")
         dtype = dtypes.pop() if dtypes else "bfloat16"
         if dtype not in DTYPE_NAMES:
-            raise ConfigError(f"{where}: torch_dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+            raise ConfigError(f"{where}: torch_dtype {dtype!r} is not one of "
+                              f"{', '.join(DTYPE_NAMES)}")
         return cls(
             **ints,
             rms_norm_eps=_positive_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
@@ -147,7 +161,8 @@ class Qwen3Config:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_ids,
             architectures=tuple(archs),
-            **(_moe_fields(raw, ints["num_hidden_layers"], where) if archs[0] == MOE_ARCHITECTURE else {}),
+            **(_moe_fields(raw, ints["num_hidden_layers"], where)
+               if archs[0] == MOE_ARCHITECTURE else {}),
         )
 
     @classmethod
@@ -159,12 +174,14 @@ class Qwen3Config:
         """The config.json content in the original Qwen3 layout (as the official files are)."""
         d = asdict(self)
         d["architectures"] = list(self.architectures)
-        d["eos_token_id"] = self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id
-        d.update(model_type="qwen3", hidden_act="silu", use_sliding_window=False, sliding_window=None,
-                 max_window_layers=self.num_hidden_layers, attention_dropout=0.0, use_cache=True)
+        eos = self.eos_token_id
+        d["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+        d.update(model_type="qwen3", hidden_act="silu", use_sliding_window=False,
+                 sliding_window=None, max_window_layers=self.num_hidden_layers,
+                 attention_dropout=0.0, use_cache=True)
         if self.is_moe:
-            d.update(model_type="qwen3_moe", mlp_only_layers=list(self.mlp_only_layers), router_aux_loss_coef=0.001,
-                     output_router_logits=False)
+            d.update(model_type="qwen3_moe", mlp_only_layers=list(self.mlp_only_layers),
+                     router_aux_loss_coef=0.001, output_router_logits=False)
         else:
             for name in MOE_FIELDS:
                 del d[name]
@@ -172,27 +189,32 @@ class Qwen3Config:
 
 
 def _moe_fields(raw: dict[str, Any], num_layers: int, where: str) -> dict[str, Any]:
-    """The expert fields of a Qwen3MoeForCausalLM config (router_aux_loss_coef only matters in training)."""
-    if raw.get("num_experts") is None and raw.get("num_local_experts") is not None:  # transformers 5's name
+    """The expert fields of a Qwen3MoeForCausalLM config (router_aux_loss_coef only matters in
+    training)."""
+    if raw.get("num_experts") is None and raw.get("num_local_experts") is not None:
+        # transformers 5's name
         raw = {**raw, "num_experts": raw["num_local_experts"]}
     elif raw.get("num_local_experts") not in (None, raw.get("num_experts")):
         raise ConfigError(f"{where}: num_experts={raw['num_experts']} contradicts "
                           f"num_local_experts={raw['num_local_experts']}; keep one")
     fields = {name: _require(raw, name, int, where)
               for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
-    fields["decoder_sparse_step"] = raw["decoder_sparse_step"] if raw.get("decoder_sparse_step") is not None else 1
+    step = raw.get("decoder_sparse_step")
+    fields["decoder_sparse_step"] = step if step is not None else 1
     for name, value in fields.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{where}: field '{name}' must be a positive integer, found {value!r}")
+            raise ConfigError(f"{where}: field '{name}' must be a positive integer, "
+                              f"found {value!r}")
     if fields["num_experts_per_tok"] > fields["num_experts"]:
-        raise ConfigError(f"{where}: num_experts_per_tok={fields['num_experts_per_tok']} must not exceed "
-                          f"num_experts={fields['num_experts']}")
+        raise ConfigError(f"{where}: num_experts_per_tok={fields['num_experts_per_tok']} "
+                          f"must not exceed num_experts={fields['num_experts']}")
     norm = raw.get("norm_topk_prob", False)
     if not isinstance(norm, bool):
-        raise ConfigError(f"{where}: field 'norm_topk_prob' must be true or false, found {norm!r}")
+        raise ConfigError(f"{where}: field 'norm_topk_prob' must be true or false, "
+                          f"found {norm!r}")
     only = raw.get("mlp_only_layers") or []
-    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers
-                                             for i in only):
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                             and 0 <= i < num_layers for i in only):
         raise ConfigError(f"{where}: field 'mlp_only_layers' must be a list of layer indices in "
                           f"[0, {num_layers}), found {only!r}")
     return dict(fields, norm_topk_prob=norm, mlp_only_layers=tuple(sorted(set(only))))
@@ -200,35 +222,44 @@ def _moe_fields(raw: dict[str, Any], num_layers: int, where: str) -> dict[str, A
 
 def _positive_number(value: Any, name: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{where}: field '{name}' must be a positive number, found {value!r}")
+        raise ConfigError(f"{where}: field '{name}' must be a positive number, "
+                          f"found {value!r}")
     return float(value)
 
 
 def _rope_fields(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either config layout; refuse a layout that contradicts itself."""
-    params, top_theta, top_scaling = raw.get("rope_parameters"), raw.get("rope_theta"), raw.get("rope_scaling")
+    """(rope_theta, rope_scaling) from either config layout; refuse a layout that contradicts
+    itself."""
+    params, top_theta = raw.get("rope_parameters"), raw.get("rope_theta")
+    top_scaling = raw.get("rope_scaling")
     for name, value in (("rope_parameters", params), ("rope_scaling", top_scaling)):
         if value is not None and not isinstance(value, dict):
-            raise ConfigError(f"{where}: field '{name}' must be an object or null, found {value!r}")
+            raise ConfigError(f"{where}: field '{name}' must be an object or null, "
+                              f"found {value!r}")
     if params is not None:
         theta = params.get("rope_theta", top_theta)
         if top_theta is not None and theta is not None and theta != top_theta:
             raise ConfigError(
-                f"{where}: rope_theta={top_theta} contradicts rope_parameters.rope_theta={theta}; keep one")
+                f"{where}: rope_theta={top_theta} contradicts "
+                f"rope_parameters.rope_theta={theta}; keep one")
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         if top_scaling and _rope_type(top_scaling) != "default" and (
                 _rope_type(scaling) != _rope_type(top_scaling)
-                or any(scaling.get(k) != v for k, v in top_scaling.items() if k not in ("type", "rope_type"))):
-            raise ConfigError(f"{where}: rope_scaling={top_scaling} contradicts rope_parameters={params}")
+                or any(scaling.get(k) != v for k, v in top_scaling.items()
+                       if k not in ("type", "rope_type"))):
+            raise ConfigError(f"{where}: rope_scaling={top_scaling} "
+                              f"contradicts rope_parameters={params}")
     else:
         theta, scaling = top_theta, dict(top_scaling or {})
     if theta is None:
-        raise ConfigError(f"{where}: required field 'rope_theta' (or rope_parameters.rope_theta) is missing")
+        raise ConfigError(f"{where}: required field 'rope_theta' "
+                          "(or rope_parameters.rope_theta) is missing")
     theta = _positive_number(theta, "rope_theta", where)
     rope_type = _rope_type(scaling)
     scaling = {k: v for k, v in scaling.items() if k not in ("type", "rope_type")}
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(f"{where}: rope type {rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}")
+        raise ConfigError(f"{where}: rope type {rope_type!r} is not supported; "
+                          f"use one of {SUPPORTED_ROPE_TYPES}")
     if rope_type == "default":
         return theta, None
     for name in ("factor", "original_max_position_embeddings"):
@@ -262,7 +293,8 @@ class GenerationConfig:
         eos = raw.get("eos_token_id", fallback_eos)
         eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if not all(isinstance(i, int) for i in eos_ids):
-            raise ConfigError(f"{path}: eos_token_id must be an integer or a list of integers, found {eos!r}")
+            raise ConfigError(f"{path}: eos_token_id must be an integer or a list of integers, "
+                              f"found {eos!r}")
         return cls(
             eos_token_id=eos_ids,
             temperature=raw.get("temperature"),
@@ -271,3 +303,138 @@ class GenerationConfig:
             min_p=raw.get("min_p"),
             do_sample=bool(raw.get("do_sample", True)),
         )
+
+
+# ---- Engine options
+
+
+@dataclass
+class EngineConfig:
+    """Every engine option, defined and validated here once: `LLM(model, **options)`, the command
+    line (`add_engine_args`) and the server build one, and `LLMEngine` takes it.
+
+    kv_cache_memory: bytes (int) or a fraction of the free memory (float), per rank; default 4 GiB
+    on CPU (or half the available memory), 90% of what the weights leave free on GPU
+    (engine/memory.py).
+    enforce_eager: no torch.compile (CPU) and no CUDA graphs (GPU): faster start, slower steps.
+    quantization: None (the checkpoint's weights) or "int8" (weight-only, made at load:
+    nanoqwen/quantization.py).
+    tensor_parallel_size N > 1 splits the model over N processes (N GPUs, or CPU processes), started
+    by the engine or by torchrun.
+    """
+
+    model: str | Path = DEFAULT_MODEL
+    # "bfloat16", "float16", "float32", a torch.dtype, or None/"auto"
+    dtype: str | Any | None = None
+    # "cpu", "cuda", a torch.device, or None (cuda when available)
+    device: str | Any | None = None
+    # default: the model's context, or what the KV cache holds if less
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | float | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    seed: int | None = 0  # None: a random seed for requests without their own
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        # (it imports the model, which imports this file)
+        from nanoqwen.quantization import check_quantization
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+        m = self.kv_cache_memory
+        if m is not None and not (isinstance(m, float) and 0 < m <= 1 or type(m) is int and m > 0):
+            raise ConfigError(f"kv_cache_memory={m!r} must be a byte count (int > 0) "
+                              "or a fraction of free memory (float in (0, 1])")
+        check_quantization(self.quantization)
+
+    @classmethod
+    def from_kwargs(cls, model: str | Path, options: dict[str, Any]) -> EngineConfig:
+        """EngineConfig(model, **options), with an unknown option named (and the known ones
+        listed)."""
+        known = [f.name for f in fields(cls) if f.name != "model"]
+        unknown = [name for name in options if name not in known]
+        if unknown:
+            raise ConfigError(f"unknown engine option {unknown[0]!r}; "
+                              f"the options are: {', '.join(known)}")
+        return cls(model, **options)
+
+    def check_model_len(self, limit: int, where: Path) -> None:
+        """max_model_len against the model's max_position_embeddings (read from `where`)."""
+        if self.max_model_len is not None and not 1 < self.max_model_len <= limit:
+            raise ConfigError(f"max_model_len={self.max_model_len} must be in [2, {limit}] "
+                              f"(max_position_embeddings of {where})")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The command-line flags of every EngineConfig field (read back by engine_config_from_args)."""
+    default = EngineConfig()
+    p.add_argument("--model", default=default.model,
+                   help=f"model folder or Hugging Face hub id (default: {default.model})")
+    p.add_argument("--dtype", choices=["auto", *DTYPE_NAMES], default="auto",
+                   help="weights and activations dtype "
+                        "(auto: the checkpoint's on GPU, bfloat16 on CPU)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="default: cuda when available")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + answer in tokens "
+                        "(default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=default.max_num_seqs,
+                   help="most sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens,
+                   help="most tokens per step")
+    p.add_argument("--kv-cache-memory", type=memory_size, default=None,
+                   help="KV cache size: bytes (e.g. 2GiB) or a fraction of free memory (e.g. 0.5)")
+    p.add_argument("--block-size", type=int, default=default.block_size,
+                   help="tokens per KV-cache block")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="turn prefix caching off")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no torch.compile (CPU) and no CUDA graphs (GPU): "
+                        "faster start-up, slower steps")
+    add_parallel_and_quantization_args(p)
+
+
+def add_parallel_and_quantization_args(p: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size and --quantization (also on `nanoqwen bench`, whose other flags are
+    its own)."""
+    from nanoqwen.quantization import QUANTIZATION_METHODS
+
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N processes (N GPUs, or CPU processes); "
+                        "nanoqwen starts them, "
+                        "or run under `torchrun --nproc-per-node N` (default 1)")
+    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+                   help="int8: weight-only int8 made at load time "
+                        "(about half the weight bytes; faster decode on CPU)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed command-line flags (the fields add_engine_args defines)."""
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig(**given)
+
+
+_UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
+          "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def memory_size(text: str) -> int | float:
+    """--kv-cache-memory: bytes ("67108864", "64MiB", "4G") or a fraction of free memory ("0.5")."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, e.g. 64MiB) "
+                                         "or a fraction (e.g. 0.5)")
+    number, unit = m.group(1), m.group(2).lower()
+    if "." in number and not unit:
+        return float(number)
+    return int(float(number) * _UNITS[unit])

@@ -20,12 +20,15 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"device {device.type!r} is not supported; use cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA GPU; "
+                          "use --device cpu")
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """The checkpoint's dtype on GPU; bfloat16 on CPU (fast there with AMX/AVX-512), unless asked."""
+def resolve_dtype(dtype: str | torch.dtype | None, checkpoint_dtype: str,
+                  device: torch.device) -> torch.dtype:
+    """The checkpoint's dtype on GPU; bfloat16 on CPU (fast there with AMX/AVX-512), unless
+    asked."""
     if dtype is None or dtype == "auto":
         return DTYPES[checkpoint_dtype] if device.type == "cuda" else torch.bfloat16
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():

@@ -1,16 +1,18 @@
 """Tensor parallelism plumbing: the process group and the few collectives the model calls.
 
-With tensor_parallel_size N, N processes (ranks) each hold 1/N of every big weight matrix (models/qwen3.py
-shows which part and where the ranks' results are combined). They meet in one torch.distributed process
-group: NCCL on GPU, gloo on CPU. Rank 0 runs the engine (scheduler, sampler); ranks 1..N-1 are workers that
-run the same forward on their shard (engine/tp_worker.py). The ranks are either started by nanoqwen itself
-or by `torchrun` (the RANK / WORLD_SIZE / LOCAL_RANK environment variables say so).
+With tensor_parallel_size N, N processes (ranks) each hold 1/N of every big weight matrix
+(models/qwen3.py shows which part and where the ranks' results are combined). They meet in one
+torch.distributed process group: NCCL on GPU, gloo on CPU. Rank 0 runs the engine (scheduler,
+sampler); ranks 1..N-1 are workers that run the same forward on their shard (engine/tp_worker.py).
+The ranks are either started by nanoqwen itself or by `torchrun` (the RANK / WORLD_SIZE / LOCAL_RANK
+environment variables say so).
 
 Two groups over the same ranks:
-- the default group carries the model's collectives (all_reduce, gather). Within a step every rank answers
-  in milliseconds, so it has a finite timeout: a rank that stops answering fails the step, never hangs it;
-- a gloo "control" group carries rank 0's messages to the workers (load this, run this step, stop). Workers
-  wait on it for as long as the engine is idle, so its timeout is practically unlimited.
+- the default group carries the model's collectives (all_reduce, gather). Within a step every
+  rank answers in milliseconds, so it has a finite timeout: a rank that stops answering fails
+  the step, never hangs it;
+- a gloo "control" group carries rank 0's messages to the workers (load this, run this step, stop).
+  Workers wait on it for as long as the engine is idle, so its timeout is practically unlimited.
 
 Every helper is a no-op when there is no group (tensor_parallel_size 1).
 """
@@ -40,20 +42,24 @@ def tp_size() -> int:
 
 
 def check_no_group() -> None:
-    """Refuse a second tensor-parallel group in one process (torch.distributed holds one default group)."""
+    """Refuse a second tensor-parallel group in one process (torch.distributed holds one
+    default group)."""
     if dist.is_initialized():
-        raise ConfigError("a tensor-parallel group is already running in this process: shut the other engine "
-                          "down first (llm.llm_engine.shutdown())")
+        raise ConfigError("a tensor-parallel group is already running in this process: "
+                          "shut the other engine down first (llm.llm_engine.shutdown())")
 
 
-def init_tensor_parallel(rank: int, size: int, device: torch.device, init_method: str = "env://") -> None:
-    """Join the group of `size` ranks as `rank` (env:// reads MASTER_ADDR/MASTER_PORT, as torchrun sets them)."""
+def init_tensor_parallel(rank: int, size: int, device: torch.device,
+                         init_method: str = "env://") -> None:
+    """Join the group of `size` ranks as `rank` (env:// reads MASTER_ADDR/MASTER_PORT, as
+    torchrun sets them)."""
     global _rank, _size, _control
     check_no_group()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=STEP_TIMEOUT,
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=STEP_TIMEOUT,
                             device_id=device if device.type == "cuda" else None)
     _control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     _rank, _size = rank, size
@@ -93,8 +99,8 @@ def broadcast_object(obj: Any = None) -> Any:
 
 
 def gather_objects(obj: Any) -> list[Any]:
-    """Every rank's picklable object, in rank order, on every rank (over the control group: it also waits
-    until every rank got here, with no timeout to speak of, since loading can take long)."""
+    """Every rank's picklable object, in rank order, on every rank (over the control group: it also
+    waits until every rank got here, with no timeout to speak of, since loading can take long)."""
     if _size == 1:
         return [obj]
     out: list[Any] = [None] * _size
@@ -106,11 +112,13 @@ def torchrun_env() -> tuple[int, int, int] | None:
     """(rank, world size, local rank) when this process was started by torchrun, else None."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback interface (the rendezvous of locally started workers; tests, benchmarks)."""
+    """A free TCP port on the loopback interface (the rendezvous of locally started workers;
+    tests, benchmarks)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -119,16 +127,19 @@ def free_port() -> int:
 def tp_split_sizes(config: Any) -> dict[str, int]:
     """The sizes that tensor parallelism splits N ways: each must divide by N."""
     sizes = {"num_attention_heads": config.num_attention_heads,
-             "num_key_value_heads": config.num_key_value_heads,  # each rank holds whole key/value heads
+             # each rank holds whole key/value heads
+             "num_key_value_heads": config.num_key_value_heads,
              "intermediate_size": config.intermediate_size,
              "vocab_size": config.vocab_size}
-    if getattr(config, "moe_intermediate_size", None):  # MoE models: each expert's columns are split too
+    # MoE models: each expert's columns are split too
+    if getattr(config, "moe_intermediate_size", None):
         sizes["moe_intermediate_size"] = config.moe_intermediate_size
     return sizes
 
 
 def check_tensor_parallel_size(config: Any, size: Any) -> None:
-    """Refuse a tensor_parallel_size that does not split every head, MLP column and vocabulary row evenly."""
+    """Refuse a tensor_parallel_size that does not split every head, MLP column and vocabulary
+    row evenly."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ConfigError(f"tensor_parallel_size={size!r} must be an integer >= 1")
     sizes = tp_split_sizes(config)
@@ -136,5 +147,5 @@ def check_tensor_parallel_size(config: Any, size: Any) -> None:
     if bad:
         common = math.gcd(*sizes.values())
         valid = ", ".join(str(n) for n in range(1, common + 1) if common % n == 0)
-        raise ConfigError(f"tensor_parallel_size={size} does not divide {', '.join(bad)} of this model; "
-                          f"valid sizes: {valid}")
+        raise ConfigError(f"tensor_parallel_size={size} does not divide {', '.join(bad)} "
+                          f"of this model; valid sizes: {valid}")

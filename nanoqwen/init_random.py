@@ -4,7 +4,8 @@ The folder has what a hub checkpoint has: config.json and generation_config.json
 official Qwen3 tokenizer files (shipped in nanoqwen/assets), and the weights under the
 official tensor names in model.safetensors, or in shards with model.safetensors.index.json.
 MoE experts are written one tensor per expert matrix, as the official Qwen3-MoE checkpoints
-(and transformers' save_pretrained) store them, or, on request, stacked as transformers 5 holds them.
+(and transformers' save_pretrained) store them, or, on request, stacked as
+transformers 5 holds them.
 """
 
 from __future__ import annotations
@@ -28,21 +29,26 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _official(name: str) -> dict:
-    path = QWEN3_0_6B / "config.json" if name == "Qwen3-0.6B" else ASSETS / "configs" / f"{name}.json"
+    path = (QWEN3_0_6B / "config.json" if name == "Qwen3-0.6B"
+            else ASSETS / "configs" / f"{name}.json")
     return read_json(path)
 
 
 def _tiny() -> dict:
-    """A 2-layer model with the real vocabulary: seconds to load, every code path of the big ones."""
-    return {**_official("Qwen3-0.6B"), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+    """A 2-layer model with the real vocabulary: seconds to load, every code path of the big
+    ones."""
+    return {**_official("Qwen3-0.6B"), "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32}
 
 
 def _moe_tiny() -> dict:
-    """Qwen3-30B-A3B's config at toy size: 8 experts, top-2, 3 layers of which layer 1 is a dense MLP."""
-    return {**_official("Qwen3-30B-A3B"), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8,
-            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1], "max_window_layers": 3}
+    """Qwen3-30B-A3B's config at toy size: 8 experts, top-2, 3 layers of which layer 1 is a
+    dense MLP."""
+    return {**_official("Qwen3-30B-A3B"), "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "mlp_only_layers": [1], "max_window_layers": 3}
 
 
 PRESETS = {
@@ -64,13 +70,16 @@ def preset_config(preset: str) -> dict:
     return PRESETS[preset]()
 
 
-def checkpoint_shapes(config: Qwen3Config, fused_experts: bool = False) -> Iterator[tuple[str, tuple[int, ...]]]:
+def checkpoint_shapes(config: Qwen3Config,
+                      fused_experts: bool = False) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(official tensor name, shape) of every tensor a Qwen3 checkpoint with this config holds.
 
-    fused_experts: MoE experts under transformers 5's stacked names instead of one tensor per expert matrix.
+    fused_experts: MoE experts under transformers 5's stacked names instead of one tensor per
+    expert matrix.
     """
     h, d = config.hidden_size, config.head_dim
-    q, kv, inter = config.num_attention_heads * d, config.num_key_value_heads * d, config.intermediate_size
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    inter = config.intermediate_size
     yield "model.embed_tokens.weight", (config.vocab_size, h)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -79,7 +88,8 @@ def checkpoint_shapes(config: Qwen3Config, fused_experts: bool = False) -> Itera
         yield p + "self_attn.k_proj.weight", (kv, h)
         yield p + "self_attn.v_proj.weight", (kv, h)
         if config.attention_bias:
-            yield from ((p + f"self_attn.{n}_proj.bias", (s,)) for n, s in (("q", q), ("k", kv), ("v", kv)))
+            yield from ((p + f"self_attn.{n}_proj.bias", (s,))
+                        for n, s in (("q", q), ("k", kv), ("v", kv)))
         yield p + "self_attn.o_proj.weight", (h, q)
         if config.attention_bias:
             yield p + "self_attn.o_proj.bias", (h,)
@@ -97,7 +107,8 @@ def checkpoint_shapes(config: Qwen3Config, fused_experts: bool = False) -> Itera
         yield "lm_head.weight", (config.vocab_size, h)
 
 
-def _expert_shapes(config: Qwen3Config, p: str, fused: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _expert_shapes(config: Qwen3Config, p: str,
+                   fused: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
     e, h, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
     yield p + "gate.weight", (e, h)  # the router
     if fused:
@@ -110,7 +121,8 @@ def _expert_shapes(config: Qwen3Config, p: str, fused: bool) -> Iterator[tuple[s
         yield p + f"experts.{j}.down_proj.weight", (h, inter)
 
 
-def random_tensor(name: str, shape: tuple[int, ...], std: float, generator: torch.Generator) -> torch.Tensor:
+def random_tensor(name: str, shape: tuple[int, ...], std: float,
+                  generator: torch.Generator) -> torch.Tensor:
     if name.endswith("norm.weight"):  # norms near 1, but not exactly, so a mis-loaded norm shows
         return 1.0 + 0.1 * torch.randn(shape, generator=generator)
     return std * torch.randn(shape, generator=generator)
@@ -148,8 +160,10 @@ def write_random_model(out_dir: str | Path, config: dict | str = "tiny", dtype: 
     return out
 
 
-def _flush(out: Path, shards: list[dict[str, torch.Tensor]], final: bool, total_size: int = 0) -> None:
-    """Write the last shard (freeing its tensors); on the final call, name the files and write the index."""
+def _flush(out: Path, shards: list[dict[str, torch.Tensor]], final: bool,
+           total_size: int = 0) -> None:
+    """Write the last shard (freeing its tensors); on the final call, name the files and write
+    the index."""
     n = len(shards)
     save_file(shards[-1], out / f"shard-{n}.tmp", metadata={"format": "pt"})
     shards[-1] = {k: None for k in shards[-1]}  # keep the names, drop the tensors

@@ -8,9 +8,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
+from nanoqwen.config import EngineConfig
 from nanoqwen.engine.llm_engine import LLMEngine
 from nanoqwen.errors import InvalidRequestError
 from nanoqwen.hub import DEFAULT_MODEL
@@ -25,25 +25,26 @@ Message = dict[str, Any]
 class LLM:
     """Load a Qwen3 checkpoint (folder or hub id) and generate for many prompts at once."""
 
-    def __init__(self, model: str | Path = DEFAULT_MODEL, *, dtype: str | torch.dtype | None = None,
-                 device: str | torch.device | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 kv_cache_memory: int | float | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, seed: int | None = 0, enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1, quantization: str | None = None) -> None:
-        """kv_cache_memory: bytes (int) or a fraction of free memory (float), per rank; see LLMEngine for defaults.
-        enforce_eager: no torch.compile (CPU) and no CUDA graphs (GPU): faster start, slower steps.
-        quantization: None (the checkpoint's weights) or "int8" (weight-only, made at load: nanoqwen/quantization.py).
+    def __init__(self, model: str | Path = DEFAULT_MODEL, **options: Any) -> None:
+        """options: the engine options, EngineConfig's fields (nanoqwen/config.py): dtype, device,
+        max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
+        enable_prefix_caching, seed, enforce_eager, tensor_parallel_size, quantization.
 
-        tensor_parallel_size N > 1 splits the model over N processes (N GPUs, or CPU processes), started here
-        or by torchrun; `llm.llm_engine.shutdown()` stops them (as does garbage collection or exit).
+        tensor_parallel_size N > 1 splits the model over N processes (N GPUs, or CPU processes),
+        started here or by torchrun; `llm.llm_engine.shutdown()` stops them (as does garbage
+        collection or exit).
         """
-        self.llm_engine = LLMEngine(model, dtype=dtype, device=device, max_model_len=max_model_len,
-                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                    kv_cache_memory=kv_cache_memory, block_size=block_size,
-                                    enable_prefix_caching=enable_prefix_caching, seed=seed,
-                                    enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                                    quantization=quantization)
+        self._start(EngineConfig.from_kwargs(model, options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM from an EngineConfig (what the command line builds from its flags)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.llm_engine = LLMEngine(config)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -55,8 +56,10 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for strings (tokenized as is, no chat template) or token-id lists; outputs keep input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Generate for strings (tokenized as is, no chat template) or token-id lists; outputs keep
+        input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
@@ -66,31 +69,37 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise InvalidRequestError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+                raise InvalidRequestError(f"got {len(params)} sampling_params "
+                                          f"for {len(prompts)} prompts")
         return self._run(prompts, params, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              enable_thinking: bool = True, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Render one conversation (or a list of them) with the model's chat template and generate."""
+             chat_template_kwargs: dict[str, Any] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Render one conversation (or a list of them) with the model's chat template and
+        generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
-        prompts = [tokenizer.apply_chat_template(conv, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                 enable_thinking=enable_thinking, **(chat_template_kwargs or {}))
+        prompts = [tokenizer.apply_chat_template(conv, tools=tools, add_generation_prompt=True,
+                                                 tokenize=True, enable_thinking=enable_thinking,
+                                                 **(chat_template_kwargs or {}))
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [f"llm-{next(self._request_counter)}" for _ in prompts]
-        # Tokenize and validate everything before queueing anything: a bad prompt leaves the engine untouched.
+        # Tokenize and validate everything before queueing anything: a bad prompt leaves the engine
+        # untouched.
         token_ids = [engine.tokenize(prompt) for prompt in prompts]
         for request_id, prompt, tokens, p in zip(ids, prompts, token_ids, params, strict=True):
             engine.add_request(request_id, prompt, p, prompt_token_ids=tokens)
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm or len(prompts) < 8,
-                   dynamic_ncols=True)
+        bar = tqdm(total=len(prompts), desc="Generating", unit="req",
+                   disable=not use_tqdm or len(prompts) < 8, dynamic_ncols=True)
         start, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
         with bar:
             try:
@@ -101,17 +110,19 @@ class LLM:
                             prompt_tokens += len(out.prompt_token_ids)
                             output_tokens += sum(len(c.token_ids) for c in out.outputs)
                             elapsed = time.perf_counter() - start
-                            bar.set_postfix_str(f"in {prompt_tokens / elapsed:.0f} tok/s, "
-                                                f"out {output_tokens / elapsed:.0f} tok/s", refresh=False)
+                            rates = (f"in {prompt_tokens / elapsed:.0f} tok/s, "
+                                     f"out {output_tokens / elapsed:.0f} tok/s")
+                            bar.set_postfix_str(rates, refresh=False)
                             bar.update(1)
             finally:
-                for request_id in ids:  # on error or Ctrl-C, leave nothing half-run in the engine
+                # on error or Ctrl-C, leave nothing half-run in the engine
+                for request_id in ids:
                     if request_id not in finished:
                         engine.abort_request(request_id)
         return [finished[i] for i in ids]
 
-    def stream(self, prompt: Prompt,
-               sampling_params: SamplingParams | None = None) -> Iterator[tuple[str, RequestOutput]]:
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
+               ) -> Iterator[tuple[str, RequestOutput]]:
         """Generate for one prompt, yielding (new text, output so far) as tokens arrive.
 
         Text is yielded only once its UTF-8 is complete. Closing the iterator early (break, Ctrl-C)

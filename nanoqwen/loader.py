@@ -1,13 +1,14 @@
-"""From a model folder to a model on its device: read the config, load the weights (nanoqwen/hub.py finds
-the folder; nanoqwen/weight_files.py reads its safetensors files).
+"""From a model folder to a model on its device: read the config, load the weights (nanoqwen/hub.py
+finds the folder; nanoqwen/weight_files.py reads its safetensors files).
 
 Weights are read from model.safetensors or a sharded model.safetensors.index.json through
 safetensors' memory map, one tensor at a time, and copied straight into parameters that were
 allocated once on the target device in the target dtype. Peak memory therefore stays near the
 size of the weights: there is never a second full copy.
 
-With tensor parallelism each rank reads only its slices (TP_SPLIT_DIM says which dimension of which
-parameter is cut), through safetensors' sliced reads: a rank's memory is about 1/N of the weights.
+With tensor parallelism each rank reads only its slices (each module's `tp_dims` in models/qwen3.py
+says which dimension of which parameter is cut), through safetensors' sliced reads: a rank's memory
+is about 1/N of the weights.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from nanoqwen.weight_files import Part, iter_checkpoint, safetensors_files
 
 PROGRESS_BAR_MIN_BYTES = 1 << 30  # show a loading bar for checkpoints of 1 GiB and more
 
-# checkpoint name (after "model.layers.{i}.") -> (our parameter, index of its slice in a stacked matrix);
-# every other tensor keeps its checkpoint name without the "model." prefix.
+# checkpoint name (after "model.layers.{i}.") -> (our parameter, index of its slice in a stacked
+# matrix); every other tensor keeps its checkpoint name without the "model." prefix.
 STACKED_PARAMS = {
     "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
     "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
@@ -40,37 +41,23 @@ STACKED_PARAMS = {
     "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
     "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
 }
-# MoE experts. The official checkpoints store each expert's matrices ("mlp.experts.{j}.gate_proj.weight"
-# [Ie, H], up_proj [Ie, H], down_proj [H, Ie]); they fill slice (j, half) of our stacked parameters
-# (half None: the whole expert). transformers 5's own parameter names ("mlp.experts.gate_up_proj"
-# [E, 2Ie, H], gate rows then up rows, and "mlp.experts.down_proj" [E, H, Ie]) are ours, loaded as they are.
+# MoE experts. The official checkpoints store each expert's matrices
+# ("mlp.experts.{j}.gate_proj.weight" [Ie, H], up_proj [Ie, H], down_proj [H, Ie]); they fill slice
+# (j, half) of our stacked parameters (half None: the whole expert). transformers 5's own parameter
+# names ("mlp.experts.gate_up_proj" [E, 2Ie, H], gate rows then up rows, and "mlp.experts.down_proj"
+# [E, H, Ie]) are ours, loaded as they are.
 EXPERT_TENSOR = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 EXPERT_PARAMS = {"gate": ("mlp.experts.gate_up_proj", 0), "up": ("mlp.experts.gate_up_proj", 1),
                  "down": ("mlp.experts.down_proj", None)}
-Shard = int | tuple[int, int | None] | None  # a slice of a stacked q/k/v or gate/up matrix, or of the experts
+# a slice of a stacked q/k/v or gate/up matrix, or of the experts
+Shard = int | tuple[int, int | None] | None
 
-# Tensor parallelism: the dimension of each parameter that is cut into N equal slices, rank r holding slice r
-# (models/qwen3.py builds the parameters at that size). A stacked parameter is cut part by part, so rank r
-# holds [q_r; k_r; v_r] and [gate_r; up_r]: each checkpoint tensor is sliced on its own and copied into the
-# rank's part. A checkpoint tensor's dimensions line up with the trailing ones of its parameter (an expert's
-# [Ie, H] gate_proj fills a [2Ie, H] slice of the [E, 2Ie, H] experts). Unlisted parameters (the norms, the
-# MoE router) are read whole by every rank.
-TP_SPLIT_DIM = {
-    "embed_tokens.weight": 0,  # vocabulary rows
-    "lm_head.weight": 0,
-    "self_attn.qkv_proj.weight": 0,  # column-parallel: this rank's heads
-    "self_attn.qkv_proj.bias": 0,
-    "self_attn.o_proj.weight": 1,  # row-parallel: the input columns of this rank's heads
-    "mlp.gate_up_proj.weight": 0,  # column-parallel: this rank's MLP columns
-    "mlp.down_proj.weight": 1,  # row-parallel
-    "mlp.experts.gate_up_proj": 1,  # [E, 2Ie, H]: this rank's columns of every expert
-    "mlp.experts.down_proj": 2,  # [E, H, Ie]
-}
-# A checkpoint tensor that fills a whole stacked parameter at once (transformers 5's fused experts) holds its
-# parts one after the other along the cut dimension: each part is cut on its own.
-TP_FUSED_PARTS = {"mlp.experts.gate_up_proj": 2}  # gate rows, then up rows
-# Row-parallel biases exist on rank 0 only (the all_reduce sums the ranks' parts, so it adds the bias once).
-TP_RANK0_ONLY = ("self_attn.o_proj.bias",)
+# Tensor parallelism: the model's modules say which dimension of each parameter is cut into N equal
+# slices (`tp_dims`), rank r holding slice r. A stacked parameter is cut part by part, so rank r
+# holds [q_r; k_r; v_r] and [gate_r; up_r]: each checkpoint tensor is sliced on its own and copied
+# into the rank's part. A checkpoint tensor's dimensions line up with the trailing ones of its
+# parameter (an expert's [Ie, H] gate_proj fills a [2Ie, H] slice of the [E, 2Ie, H] experts).
+# Parameters no module cuts (the norms, the MoE router) are read whole by every rank.
 
 
 def load_config(model_dir: Path) -> Qwen3Config:
@@ -80,7 +67,8 @@ def load_config(model_dir: Path) -> Qwen3Config:
 
 
 def checkpoint_to_param(name: str) -> tuple[str, Shard] | None:
-    """Our parameter name (and stacked slice) for a checkpoint tensor name; None if it has no place."""
+    """Our parameter name (and stacked slice) for a checkpoint tensor name;
+    None if it has no place."""
     if name == "lm_head.weight":
         return name, None
     if not name.startswith("model."):
@@ -97,7 +85,8 @@ def checkpoint_to_param(name: str) -> tuple[str, Shard] | None:
 
 
 def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: Shard) -> torch.Tensor:
-    """The part of `param` that checkpoint tensor `shard` fills (the whole tensor when not stacked)."""
+    """The part of `param` that checkpoint tensor `shard` fills (the whole
+    tensor when not stacked)."""
     if shard is None:
         return param
     if isinstance(shard, tuple):  # expert j of the stacked experts; half 0/1: its gate or up rows
@@ -105,29 +94,29 @@ def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: Shard
         if half is None:
             return param[expert]
         return param[expert].narrow(0, half * (param.shape[1] // 2), param.shape[1] // 2)
-    if "qkv" in name:
-        sizes = model.get_submodule(name.rsplit(".", 2)[0]).split_sizes
-    else:
-        sizes = [param.shape[0] // 2] * 2
+    # a ColumnParallelLinear's parts
+    sizes = model.get_submodule(name.rpartition(".")[0]).output_sizes
     start = sum(sizes[:shard])
     return param.narrow(0, start, sizes[shard])
 
 
 def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool | None = None,
                  on_module_loaded: Callable[[str], None] | None = None) -> None:
-    """Copy every checkpoint tensor (this rank's slice of it) into its parameter; error on missing, unexpected
-    or misshaped ones.
+    """Copy every checkpoint tensor (this rank's slice of it) into its parameter; error on missing,
+    unexpected or misshaped ones.
 
-    on_module_loaded(name) is called as soon as every parameter of module `name` is filled (int8 quantises it
-    there, so on CPU the model-dtype copy of the whole model never exists: the pages of a parameter not filled
-    yet are not committed; a GPU allocates them all when the model is built).
-    The loader drops its own references to that module's parameters first; nothing is written to them after.
+    on_module_loaded(name) is called as soon as every parameter of module `name` is filled (int8
+    quantises it there, so on CPU the model-dtype copy of the whole model never exists: the
+    pages of a parameter not filled yet are not committed; a GPU allocates them all when the
+    model is built). The loader drops its own references to that module's parameters first;
+    nothing is written to them after.
     """
     params = dict(model.named_parameters())
     expected = list(_expected_slices(model))
     loaded: set[tuple[str, Shard]] = set()
     rank, size = model.tp_rank, model.tp_size
-    dests: dict[str, tuple[tuple[str, Shard], torch.Tensor]] = {}  # checkpoint name -> (target, where)
+    # checkpoint name -> (target, where)
+    dests: dict[str, tuple[tuple[str, Shard], torch.Tensor]] = {}
     rows_left: dict[str, int] = {}  # checkpoint name -> rows not copied yet
     unfilled: dict[str, set[tuple[str, Shard]]] = {}  # module name -> its slices not filled yet
     for param, shard in expected:
@@ -141,15 +130,16 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
             model.lm_head.weight = params["lm_head.weight"] = torch.nn.Parameter(
                 torch.empty_like(model.embed_tokens.weight), requires_grad=False)
         target = checkpoint_to_param(ckpt_name)
-        if target is not None and target[0] not in params and rank > 0 and target[0].endswith(TP_RANK0_ONLY):
+        if (target is not None and target[0] not in params and _rank0_only(model, target[0])
+                and rank > 0):
             return None
         if target is None or target[0] not in params or (
                 isinstance(target[1], tuple) and target[1][0] >= params[target[0]].shape[0]):
-            raise WeightsError(f"unexpected tensor {ckpt_name!r} in the checkpoint: it has no place in a "
-                               f"Qwen3 model with this config.json")
+            raise WeightsError(f"unexpected tensor {ckpt_name!r} in the checkpoint: "
+                               f"it has no place in a Qwen3 model with this config.json")
         param = params[target[0]]
         dest = _slice(param, model, target[0], target[1])
-        dim = tp_split_dim(target[0], param.dim(), dest.dim()) if size > 1 else None
+        dim = tp_split_dim(model, target[0], dest.dim()) if size > 1 else None
         full = list(dest.shape)
         if dim is not None:
             full[dim] *= size
@@ -160,16 +150,20 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
         rows_left[ckpt_name] = dest.shape[0]
         if dim is None:
             return 0, [(0, shape[0])]
-        # this rank's slice of each stacked part (one part, unless the tensor fills a whole stacked parameter)
-        parts = next((n for suffix, n in TP_FUSED_PARTS.items() if target[0].endswith(suffix)), 1) \
-            if target[1] is None else 1
+        # this rank's slice of each stacked part (one part, unless the tensor fills a whole
+        # stacked parameter)
+        module_name, _, leaf = target[0].rpartition(".")
+        fused_parts = getattr(model.get_submodule(module_name), "tp_fused_parts", {})
+        parts = fused_parts.get(leaf, 1) if target[1] is None else 1
         local, whole = dest.shape[dim] // parts, shape[dim] // parts
-        return dim, [(p * whole + rank * local, p * whole + (rank + 1) * local) for p in range(parts)]
+        return dim, [(p * whole + rank * local, p * whole + (rank + 1) * local)
+                     for p in range(parts)]
 
     total = sum(f.stat().st_size for f in files) // size  # about what this rank reads
     if show_progress is None:
         show_progress = total >= PROGRESS_BAR_MIN_BYTES
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=not show_progress)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights",
+               disable=not show_progress)
     with bar, torch.no_grad():
         for ckpt_name, first_row, rows in iter_checkpoint(files, plan=plan):
             target, dest = dests[ckpt_name]
@@ -179,8 +173,10 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
             if rows_left[ckpt_name] > 0:
                 continue
             filled = {target}
-            if target[0].endswith(("experts.gate_up_proj", "experts.down_proj")) and target[1] is None:
-                filled.update(_expert_slices(target[0], dest.shape[0]))  # a fused tensor fills every expert
+            if (target[0].endswith(("experts.gate_up_proj", "experts.down_proj"))
+                    and target[1] is None):
+                # a fused tensor fills every expert
+                filled.update(_expert_slices(target[0], dest.shape[0]))
             loaded.update(filled)
             del dests[ckpt_name], dest
             module = target[0].rpartition(".")[0]
@@ -196,20 +192,35 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
     if missing:
         names = [_checkpoint_name(n, s) for n, s in missing]
         more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-        stacked = f" (or the stacked 'model.{missing[0][0]}')" if isinstance(missing[0][1], tuple) else ""
+        stacked = (f" (or the stacked 'model.{missing[0][0]}')"
+                   if isinstance(missing[0][1], tuple) else "")
         raise WeightsError(f"tensor {names[0]!r}{stacked} is missing from the checkpoint "
                            f"(missing: {', '.join(names[:5])}{more})")
-    if model.config.tie_word_embeddings and not model.is_tied and torch.equal(model.lm_head.weight,
-                                                                              model.embed_tokens.weight):
+    if (model.config.tie_word_embeddings and not model.is_tied
+            and torch.equal(model.lm_head.weight, model.embed_tokens.weight)):
         model.lm_head.weight = model.embed_tokens.weight
 
 
-def tp_split_dim(param: str, param_dims: int, tensor_dims: int) -> int | None:
-    """The dimension of a checkpoint tensor that tensor parallelism cuts (TP_SPLIT_DIM), or None if it is whole."""
-    for suffix, dim in TP_SPLIT_DIM.items():
-        if param.endswith(suffix):
-            return dim - (param_dims - tensor_dims)
-    return None
+def tp_split_dim(model: torch.nn.Module, param: str, tensor_dims: int) -> int | None:
+    """The dimension of a checkpoint tensor (of `tensor_dims` dimensions) that tensor parallelism
+    cuts, as the parameter's module says (`tp_dims`), or None if every rank reads it whole."""
+    module_name, _, leaf = param.rpartition(".")
+    module = model.get_submodule(module_name)
+    dim = getattr(module, "tp_dims", {}).get(leaf)
+    if dim is None:
+        return None
+    return dim - (getattr(module, leaf).dim() - tensor_dims)
+
+
+def _rank0_only(model: torch.nn.Module, param: str) -> bool:
+    """Whether the parameter exists on rank 0 only (a row-parallel bias):
+    the other ranks skip it."""
+    module_name, _, leaf = param.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return False
+    return leaf in getattr(module, "tp_rank0_only", ())
 
 
 def _expected_slices(model: Qwen3ForCausalLM) -> Iterator[tuple[str, Shard]]:
@@ -236,7 +247,8 @@ def _checkpoint_name(param: str, shard: Shard) -> str:
     if param == "lm_head.weight":
         return param
     if isinstance(shard, tuple):
-        kind = next(k for k, (ours, half) in EXPERT_PARAMS.items() if param.endswith(ours) and half == shard[1])
+        kind = next(k for k, (ours, half) in EXPERT_PARAMS.items()
+                    if param.endswith(ours) and half == shard[1])
         return f"model.{param.rsplit('.', 2)[0]}.experts.{shard[0]}.{kind}_proj.weight"
     for ckpt, (ours, s) in STACKED_PARAMS.items():
         if param.endswith(ours) and s == shard:
@@ -256,11 +268,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None = None, tp_rank: int = 0, tp_size: int = 1,
-               show_progress: bool | None = None, quantization: str | None = None) -> Qwen3ForCausalLM:
-    """Build the model (this rank's shard of it) with uninitialised parameters on `device` in `dtype`, then
-    fill them from disk. quantization="int8": each matrix is quantised as soon as it is filled, so (on CPU)
-    memory peaks near the int8 model, not the model-dtype one; the LM head last (a tied head is settled at the
-    end)."""
+               show_progress: bool | None = None,
+               quantization: str | None = None) -> Qwen3ForCausalLM:
+    """Build the model (this rank's shard of it) with uninitialised parameters on `device` in
+    `dtype`, then fill them from disk. quantization="int8": each matrix is quantised as soon as it
+    is filled, so (on CPU) memory peaks near the int8 model, not the model-dtype one; the LM head
+    last (a tied head is settled at the end)."""
     files = safetensors_files(model_dir)
     with _default_dtype(dtype), torch.device(device):
         model = Qwen3ForCausalLM(config, max_model_len, tp_rank, tp_size)

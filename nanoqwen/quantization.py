@@ -1,45 +1,55 @@
 """Weight-only int8 quantisation: `LLM(..., quantization="int8")`, `--quantization int8`.
 
-What is quantised: every `Linear` of the model, swapped for an `Int8Linear` as soon as the loader has filled it
-(loader.load_model: on CPU loading never holds the whole model-dtype model, memory peaks near the int8 one; on
-a GPU the parameters are allocated when the model is built, so the peak there is the model-dtype model; the
-checkpoint stays bf16/fp32 on disk): qkv_proj, o_proj, gate_up_proj and down_proj of every layer, and the LM
-head. A tied head gets its own int8 copy; the embedding lookup keeps the model-dtype matrix (it reads one row
-per token, so it costs memory but no decode time). Norms, embeddings and biases stay in the model dtype, and so
-do activations and the KV cache. Qwen3-MoE's experts (stacked [E, out, in] tensors) become `Int8Experts`: every
-expert's matrix quantised and computed exactly as an Int8Linear of it would be. Its router stays exact (a
-`Linear` named `gate`: tiny, and kept so that int8 noise does not change which experts a token goes to, as vLLM
-does).
+What is quantised: every `Linear` of the model, swapped for an `Int8Linear` as soon as the loader
+has filled it (loader.load_model: on CPU loading never holds the whole model-dtype model, memory
+peaks near the int8 one; on a GPU the parameters are allocated when the model is built, so the peak
+there is the model-dtype model; the checkpoint stays bf16/fp32 on disk): qkv_proj, o_proj,
+gate_up_proj and down_proj of every layer, and the LM head. A tied head gets its own int8 copy; the
+embedding lookup keeps the model-dtype matrix (it reads one row per token, so it costs memory but no
+decode time). Norms, embeddings and biases stay in the model dtype, and so do activations and the KV
+cache. Qwen3-MoE's experts (stacked [E, out, in] tensors) become `Int8Experts`: every expert's
+matrix quantised and computed exactly as an Int8Linear of it would be. Its router stays exact (a
+`Linear` named `gate`: tiny, and kept so that int8 noise does not change which experts a token goes
+to, as vLLM does).
 
 Numerics (symmetric, one scale per output row, no zero point), for W [out, in]:
 
-    scale[o] = max_i |W[o, i]| / 127      computed in float32, then stored in the model dtype, rounded up
-                                          there so that |W / scale| <= 127 (a zero row gets scale 1): at most
-                                          one step of that dtype above (2^-7 relative in bf16; in fp16, rows
-                                          with max|W| < 7.8e-3 get a subnormal, coarser scale)
-    Wq[o, i] = round(W[o, i] / scale[o])  int8 in [-127, 127] (-128 is never used), round half to even
+    scale[o] = max_i |W[o, i]| / 127      computed in float32, then stored in the model dtype,
+                                          rounded up there so that |W / scale| <= 127 (a zero row
+                                          gets scale 1): at most one step of that dtype above (2^-7
+                                          relative in bf16; in fp16, rows with max|W| < 7.8e-3 get a
+                                          subnormal, coarser scale)
+    Wq[o, i] = round(W[o, i] / scale[o])  int8 in [-127, 127] (-128 is never used), round half to
+                                          even
     |W - Wq * scale| <= scale / 2         per element: about max|W[o]| / 254
-    y = (x @ Wq.T) * scale + bias         int8 values convert exactly to bf16/fp16/fp32 (|Wq| <= 127 fits an
-                                          8-bit significand); products accumulate in float32 inside the
-                                          kernels; the output is rounded to the activation dtype once (int8pack
-                                          kernel) or twice (matmul output, then the scaling: dequantise path)
+    y = (x @ Wq.T) * scale + bias         int8 values convert exactly to bf16/fp16/fp32 (|Wq| <= 127
+                                          fits an 8-bit significand); products accumulate in float32
+                                          inside the kernels; the output is rounded to the
+                                          activation dtype once (int8pack kernel) or twice (matmul
+                                          output, then the scaling: dequantise path; once where it
+                                          computes in float32, see ops/cpu.py)
 
 Kernels, chosen per call:
-- CPU, few rows (decode), bf16/fp16 activations: `torch.ops.aten._weight_int8pack_mm`, which reads the int8
-  matrix directly: half the bytes of a bf16 matrix-vector product, so batch-1 decode runs near 2x. Its cost grows
-  with every 4 rows while a bf16 matmul's barely grows, so above INT8PACK_MAX_ROWS rows (measured; see there) the
-  matmul dequantises instead. The kernel needs a contiguous 2-D input, the scale in the input dtype and
-  in_features % 16 == 0 (other widths crash the process in torch 2.13: they take the dequantise path). Its
-  float32 path is 10-20x slower than its bf16 one, and slower than a float32 matmul: float32 models always
-  dequantise (measured at about the float32 model's speed, with a quarter of the weight bytes).
-- CPU, otherwise (prefill, float32): dequantise block by block, `F.linear(x, Wq[rows].to(x.dtype)) * scale[rows]`,
-  with blocks of at most DEQUANT_BLOCK_BYTES so a big matrix (the LM head) never has a model-dtype copy in memory.
-- CUDA and other devices: the same dequantise path (nothing compiles it into one kernel there).
-  Run eagerly it converts each matrix on every call: memory is saved, speed is not gained (untested on a GPU).
-The two CPU kernels round differently (and differently from the bf16 model), so with int8 a sequence's greedy
-tokens can depend on the batch it runs in, where a near-tie is flipped: a prompt of <= INT8PACK_MAX_ROWS tokens
-prefilled alone takes int8pack, prefilled beside others the dequantise kernel. Decode rows take the same kernel
-at any batch size up to INT8PACK_MAX_ROWS.
+- CPU without fast bf16 (ops/cpu.py), up to GEMV_MAX_ROWS bf16 rows: nanoqwen's own AVX2 kernel
+  (ops/cpu_gemv.py `int8_gemv`), which streams the int8 rows once for all the rows of x.
+- CPU, few rows (decode), bf16/fp16 activations: `torch.ops.aten._weight_int8pack_mm`, which reads
+  the int8 matrix directly: half the bytes of a bf16 matrix-vector product, so batch-1 decode runs
+  faster. Its cost grows with every 4 rows while a bf16 matmul's barely grows, so above
+  INT8PACK_MAX_ROWS rows (measured; see there) the matmul dequantises instead. The kernel needs a
+  contiguous 2-D input, the scale in the input dtype and in_features % 16 == 0 (other widths crash
+  the process in torch 2.13: they take the dequantise path). Its float32 path is much slower than
+  its bf16 one, and slower than a float32 matmul: float32 models always dequantise (about the
+  float32 model's speed, with a quarter of the weight bytes).
+- CPU, otherwise (prefill, float32): dequantise block by block,
+  `F.linear(x, Wq[rows].to(x.dtype)) * scale[rows]`, with blocks of at most DEQUANT_BLOCK_BYTES so a
+  big matrix (the LM head) never has a model-dtype copy in memory.
+- CUDA and other devices: the same dequantise path (nothing compiles it into one kernel there). Run
+  eagerly it converts each matrix on every call: memory is saved, speed is not gained (untested on a
+  GPU).
+The two CPU kernels round differently (and differently from the bf16 model), so with int8 a
+sequence's greedy tokens can depend on the batch it runs in, where a near-tie is flipped: a prompt
+of <= INT8PACK_MAX_ROWS tokens prefilled alone takes int8pack, prefilled beside others the
+dequantise kernel. Decode rows take the same kernel at any batch size up to INT8PACK_MAX_ROWS.
 """
 
 from __future__ import annotations
@@ -53,28 +63,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoqwen.errors import ConfigError
-from nanoqwen.models.qwen3 import Linear
-from nanoqwen.models.qwen3_moe import Experts
+from nanoqwen.models.qwen3 import ColumnParallelLinear, Experts, Linear, RowParallelLinear
+from nanoqwen.ops import cpu
 
 QUANTIZATION_METHODS = ("int8",)
-# Up to this many rows (tokens) int8pack beats dequantise + bf16 matmul on CPU. Measured on Qwen3-0.6B's
-# matrices (2-core AMD EPYC with AVX-512 bf16, torch 2.13), ms for int8pack / dequantise / plain bf16:
-#   qkv_proj 4096x1024:   1 row 0.06 / 0.37 / 0.17;  16 rows 0.42 / 0.48 / 0.37;  24 rows 0.61 / 0.63 / 0.43
-#   down_proj 1024x3072:  1 row 0.04 / 0.27 / 0.11;  16 rows 0.28 / 0.34 / 0.19;  24 rows 0.42 / 0.40 / 0.25
-#   lm_head 151936x1024:  1 row 4.3 / 16.6 / 11.4;   16 rows 18.5 / 24.2 / 15.4
-# (int8pack's cost steps up every 4 rows, the matmul's barely moves; a 512-token prefill dequantises at
-# 0.94-1.0x the bf16 time). So decode up to 16 sequences reads int8; batch 16 runs ~0.9x bf16, batch 1 ~2x.
+# int8pack's cost grows every 4 rows while a bf16 matmul's barely does, so above this many rows
+# (tokens) the dequantise path is faster on CPU (measured, see BENCHMARKS.md).
 INT8PACK_MAX_ROWS = 16
-DEQUANT_BLOCK_BYTES = 16 << 20  # the largest model-dtype copy of a weight block the dequantise path makes
+# the largest model-dtype copy of a weight block the dequantise path makes
+DEQUANT_BLOCK_BYTES = 16 << 20
 QUANTIZE_BLOCK_ELEMENTS = 1 << 18  # rows quantised at a time: float32 temporaries of 1 MiB
 KEEP_UNQUANTIZED = ("gate",)  # Linears left as they are, by attribute name: Qwen3-MoE's router
 
 
 def check_quantization(method: str | None) -> str | None:
-    """The method if it is supported (None: no quantisation), else a ConfigError naming the choices."""
+    """The method if it is supported (None: no quantisation), else a ConfigError naming the
+    choices."""
     if method is None or method in QUANTIZATION_METHODS:
         return method
-    raise ConfigError(f"quantization={method!r} is not supported; use one of: {', '.join(QUANTIZATION_METHODS)} "
+    raise ConfigError(f"quantization={method!r} is not supported; use one of: "
+                      f"{', '.join(QUANTIZATION_METHODS)} "
                       "(or None for the checkpoint's own weights)")
 
 
@@ -87,14 +95,17 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(out_features, dtype=dtype, device=weight.device)
     up = torch.tensor(float("inf"), dtype=dtype, device=weight.device)
     step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(in_features, 1))
-    for start in range(0, out_features, step):  # in row blocks that fit a cache: several times faster
+    # in row blocks that fit a cache: several times faster
+    for start in range(0, out_features, step):
         w = weight[start: start + step]
         amax = w.abs().amax(dim=1).float()  # exact in any dtype: a max does not round
         s32 = torch.where(amax > 0, amax / 127, 1.0)
         s = s32.to(dtype)
-        s = torch.where(s.float() < s32, torch.nextafter(s, up), s)  # round up: |w / s| <= 127, no clipping
-        # float32 division (out of place: a float32 weight's .float() is the weight itself). Converting first is
-        # faster than dividing the bf16 block by a float32 column, which torch 2.13 does ~30x slower.
+        # round up: |w / s| <= 127, no clipping
+        s = torch.where(s.float() < s32, torch.nextafter(s, up), s)
+        # float32 division (out of place: a float32 weight's .float() is the weight itself).
+        # Converting first is faster than dividing the bf16 block by a float32 column, which torch
+        # does far slower.
         q[start: start + step] = torch.div(w.float(), s.float()[:, None]).round_().clamp_(-127, 127)
         scale[start: start + step] = s
     return q, scale
@@ -105,24 +116,34 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
 
 
-class Int8Linear(nn.Module):
-    """y = (x @ weight.T) * scale + bias with an int8 `weight` [out, in] and a per-row `scale` [out] (buffers).
+class Int8Linear(Linear):
+    """y = (x @ weight.T) * scale + bias with an int8 `weight` [out, in] and a per-row `scale` [out]
+    (buffers).
 
-    Named like `Linear` (weight [out, in], bias [out]), so whatever slices a Linear's rows or columns can slice
-    this one's the same way (scale goes with the rows).
+    Named like `Linear` (weight [out, in], bias [out]), so whatever slices a Linear's rows or
+    columns can slice this one's the same way (scale goes with the rows). Only `matmul` differs: a
+    tensor-parallel linear's int8 version (Int8ColumnParallelLinear, Int8RowParallelLinear below)
+    keeps its own forward, all_reduce included.
     """
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None = None) -> None:
-        """weight [out, in] int8, scale [out] and bias [out] (or None) in the model dtype; see from_linear."""
-        super().__init__()
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: nn.Parameter | None = None) -> None:
+        """weight [out, in] int8, scale [out] and bias [out] (or None) in the model dtype; see
+        from_linear."""
+        nn.Module.__init__(self)  # not Linear.__init__: no model-dtype weight to allocate
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.bias = bias
 
     @classmethod
     def from_linear(cls, linear: Linear) -> Int8Linear:
-        """The int8 version of a Linear (its scale and bias in the Linear's dtype); the Linear is left as it is."""
-        return cls(*quantize_weight(linear.weight), linear.bias)
+        """The int8 version of a Linear (its scale and bias in the Linear's dtype); the Linear is
+        left as it is."""
+        int8 = INT8_VERSIONS[type(linear)](*quantize_weight(linear.weight), linear.bias)
+        for name in ("output_sizes", "tp_size"):  # a tensor-parallel linear's own attributes
+            if hasattr(linear, name):
+                setattr(int8, name, getattr(linear, name))
+        return int8
 
     @property
     def in_features(self) -> int:
@@ -132,28 +153,44 @@ class Int8Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernel = pick_kernel(x, self.in_features)
         y = kernel(x, self.weight, self.scale.to(x.dtype))
-        return y if self.bias is None else y + self.bias
+        return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+class Int8ColumnParallelLinear(Int8Linear, ColumnParallelLinear):
+    """Int8Linear's matmul in a ColumnParallelLinear."""
+
+
+class Int8RowParallelLinear(Int8Linear, RowParallelLinear):
+    """Int8Linear's matmul in a RowParallelLinear (whose forward adds the ranks' parts)."""
+
+
+INT8_VERSIONS: dict[type[Linear], type[Int8Linear]] = {
+    Linear: Int8Linear, ColumnParallelLinear: Int8ColumnParallelLinear,
+    RowParallelLinear: Int8RowParallelLinear}
 
 
 class Int8Experts(Experts):
-    """Qwen3-MoE experts with int8 matrices: buffers gate_up_proj [E, 2Ie, H] and down_proj [E, H, Ie] (int8),
-    gate_up_proj_scale [E, 2Ie] and down_proj_scale [E, H] (one scale per row of each expert, model dtype).
-    Expert e's matrix is quantised as Int8Linear quantises a matrix, and each expert's matmul picks its kernel
-    the same way (int8pack for up to INT8PACK_MAX_ROWS tokens on CPU, else dequantise): Experts.forward's
-    grouping is unchanged, only `expert_linear` reads int8.
+    """Qwen3-MoE experts with int8 matrices: buffers gate_up_proj [E, 2Ie, H] and down_proj
+    [E, H, Ie] (int8), gate_up_proj_scale [E, 2Ie] and down_proj_scale [E, H] (one scale per row of
+    each expert, model dtype). Expert e's matrix is quantised as Int8Linear quantises a matrix, and
+    each expert's matmul picks its kernel the same way (int8pack for up to INT8PACK_MAX_ROWS tokens
+    on CPU, else dequantise): Experts.forward's grouping is unchanged, only `expert_linear` reads
+    int8.
     """
 
     def __init__(self, experts: Experts) -> None:
         nn.Module.__init__(self)  # not Experts.__init__: no model-dtype parameters to allocate
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(experts, name)  # [E, out, in]
-            q, scale = quantize_weight(w.reshape(-1, w.shape[-1]))  # the experts' rows, one after another
+            # the experts' rows, one after another
+            q, scale = quantize_weight(w.reshape(-1, w.shape[-1]))
             self.register_buffer(name, q.view(w.shape))
             self.register_buffer(f"{name}_scale", scale.view(w.shape[:2]))
 
@@ -163,7 +200,8 @@ class Int8Experts(Experts):
 
 
 def int8pack_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(x @ q.T) * scale through the CPU kernel that reads int8 weights directly (see int8pack_supported)."""
+    """(x @ q.T) * scale through the CPU kernel that reads int8 weights directly (see
+    int8pack_supported)."""
     in_features = q.shape[1]
     rows = x.numel() // in_features
     y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, in_features).contiguous(), q, scale)
@@ -171,28 +209,39 @@ def int8pack_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> to
 
 
 def int8pack_supported(dtype: torch.dtype, in_features: int) -> bool:
-    """Whether the CPU int8pack kernel takes (and is fast for) this input: bf16/fp16, in_features % 16 == 0."""
+    """Whether the CPU int8pack kernel takes (and is fast for) this input: bf16/fp16,
+    in_features % 16 == 0."""
     return dtype in (torch.bfloat16, torch.float16) and in_features > 0 and in_features % 16 == 0
 
 
 def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(x @ q.T) * scale with q converted to x's dtype in row blocks of at most DEQUANT_BLOCK_BYTES."""
+    """(x @ q.T) * scale with q converted to x's dtype in row blocks of at most DEQUANT_BLOCK_BYTES
+    (to float32 on a CPU whose bf16 matmuls are slow, nanoqwen/ops/cpu.py: the product then rounds
+    once, not twice)."""
     out_features, in_features = q.shape
-    step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * x.element_size()))
+    compute = torch.float32 if cpu.upcast_16bit(x) else x.dtype
+    xc = x.to(compute)
+    step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * xc.element_size()))
     if out_features <= step:
-        return F.linear(x, q.to(x.dtype)) * scale
+        return (F.linear(xc, q.to(compute)) * scale.to(compute)).to(x.dtype)
     out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
     for start in range(0, out_features, step):
         end = min(start + step, out_features)
-        torch.mul(F.linear(x, q[start:end].to(x.dtype)), scale[start:end], out=out[..., start:end])
+        out[..., start:end] = F.linear(xc, q[start:end].to(compute)) * scale[start:end].to(compute)
     return out
 
 
-def pick_kernel(x: torch.Tensor, in_features: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
-                                                               torch.Tensor]:
-    """The kernel for this input: int8pack for few rows on CPU, dequantise otherwise (module docstring)."""
+def pick_kernel(x: torch.Tensor, in_features: int
+                ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The kernel for this input: int8pack for few rows on CPU, dequantise otherwise (module
+    docstring)."""
     if x.device.type != "cpu":
         return dequantized_linear
+    if cpu.gemv_rows(x):
+        # CPUs without fast bf16: nanoqwen's own kernel (ops/cpu_gemv.py) reads the int8 rows
+        from nanoqwen.ops.cpu_gemv import int8_gemv
+
+        return int8_gemv
     rows = x.numel() // in_features if in_features else 0
     if rows <= INT8PACK_MAX_ROWS and int8pack_supported(x.dtype, in_features):
         return int8pack_linear
@@ -200,12 +249,14 @@ def pick_kernel(x: torch.Tensor, in_features: int) -> Callable[[torch.Tensor, to
 
 
 def quantize_model(model: nn.Module, method: str | None = "int8") -> nn.Module:
-    """Swap every Linear of the model for an Int8Linear and every MoE layer's Experts for Int8Experts, in place;
-    returns the model. (Loading with quantization quantises each module as it is filled: loader.load_model.)
+    """Swap every Linear of the model for an Int8Linear and every MoE layer's Experts for
+    Int8Experts, in place; returns the model. (Loading with quantization quantises each module as it
+    is filled: loader.load_model.)
 
-    One module at a time, each freed as soon as its int8 version replaces it and its memory handed back to the
-    OS (release_freed_memory), so memory peaks near the model-dtype weights plus one matrix (one layer's stacked
-    experts for MoE; a tied LM head's matrix stays: it is the embedding).
+    One module at a time, each freed as soon as its int8 version replaces it and its memory handed
+    back to the OS (release_freed_memory), so memory peaks near the model-dtype weights plus one
+    matrix (one layer's stacked experts for MoE; a tied LM head's matrix stays: it is the
+    embedding).
     """
     if check_quantization(method) is None:
         return model
@@ -215,12 +266,13 @@ def quantize_model(model: nn.Module, method: str | None = "int8") -> nn.Module:
 
 
 def quantize_module(model: nn.Module, name: str) -> None:
-    """Swap module `name` for its int8 version if it is a Linear (other than the router) or Experts; else leave
-    it. The model-dtype weights are freed here, unless something else still holds them (a tied embedding)."""
+    """Swap module `name` for its int8 version if it is a Linear (other than the router) or Experts;
+    else leave it. The model-dtype weights are freed here, unless something else still holds them (a
+    tied embedding)."""
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name)
     module = getattr(parent, attr)
-    if isinstance(module, Linear) and attr not in KEEP_UNQUANTIZED:
+    if type(module) in INT8_VERSIONS and attr not in KEEP_UNQUANTIZED:
         int8 = Int8Linear.from_linear(module)
     elif type(module) is Experts:
         int8 = Int8Experts(module)
@@ -235,10 +287,9 @@ def quantize_module(model: nn.Module, name: str) -> None:
 def release_freed_memory() -> None:
     """Return the freed heap pages to the OS (glibc's malloc_trim; a no-op elsewhere).
 
-    glibc keeps freed memory for reuse: the model-dtype matrices' pages would stay in the process's RSS, and a
-    matrix allocated above glibc's mmap threshold (the LM head's, 0.16 GB for Qwen3-0.6B) would take new pages
-    on top of them. Measured on Qwen3-0.6B in an engine: RSS 1.40 GiB before quantising, 1.41 GiB after without
-    this, 1.13 GiB with it; in a long-lived process (the test suite) the peak rose by the head's 0.16 GB.
+    glibc keeps freed memory for reuse: the model-dtype matrices' pages would stay in the process's
+    RSS, and a matrix allocated above glibc's mmap threshold (the LM head's, 0.16 GB for Qwen3-0.6B)
+    would take new pages on top of them.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -249,6 +300,7 @@ def release_freed_memory() -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights in memory (parameters and saved buffers; a tensor shared by two names once)."""
+    """Bytes of the model's weights in memory (parameters and saved buffers; a tensor shared by two
+    names once)."""
     tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
     return sum(tensors.values())

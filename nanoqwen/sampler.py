@@ -8,7 +8,8 @@ b. min_tokens: while the row has fewer output tokens than min_tokens, its stop t
    (eos unless ignore_eos, plus params.stop_token_ids, as the engine passes them) get -inf.
 c. repetition_penalty over every token seen in the prompt or the output (a logit > 0 is
    divided by it, one <= 0 multiplied, as in HF/vLLM), then presence_penalty and
-   frequency_penalty over the output tokens (OpenAI: logit -= presence * (count > 0) + frequency * count).
+   frequency_penalty over the output tokens
+   (OpenAI: logit -= presence * (count > 0) + frequency * count).
 d. greedy rows (temperature 0) take the argmax of these logits; the others are filtered in
    transformers' order (temperature, top_k, top_p, min_p) and sampled with the exponential-race
    trick (argmax of p / Exp(1) noise is a sample from p), which lets a seeded request draw its
@@ -41,7 +42,8 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # [B]; None where the row did not ask for logprobs
 
 
-def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+def filter_probs(logits: torch.Tensor,
+                 params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities over each row's kept candidates: (probs [B, K], token ids [B, K]).
 
     K is the vocabulary when no row uses top_k/top_p, else the largest top_k (or the vocabulary)
@@ -56,7 +58,8 @@ def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[to
     if min(top_k) < vocab or (top_p < 1).any():
         logits, token_ids = logits.topk(min(max(top_k), vocab), dim=-1)  # sorted, largest first
         rank = torch.arange(logits.shape[1], device=device)[None, :]
-        logits = logits.masked_fill(rank >= torch.tensor(top_k, device=device)[:, None], float("-inf"))
+        top_k_t = torch.tensor(top_k, device=device)[:, None]
+        logits = logits.masked_fill(rank >= top_k_t, float("-inf"))
         probs = logits.softmax(dim=-1)
         # drop a token once the tokens ranked above it already reach top_p (the first always stays)
         probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)
@@ -71,19 +74,23 @@ def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[to
 
 def token_counts(token_ids: list[list[int]], vocab: int, device: torch.device | str,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """How often each token occurs in each row's list: [R, V], built with one scatter_add for all rows."""
+    """How often each token occurs in each row's list: [R, V], built with one scatter_add for
+    all rows."""
     width = max((len(t) for t in token_ids), default=0)
     # pad with `vocab`, an extra column dropped at the end (ids out of range land there too)
-    padded = torch.tensor([[*t, *[vocab] * (width - len(t))] for t in token_ids], dtype=torch.long).clamp_(0, vocab)
+    padded_rows = [[*t, *[vocab] * (width - len(t))] for t in token_ids]
+    padded = torch.tensor(padded_rows, dtype=torch.long).clamp_(0, vocab)
     padded = padded.view(len(token_ids), width).to(device)  # [R, W]
     counts = torch.zeros(len(token_ids), vocab + 1, device=device, dtype=dtype)
     counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device, dtype=dtype))
     return counts[:, :vocab]
 
 
-def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    prompt_token_ids: list[list[int]],
                     output_token_ids: list[list[int]]) -> torch.Tensor:
-    """logits [B, V] -> a penalised copy (or `logits` itself when no row has a penalty); see step c."""
+    """logits [B, V] -> a penalised copy (or `logits` itself when no row has a penalty); see
+    step c."""
     rows = [i for i, p in enumerate(params)
             if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0]
     if not rows:
@@ -91,35 +98,43 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_t
     device, vocab = logits.device, logits.shape[1]
     rows_t = torch.tensor(rows, device=device)
     sub = logits.index_select(0, rows_t)  # [R, V]
-    output_counts = token_counts([output_token_ids[i] for i in rows], vocab, device, logits.dtype)  # [R, V]
+    outputs = [output_token_ids[i] for i in rows]
+    output_counts = token_counts(outputs, vocab, device, logits.dtype)  # [R, V]
     rep = [params[i].repetition_penalty for i in rows]
     if any(r != 1 for r in rep):
         # only rows with a repetition penalty need their prompt counted
         prompts = [prompt_token_ids[i] if params[i].repetition_penalty != 1 else [] for i in rows]
-        seen = (token_counts(prompts, vocab, device, logits.dtype) > 0) | (output_counts > 0)  # [R, V]
+        prompt_counts = token_counts(prompts, vocab, device, logits.dtype)
+        seen = (prompt_counts > 0) | (output_counts > 0)  # [R, V]
         penalty = torch.tensor(rep, device=device, dtype=logits.dtype)[:, None]  # [R, 1]
         sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
-    presence = torch.tensor([params[i].presence_penalty for i in rows], device=device, dtype=logits.dtype)
-    frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=device, dtype=logits.dtype)
+    presence = torch.tensor([params[i].presence_penalty for i in rows], device=device,
+                            dtype=logits.dtype)
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=device,
+                             dtype=logits.dtype)
     sub = sub - presence[:, None] * (output_counts > 0) - frequency[:, None] * output_counts
     return logits.index_copy(0, rows_t, sub)
 
 
-def block_stop_tokens(logits: torch.Tensor, params: list[SamplingParams], output_token_ids: list[list[int]],
+def block_stop_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                      output_token_ids: list[list[int]],
                       stop_token_ids: list[set[int]]) -> torch.Tensor:
-    """logits [B, V] -> a copy with each row's stop ids at -inf while it is short of min_tokens; see step b."""
+    """logits [B, V] -> a copy with each row's stop ids at -inf while it is short of min_tokens;
+    see step b."""
     vocab = logits.shape[1]
     index = [(i, t) for i, p in enumerate(params) if len(output_token_ids[i]) < p.min_tokens
              for t in stop_token_ids[i] if 0 <= t < vocab]
     if not index:
         return logits
     rows, cols = torch.tensor(index, device=logits.device).unbind(1)
-    return logits.index_put((rows, cols), torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype))
+    minus_inf = torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype)
+    return logits.index_put((rows, cols), minus_inf)
 
 
 def compute_logprobs(raw_logits: torch.Tensor, params: list[SamplingParams],
                      tokens: torch.Tensor) -> list[TokenLogprobs | None]:
-    """The sampled tokens' log-probabilities, ranks and top alternatives under the raw logits; see step a."""
+    """The sampled tokens' log-probabilities, ranks and top alternatives under the raw logits;
+    see step a."""
     out: list[TokenLogprobs | None] = [None] * len(params)
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
@@ -129,7 +144,8 @@ def compute_logprobs(raw_logits: torch.Tensor, params: list[SamplingParams],
     chosen = tokens.index_select(0, rows_t)[:, None]  # [R, 1]
     chosen_logprob = logprobs.gather(1, chosen)  # [R, 1]
     rank = 1 + (logprobs > chosen_logprob).sum(dim=-1)  # [R]
-    top_logprobs, top_ids = logprobs.topk(max(params[i].logprobs or 0 for i in rows), dim=-1)  # [R, N], best first
+    top_n = max(params[i].logprobs or 0 for i in rows)
+    top_logprobs, top_ids = logprobs.topk(top_n, dim=-1)  # [R, N], best first
     results = zip(rows, chosen[:, 0].tolist(), chosen_logprob[:, 0].tolist(), rank.tolist(),
                   top_ids.tolist(), top_logprobs.tolist(), strict=True)
     for i, token, logprob, r, ids, lps in results:
@@ -138,10 +154,12 @@ def compute_logprobs(raw_logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None],
            prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
            stop_token_ids: list[set[int]]) -> SamplerOutput:
-    """logits [B, V] float32 (not modified) -> the next token of every row, plus logprobs where asked.
+    """logits [B, V] float32 (not modified) -> the next token of every row, plus logprobs where
+    asked.
 
     prompt_token_ids / output_token_ids: each row's tokens so far (for penalties and min_tokens);
     stop_token_ids: each row's stop ids (eos unless ignore_eos, plus params.stop_token_ids).
@@ -152,8 +170,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = logits.argmax(dim=-1)  # [B]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        probs, token_ids = filter_probs(logits[rows], [params[i] for i in rows])  # [R, K], [R, K]
-        noise = _noise(probs, token_ids, [params[i] for i in rows], [generators[i] for i in rows], logits.shape[1])
+        row_params = [params[i] for i in rows]
+        probs, token_ids = filter_probs(logits[rows], row_params)  # [R, K], [R, K]
+        noise = _noise(probs, token_ids, row_params, [generators[i] for i in rows],
+                       logits.shape[1])
         choice = (probs / noise).argmax(dim=-1, keepdim=True)  # [R, 1]
         tokens[rows] = token_ids.gather(1, choice).squeeze(1)
     return SamplerOutput(tokens, compute_logprobs(raw_logits, params, tokens))
@@ -162,16 +182,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 def _noise(probs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None], vocab: int) -> torch.Tensor:
-    """Exp(1) noise [R, K] for the candidates, drawn so that a row's draw never depends on the other rows.
+    """Exp(1) noise [R, K] for the candidates, drawn so that a row's draw never depends on the
+    other rows.
 
-    A row with top_k draws k values for its own k best candidates, in rank order (the ranking depends only
-    on its own logits): cheap for the usual top_k 20. Any other row draws one value per vocabulary entry,
-    in token order. Columns past a row's own candidates keep 1.0: their probability is 0.
+    A row with top_k draws k values for its own k best candidates, in rank order (the
+    ranking depends only on its own logits): cheap for the usual top_k 20. Any other row
+    draws one value per vocabulary entry, in token order. Columns past a row's own
+    candidates keep 1.0: their probability is 0.
     """
     noise = torch.ones_like(probs)
     for j, (p, g) in enumerate(zip(params, generators, strict=True)):
         if 0 < p.top_k < vocab:
             noise[j, : p.top_k].exponential_(generator=g)
         else:  # then the row's candidates are the whole vocabulary (K == vocab)
-            noise[j] = torch.empty(vocab, device=probs.device).exponential_(generator=g)[token_ids[j]]
+            draws = torch.empty(vocab, device=probs.device).exponential_(generator=g)
+            noise[j] = draws[token_ids[j]]
     return noise

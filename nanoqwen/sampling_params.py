@@ -1,4 +1,5 @@
-"""SamplingParams: how one request picks its tokens and when it stops (vLLM's names and defaults)."""
+"""SamplingParams: how one request picks its tokens and when it stops
+(vLLM's names and defaults)."""
 
 from __future__ import annotations
 
@@ -60,11 +61,15 @@ class SamplingParams:
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, "must be an integer >= 1 (or None for no limit)")
+            raise bad("max_tokens", self.max_tokens,
+                      "must be an integer >= 1 (or None for no limit)")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63 - 1024):
-            raise bad("seed", self.seed, "must be an integer in [0, 2**63 - 1024) or None")  # seed + i for n > 1
-        if self.stop_token_ids is not None and not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "must be a list of token ids (integers >= 0)")
+            # seed + i for n > 1
+            raise bad("seed", self.seed, "must be an integer in [0, 2**63 - 1024) or None")
+        if self.stop_token_ids is not None and not all(_is_int(t) and t >= 0
+                                                       for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids,
+                      "must be a list of token ids (integers >= 0)")
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "must be an integer >= 1")
         rep = self.repetition_penalty
@@ -82,11 +87,15 @@ class SamplingParams:
         if stop is None:
             stop = []
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise bad("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
+            raise bad("stop", self.stop,
+                      "must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.include_stop_str_in_output, bool):
-            raise bad("include_stop_str_in_output", self.include_stop_str_in_output, "must be True or False")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] (or None for off)")
+            raise bad("include_stop_str_in_output", self.include_stop_str_in_output,
+                      "must be True or False")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", self.logprobs,
+                      f"must be an integer in [0, {MAX_LOGPROBS}] (or None for off)")
         self.stop = list(stop)
         if self.top_k == 0:
             self.top_k = -1
@@ -97,5 +106,6 @@ class SamplingParams:
 
     @property
     def max_stop_len(self) -> int:
-        """Length of the longest stop string (0 without any): how much text may still turn into a stop."""
+        """Length of the longest stop string (0 without any): how much text may
+        still turn into a stop."""
         return max((len(s) for s in self.stop or ()), default=0)

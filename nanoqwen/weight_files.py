@@ -1,6 +1,6 @@
-"""A checkpoint's safetensors files: which they are, and reading their tensors (or this rank's part of each)
-through safetensors' memory map without holding more than a group of them at once. loader.py decides where
-each tensor goes."""
+"""A checkpoint's safetensors files: which they are, and reading their tensors (or this rank's part
+of each) through safetensors' memory map without holding more than a group of them at once.
+loader.py decides where each tensor goes."""
 
 from __future__ import annotations
 
@@ -30,16 +30,19 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise WeightsError(f"{model_dir} has no model.safetensors (or model.safetensors.index.json)")
+        raise WeightsError(f"{model_dir} has no model.safetensors "
+                           "(or model.safetensors.index.json)")
     for f in files:
         if not f.is_file():
             raise WeightsError(f"{f} is listed in model.safetensors.index.json but missing")
     return files
 
 
-# The part of a checkpoint tensor to read: (dimension, [(start, end), ...]), the ranges concatenated in order
+# The part of a checkpoint tensor to read: (dimension, [(start, end), ...]), the ranges
+# concatenated in order
 Part = tuple[int, list[tuple[int, int]]]
-Plan = Callable[[str, tuple[int, ...]], Part | None]  # (name, full shape) -> the part to read, None to skip it
+# (name, full shape) -> the part to read, None to skip it
+Plan = Callable[[str, tuple[int, ...]], Part | None]
 
 
 def iter_checkpoint(files: list[Path], group_bytes: int = 128 << 20, plan: Plan | None = None
@@ -54,9 +57,11 @@ def iter_checkpoint(files: list[Path], group_bytes: int = 128 << 20, plan: Plan 
     for f in files:
         with _reading(f):
             with safe_open(f, framework="pt", device="cpu") as st:
-                shapes = {name: (tuple(st.get_slice(name).get_shape()), st.get_slice(name).get_dtype())
+                shapes = {name: (tuple(st.get_slice(name).get_shape()),
+                                 st.get_slice(name).get_dtype())
                           for name in st.keys()}
-            pieces = []  # (name, first row, end row, its row in the part, (dim, ranges) or None, bytes)
+            # (name, first row, end row, its row in the part, (dim, ranges) or None, bytes)
+            pieces = []
             for name, (shape, dtype) in shapes.items():
                 if not shape:  # a scalar: read whole (plan still checks that it has a place)
                     if plan is None or plan(name, shape) is not None:
@@ -72,9 +77,11 @@ def iter_checkpoint(files: list[Path], group_bytes: int = 128 << 20, plan: Plan 
                 row_ranges = ranges if dim == 0 else [(0, shape[0])]
                 done = 0  # rows of the part before this range
                 for first, last in row_ranges:
-                    step = max(1, group_bytes // max(row_bytes, 1)) if len(shape) > 1 else last - first
+                    step = (max(1, group_bytes // max(row_bytes, 1)) if len(shape) > 1
+                            else last - first)
                     pieces += [(name, r, min(r + step, last), done + r - first, (dim, ranges),
-                                row_bytes * (min(r + step, last) - r)) for r in range(first, last, step)]
+                                row_bytes * (min(r + step, last) - r))
+                               for r in range(first, last, step)]
                     done += last - first
             while pieces:
                 group, total = [], 0
@@ -89,12 +96,15 @@ def iter_checkpoint(files: list[Path], group_bytes: int = 128 << 20, plan: Plan 
                             yield name, row, st.get_slice(name)[start:end]
                         else:
                             dim, ranges = cut
-                            lead = (slice(start, end), *[slice(None)] * (dim - 1))  # e.g. [rows, :, a:b]
+                            # e.g. [rows, :, a:b]
+                            lead = (slice(start, end), *[slice(None)] * (dim - 1))
                             reads = [st.get_slice(name)[(*lead, slice(a, b))] for a, b in ranges]
-                            yield name, row, reads[0] if len(reads) == 1 else torch.cat(reads, dim=dim)
+                            yield name, row, (reads[0] if len(reads) == 1
+                                              else torch.cat(reads, dim=dim))
 
 
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                "U8": 1, "BOOL": 1}
 
 
 @contextlib.contextmanager
@@ -103,7 +113,8 @@ def _reading(file: Path) -> Iterator[None]:
     try:
         yield
     except (OSError, ValueError) as e:
-        raise WeightsError(f"{file} is not a readable safetensors file ({e}); re-download it") from None
+        raise WeightsError(f"{file} is not a readable safetensors file ({e}); "
+                           "re-download it") from None
     except Exception as e:  # safetensors_rust.SafetensorError derives from Exception only
         if type(e).__name__ != "SafetensorError":
             raise

@@ -1,4 +1,5 @@
-"""Shared test helpers: random-weight checkpoints of small Qwen3 shapes, and running nanoqwen's model directly."""
+"""Shared test helpers: random-weight checkpoints of small Qwen3 shapes, and running
+nanoqwen's model directly."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never try the network in tests
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache  # noqa: E402
+from nanoqwen import LLM  # noqa: E402
+from nanoqwen.engine.attention_metadata import AttentionMetadata, PrefillRow  # noqa: E402
+from nanoqwen.engine.kv_cache import KVCache  # noqa: E402
 from nanoqwen.init_random import preset_config, write_random_model  # noqa: E402
 
 # Small shapes covering what the math must get right (names are used as test ids).
 SHAPES = {
     # head_dim 32 != hidden/heads = 16, GQA ratio 1, tied head
-    "gqa1-tied-headdim": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-                              intermediate_size=96, tie_word_embeddings=True),
+    "gqa1-tied-headdim": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                              head_dim=32, intermediate_size=96, tie_word_embeddings=True),
     # GQA ratio 2, untied head, head_dim == hidden/heads
     "gqa2-untied": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                         intermediate_size=128, tie_word_embeddings=False),
@@ -34,8 +37,17 @@ PROMPTS = [
     [9707, 11, 847, 829, 374],
     [785, 6722, 315, 9625, 374, 264, 1293, 11652, 9934, 13, 576, 1156, 374],
     [40],
-    [3838, 374, 279, 7290, 315, 2272, 30, 358, 1744, 432, 374, 220, 19, 17, 13, 2055, 1128, 30, 1084, 220],
+    [3838, 374, 279, 7290, 315, 2272, 30, 358, 1744, 432, 374, 220, 19, 17, 13, 2055, 1128, 30,
+     1084, 220],
 ]
+
+# A chat template's system turn (14 tokens): prompts starting with it share their first blocks.
+SYSTEM = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198, 151644, 872, 198]
+
+# Crafted model output for the chat parsers and the server: a reasoning block, then two tool calls.
+THOUGHT = "<think>\nThe user wants the weather.\n</think>\n\n"
+CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 
 
 def tiny_config(**overrides) -> dict:
@@ -55,7 +67,8 @@ def checkpoint(tmp_path_factory):
         if key not in cache:
             raw = tiny_config(**SHAPES.get(name, {}), **overrides)
             out = tmp_path_factory.mktemp(name)
-            cache[key] = write_random_model(out, raw, dtype=dtype, std=std, max_shard_bytes=max_shard_bytes)
+            cache[key] = write_random_model(out, raw, dtype=dtype, std=std,
+                                            max_shard_bytes=max_shard_bytes)
         return cache[key]
 
     return make
@@ -66,24 +79,35 @@ def tiny_dir(checkpoint) -> Path:
     return checkpoint("tiny", dtype="float32")
 
 
+def make_llm(path, **kwargs) -> LLM:
+    """A float32 CPU engine with a small KV cache of 4-token blocks (block tables, prefix sharing
+    and preemption show up on short prompts); keyword arguments override the defaults."""
+    kwargs = {"max_model_len": 128, "kv_cache_memory": 8 << 20, "block_size": 4, **kwargs}
+    return LLM(path, dtype="float32", device="cpu", **kwargs)
+
+
 def prompt_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """nanoqwen's float32 logits [T, V] for every position of one prompt (one prefill, fresh cache)."""
+    """nanoqwen's float32 logits [T, V] for every position of one prompt (one prefill, fresh
+    cache)."""
     cache, table = fresh_cache(model, len(token_ids))
-    meta = AttentionMetadata.build([], [(table, 0, len(token_ids))], cache.block_size, model.embed_tokens.weight.device)
+    meta = AttentionMetadata.build([], [PrefillRow(table, 0, len(token_ids))], cache.block_size,
+                                   model.embed_tokens.weight.device)
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), meta.positions, cache, meta)
         return model.compute_logits(hidden)
 
 
-def fresh_cache(model, num_tokens: int, block_size: int = 4, num_seqs: int = 1, scatter: bool = False):
+def fresh_cache(model, num_tokens: int, block_size: int = 4, num_seqs: int = 1,
+                scatter: bool = False):
     """A KV cache with room for num_seqs sequences of num_tokens, and a block table per sequence.
 
-    scatter=True interleaves the sequences' blocks (not consecutive), so attention has to gather them.
+    scatter=True interleaves the sequences' blocks (not consecutive), so attention has to gather
+    them.
     """
     c = model.config
     per_seq = -(-num_tokens // block_size)
-    cache = KVCache(c.num_hidden_layers, per_seq * num_seqs, block_size, c.num_key_value_heads, c.head_dim,
-                    model.embed_tokens.weight.dtype, model.embed_tokens.weight.device)
+    cache = KVCache(c.num_hidden_layers, per_seq * num_seqs, block_size, c.num_key_value_heads,
+                    c.head_dim, model.embed_tokens.weight.dtype, model.embed_tokens.weight.device)
     if scatter:
         tables = [list(range(i, per_seq * num_seqs, num_seqs)) for i in range(num_seqs)]
     else:
@@ -92,9 +116,11 @@ def fresh_cache(model, num_tokens: int, block_size: int = 4, num_seqs: int = 1, 
 
 
 def hf_model(path, dtype):
-    """transformers' model of a checkpoint folder (Qwen3ForCausalLM or Qwen3MoeForCausalLM), sdpa attention."""
+    """transformers' model of a checkpoint folder (Qwen3ForCausalLM or Qwen3MoeForCausalLM), sdpa
+    attention."""
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                             attn_implementation="sdpa").eval()
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -62,7 +62,11 @@ def tool_conversation(arguments_as_string: bool) -> list[dict[str, Any]]:
             "type": "function",
             "function": {"name": "get_weather", "arguments": args(WEATHER_ARGS)},
         },
-        {"id": "call_2", "type": "function", "function": {"name": "search", "arguments": args(SEARCH_ARGS)}},
+        {
+            "id": "call_2",
+            "type": "function",
+            "function": {"name": "search", "arguments": args(SEARCH_ARGS)},
+        },
     ]
     return [
         {"role": "system", "content": "You are a helpful assistant."},
@@ -90,7 +94,11 @@ CASES: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {
         {"add_generation_prompt": False},
     ),
     "reasoning_content_dropped": (
-        [MULTI_TURN[0], {"role": "assistant", "content": "4", "reasoning_content": "Hidden."}, MULTI_TURN[2]],
+        [
+            MULTI_TURN[0],
+            {"role": "assistant", "content": "4", "reasoning_content": "Hidden."},
+            MULTI_TURN[2],
+        ],
         {},
     ),
     "reasoning_content_kept": (
@@ -138,11 +146,17 @@ def test_matches_transformers(tok: Tokenizer, hf: Any, case: str) -> None:
 def test_exact_prompt_with_thinking_disabled(tok: Tokenizer) -> None:
     messages = [{"role": "user", "content": "你好"}]
     text = tok.apply_chat_template(messages, enable_thinking=False)
-    assert text == "<|im_start|>user\n你好<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert text == (
+        "<|im_start|>user\n你好<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     ids = tok.apply_chat_template(messages, enable_thinking=False, tokenize=True)
-    assert ids == [151644, 872, 198, 108386, 151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271]
-    assert tok.apply_chat_template(messages).endswith("<|im_start|>assistant\n")  # thinking on by default
-    assert not tok.apply_chat_template(messages, add_generation_prompt=False).endswith("assistant\n")
+    assert ids == [
+        151644, 872, 198, 108386, 151645, 198, 151644, 77091, 198, 151667, 271, 151668, 271
+    ]
+    # thinking on by default
+    assert tok.apply_chat_template(messages).endswith("<|im_start|>assistant\n")
+    no_prompt = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert not no_prompt.endswith("assistant\n")
 
 
 def test_earlier_thinking_is_dropped(tok: Tokenizer) -> None:
@@ -151,7 +165,9 @@ def test_earlier_thinking_is_dropped(tok: Tokenizer) -> None:
     assert "<|im_start|>assistant\nIt is 4.<|im_end|>" in text
     messages, kwargs = CASES["no_generation_prompt"]
     last = tok.apply_chat_template(messages, **kwargs)
-    assert last.endswith("<|im_start|>assistant\n<think>\nLast reasoning.\n</think>\n\n6.<|im_end|>\n")
+    assert last.endswith(
+        "<|im_start|>assistant\n<think>\nLast reasoning.\n</think>\n\n6.<|im_end|>\n"
+    )
     assert "Hidden." not in tok.apply_chat_template(CASES["reasoning_content_dropped"][0])
     aliased = tok.apply_chat_template(CASES["reasoning_alias"][0], add_generation_prompt=False)
     assert aliased.endswith("<|im_start|>assistant\n<think>\nAliased.\n</think>\n\n4<|im_end|>\n")
@@ -159,18 +175,22 @@ def test_earlier_thinking_is_dropped(tok: Tokenizer) -> None:
 
 def test_tools_render_like_training_data(tok: Tokenizer) -> None:
     text = tok.apply_chat_template(tool_conversation(False), tools=TOOLS)
-    # Key order kept, no ASCII or HTML escaping: Jinja's own tojson would sort keys and write \u003c.
+    # Key order kept, no ASCII or HTML escaping: Jinja's own tojson would sort keys and write
+    # \u003c.
     assert (
-        '\n{"type": "function", "function": {"name": "get_weather", "description": "Current weather' in text
+        '\n{"type": "function", "function": {"name": "get_weather", '
+        '"description": "Current weather' in text
     )
     assert "<b>温度</b> & 'conditions'" in text and "\\u" not in text
     assert (
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "北京", "unit": "celsius"}}\n</tool_call>'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "北京", "unit": "celsius"}}'
+        "\n</tool_call>"
         in text
     )
     # Both tool results share one user turn, and content=None did not render as "None".
     tool_turn = (
-        "<|im_start|>user\n<tool_response>\n晴 25°C\n</tool_response>\n<tool_response>\nTomorrow: rain."
+        "<|im_start|>user\n<tool_response>\n晴 25°C\n</tool_response>\n"
+        "<tool_response>\nTomorrow: rain."
     )
     assert tool_turn in text
     assert text.count("<|im_start|>user") == 2 and "None" not in text
@@ -185,12 +205,16 @@ def test_tool_arguments_as_dict_or_string_render_the_same(tok: Tokenizer) -> Non
 
 
 def with_template(tok: Tokenizer, template: str) -> Tokenizer:
-    return Tokenizer(tok.backend, eos_token=tok.eos_token, pad_token=tok.pad_token, chat_template=template)
+    return Tokenizer(tok.backend, eos_token=tok.eos_token, pad_token=tok.pad_token,
+                     chat_template=template)
 
 
-def render_custom(tok: Tokenizer, hf: Any, template: str, messages: list[dict], **kwargs: Any) -> str:
-    text = with_template(tok, template).apply_chat_template(messages, add_generation_prompt=False, **kwargs)
-    assert text == hf.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
+def render_custom(tok: Tokenizer, hf: Any, template: str, messages: list[dict],
+                  **kwargs: Any) -> str:
+    text = with_template(tok, template).apply_chat_template(messages, add_generation_prompt=False,
+                                                            **kwargs)
+    assert text == hf.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                          **kwargs)
     return text
 
 
@@ -204,30 +228,41 @@ def test_tojson_matches_transformers(tok: Tokenizer, hf: Any) -> None:
     lines = render_custom(tok, hf, template, [message]).split("\n")
     assert lines[0] == json.dumps(message, ensure_ascii=False)
     assert "\\u4f60" in lines[-2]
-    # transformers' first positional argument is ensure_ascii, not indent as in Jinja's built-in filter
+    # transformers' first positional argument is ensure_ascii, not indent as in Jinja's built-in
+    # filter
     assert lines[-1] == json.dumps(message, ensure_ascii=True)
 
 
 def test_template_variables(tok: Tokenizer, hf: Any) -> None:
     template = (
         "[{{ bos_token }}][{{ eos_token }}][{{ pad_token }}][{{ custom }}][{{ documents }}]"
-        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}({{ m.content }}){% endfor %}"
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "({{ m.content }}){% endfor %}"
     )
-    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}, {"role": "user"}]
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": None},
+        {"role": "user"},
+    ]
     text = render_custom(tok, hf, template, messages, custom="yes")
     # An undefined bos_token and a None content both print nothing, rather than "None".
     assert text == "[][<|im_end|>][<|endoftext|>][yes][None](a)()"
 
 
 def test_block_whitespace_is_trimmed(tok: Tokenizer, hf: Any) -> None:
-    template = "{% for m in messages %}\n  {% if m.content %}\n{{ m.content }}\n  {% endif %}\n{% endfor %}\n"
+    template = (
+        "{% for m in messages %}\n  {% if m.content %}\n{{ m.content }}\n  {% endif %}\n"
+        "{% endfor %}\n"
+    )
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     assert render_custom(tok, hf, template, messages) == "a\nb\n"
 
 
 def test_strftime_now(tok: Tokenizer) -> None:
     before = datetime.now().strftime("%Y-%m-%d")
-    text = with_template(tok, "{{ strftime_now('%Y-%m-%d') }}").apply_chat_template([{"role": "user"}])
+    text = with_template(tok, "{{ strftime_now('%Y-%m-%d') }}").apply_chat_template(
+        [{"role": "user"}]
+    )
     assert text in {before, datetime.now().strftime("%Y-%m-%d")}
 
 
@@ -260,7 +295,8 @@ def test_empty_messages(tok: Tokenizer) -> None:
 
 
 def test_template_runtime_error_is_wrapped(tok: Tokenizer) -> None:
-    # The Qwen3 template adds the system content to a string; a list of content parts makes that fail.
+    # The Qwen3 template adds the system content to a string; a list of content parts makes that
+    # fail.
     with pytest.raises(InvalidRequestError, match="cannot format") as info:
         messages = [{"role": "system", "content": ["x"]}, {"role": "user", "content": "hi"}]
         tok.apply_chat_template(messages, tools=TOOLS)
@@ -281,7 +317,8 @@ def test_invalid_messages(tok: Tokenizer) -> None:
     with pytest.raises(InvalidRequestError):
         tok.apply_chat_template(["hello"])  # type: ignore[list-item]
     with pytest.raises(InvalidRequestError):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=["get_weather"])  # type: ignore[list-item]
+        tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                tools=["get_weather"])  # type: ignore[list-item]
 
 
 def test_template_syntax_error(tok: Tokenizer) -> None:
@@ -292,8 +329,10 @@ def test_template_syntax_error(tok: Tokenizer) -> None:
 # ------------------------------------------------------------ template sources
 
 
-def tiny_model(folder: Path, config: dict[str, Any] | None = None, jinja: str | None = None) -> Path:
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>"))
+def tiny_model(folder: Path, config: dict[str, Any] | None = None,
+               jinja: str | None = None) -> Path:
+    word_level = tokenizers.models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")
+    backend = tokenizers.Tokenizer(word_level)
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     backend.add_special_tokens(["<|im_end|>"])
     backend.save(str(folder / "tokenizer.json"))

@@ -1,4 +1,5 @@
-"""The `nanoqwen` command run for real (init-random, generate, chat), and the chat printing helpers."""
+"""The `nanoqwen` command run for real (init-random, generate, chat), and the chat printing
+helpers."""
 
 from __future__ import annotations
 
@@ -19,16 +20,19 @@ from nanoqwen import LLM, SamplingParams
 from nanoqwen.chat import AnswerPrinter, answer, chat_loop
 
 PROMPT = "Hello, my name is"
-STATS = re.compile(r"^\[prefill (\d+) tokens in \d+\.\d\ds · decode (\d+) tokens at \d+\.\d tok/s\]$", re.M)
-# Same thread count as this process, so the subprocess computes bit for bit what the in-process LLM does.
+STATS = re.compile(r"^\[prefill (\d+) tokens in \d+\.\d\ds · "
+                   r"decode (\d+) tokens at \d+\.\d tok/s\]$", re.M)
+# Same thread count as this process, so the subprocess computes bit for bit what the in-process
+# LLM does.
 ENV = {**os.environ, "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": str(torch.get_num_threads()),
        "HF_HUB_OFFLINE": "1"}
 
 
 def run_cli(*args: str, stdin: str = "") -> SimpleNamespace:
-    """Run `python -m nanoqwen.cli ARGS`; stdout/stderr decoded as UTF-8 without newline translation."""
-    r = subprocess.run([sys.executable, "-m", "nanoqwen.cli", *args], input=stdin.encode(), capture_output=True,
-                       env=ENV, timeout=120)
+    """Run `python -m nanoqwen.cli ARGS`; stdout/stderr decoded as UTF-8 without newline
+    translation."""
+    r = subprocess.run([sys.executable, "-m", "nanoqwen.cli", *args], input=stdin.encode(),
+                       capture_output=True, env=ENV, timeout=120)
     return SimpleNamespace(returncode=r.returncode, stdout=r.stdout.decode("utf-8"),
                            stderr=r.stderr.decode("utf-8", errors="replace"))
 
@@ -53,8 +57,8 @@ GREEDY8 = SamplingParams(temperature=0, max_tokens=8)
 
 
 def test_generate_raw_prompt_equals_llm_generate(model_dir, llm):
-    r = run_cli("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "8", "--temperature", "0",
-                "--no-chat-template", "--dtype", "float32")
+    r = run_cli("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "8",
+                "--temperature", "0", "--no-chat-template", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     expected = llm.generate(PROMPT, GREEDY8, use_tqdm=False)[0]
     assert len(expected.token_ids) == 8 and expected.text.strip()
@@ -63,20 +67,22 @@ def test_generate_raw_prompt_equals_llm_generate(model_dir, llm):
 
 
 def test_generate_prompt_from_stdin_with_the_default_dtype(model_dir):
-    r = run_cli("generate", "--model", str(model_dir), "--prompt", "-", "--max-tokens", "8", "--temperature", "0",
-                "--no-chat-template", "--device", "cpu", stdin=PROMPT)
+    r = run_cli("generate", "--model", str(model_dir), "--prompt", "-", "--max-tokens", "8",
+                "--temperature", "0", "--no-chat-template", "--device", "cpu", stdin=PROMPT)
     assert r.returncode == 0, r.stderr
-    default = LLM(model_dir, device="cpu", max_model_len=64)  # dtype auto: bfloat16 on CPU, as in the CLI
+    # dtype auto: bfloat16 on CPU, as in the CLI
+    default = LLM(model_dir, device="cpu", max_model_len=64)
     assert default.llm_engine.model.embed_tokens.weight.dtype == torch.bfloat16
     expected = default.generate(PROMPT, GREEDY8, use_tqdm=False)[0].text
     assert expected.strip() and r.stdout == expected + "\n"
 
 
 def test_generate_with_chat_template(model_dir, llm):
-    r = run_cli("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "8", "--temperature", "0",
-                "--dtype", "float32")
+    r = run_cli("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "8",
+                "--temperature", "0", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
-    expected = llm.chat([{"role": "user", "content": PROMPT}], GREEDY8, enable_thinking=True, use_tqdm=False)[0]
+    expected = llm.chat([{"role": "user", "content": PROMPT}], GREEDY8, enable_thinking=True,
+                        use_tqdm=False)[0]
     assert expected.text.strip() and r.stdout == expected.text + "\n"
     raw = llm.generate(PROMPT, GREEDY8, use_tqdm=False)[0].text
     assert expected.text != raw  # the template was applied
@@ -84,8 +90,8 @@ def test_generate_with_chat_template(model_dir, llm):
 
 def test_chat_session(model_dir, llm):
     script = "hello\n/no_think\nhi again\n/reset\n/exit\n"
-    r = run_cli("chat", "--model", str(model_dir), "--max-tokens", "8", "--temperature", "0", "--dtype", "float32",
-                stdin=script)
+    r = run_cli("chat", "--model", str(model_dir), "--max-tokens", "8", "--temperature", "0",
+                "--dtype", "float32", stdin=script)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     out = r.stdout
@@ -95,14 +101,19 @@ def test_chat_session(model_dir, llm):
     assert len(stats) == 2, out  # one line per answer
     assert all(decoded == "8" for _, decoded in stats)
 
-    # The prompts the chat built: turn 1 with thinking, turn 2 (after /no_think) with the history, thinking off.
+    # The prompts the chat built: turn 1 with thinking, turn 2 (after /no_think) with the history,
+    # thinking off.
     tok = llm.get_tokenizer()
     turn1 = [{"role": "user", "content": "hello"}]
     reply = llm.chat(turn1, GREEDY8, enable_thinking=True, use_tqdm=False)[0].text
-    turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "hi again"}]
-    assert int(stats[0][0]) == len(tok.apply_chat_template(turn1, tokenize=True, enable_thinking=True))
-    assert int(stats[1][0]) == len(tok.apply_chat_template(turn2, tokenize=True, enable_thinking=False))
-    assert int(stats[1][0]) != len(tok.apply_chat_template(turn2, tokenize=True, enable_thinking=True))
+    turn2 = [*turn1, {"role": "assistant", "content": reply},
+             {"role": "user", "content": "hi again"}]
+    assert int(stats[0][0]) == len(tok.apply_chat_template(turn1, tokenize=True,
+                                                           enable_thinking=True))
+    assert int(stats[1][0]) == len(tok.apply_chat_template(turn2, tokenize=True,
+                                                           enable_thinking=False))
+    assert int(stats[1][0]) != len(tok.apply_chat_template(turn2, tokenize=True,
+                                                           enable_thinking=True))
 
 
 def test_unknown_preset_is_an_argparse_error(tmp_path):
@@ -132,7 +143,8 @@ class TTY(io.StringIO):
 
 
 def chunkings(text: str) -> list[list[str]]:
-    """Every split into two pieces, one char at a time, the real token pieces, and random small pieces."""
+    """Every split into two pieces, one char at a time, the real token pieces, and random small
+    pieces."""
     splits = [[text[:i], text[i:]] for i in range(len(text) + 1)]
     splits += [list(text), ["<think>", "\n", "reason", "ing", "</think>", "\n\n", "answer"]]
     rng = random.Random(0)
@@ -147,7 +159,8 @@ def test_answer_printer_labels_the_thinking_part_in_any_pieces():
         out = printed(pieces)
         assert "<think>" not in out and "</think>" not in out, pieces
         assert out.count("[thinking]") == 1 and out.count("[/thinking]") == 1, (pieces, out)
-        assert out.index("[thinking]") < out.index("reasoning") < out.index("[/thinking]") < out.index("answer")
+        assert (out.index("[thinking]") < out.index("reasoning") < out.index("[/thinking]")
+                < out.index("answer"))
         assert out.replace("\n", "") == "[thinking]reasoning[/thinking]answer", (pieces, out)
         assert out.endswith("answer\n")
 
@@ -160,10 +173,12 @@ def test_answer_printer_output_does_not_depend_on_the_pieces():
 
 def test_answer_printer_passes_other_text_through():
     assert printed(["plain ", "answer"]) == "plain answer\n"
-    assert printed(["x <", "thing> <th", "ink"]) == "x <thing> <think\n"  # held back, then not a tag after all
+    # held back, then not a tag after all
+    assert printed(["x <", "thing> <th", "ink"]) == "x <thing> <think\n"
     assert printed(["a < b"]) == "a < b\n"
     unfinished = printed(["<think>\nstill thinking"])  # the thinking part is closed at the end
-    assert unfinished.startswith("[thinking]\nstill thinking\n[/thinking]\n") and unfinished.strip().endswith("]")
+    assert (unfinished.startswith("[thinking]\nstill thinking\n[/thinking]\n")
+            and unfinished.strip().endswith("]"))
 
 
 def test_answer_printer_dims_thinking_on_a_terminal():
@@ -172,7 +187,7 @@ def test_answer_printer_dims_thinking_on_a_terminal():
     assert out.index("\033[2m") < out.index("hm") < out.index("\033[0m") < out.index("yes")
 
 
-# ---------------------------------------------------------------- answer() and chat_loop() with a fake LLM
+# --------------------------------------------------------- answer() and chat_loop() with a fake LLM
 
 
 class FakeTokenizer:
@@ -202,7 +217,8 @@ class FakeLLM:
                 if i == self.interrupt_after:
                     raise KeyboardInterrupt  # Ctrl-C while the engine computes the next token
                 text += delta
-                yield delta, SimpleNamespace(text=text, token_ids=list(range(i + 1)), finished=False)
+                yield delta, SimpleNamespace(text=text, token_ids=list(range(i + 1)),
+                                             finished=False)
         finally:
             self.closed = True
 
@@ -260,7 +276,8 @@ def test_ctrl_c_in_a_real_stream_frees_the_request(llm, monkeypatch):
     assert not engine.has_unfinished_requests()  # the interrupted request left the engine
     monkeypatch.undo()
     full = llm.chat(messages, params, enable_thinking=True, use_tqdm=False)[0]
-    assert len(full.token_ids) == 20 and full.text.startswith(partial) and len(partial) < len(full.text)
+    assert (len(full.token_ids) == 20 and full.text.startswith(partial)
+            and len(partial) < len(full.text))
     assert STATS.search(out.getvalue()).group(2) == "2"  # two tokens made it out before Ctrl-C
 
 
@@ -268,16 +285,19 @@ def test_chat_loop_switches_thinking_and_resets():
     llm = FakeLLM(["<think>\nok</think>", "\n\n", "fine"])
     inp = io.StringIO("hello\n/no_think\nhi again\n/think\n\nthird\n/reset\nfourth\n/bogus\n")
     out = io.StringIO()
-    chat_loop(llm, GREEDY8, enable_thinking=True, system="be brief", inp=inp, out=out)  # returns at EOF
+    # returns at EOF
+    chat_loop(llm, GREEDY8, enable_thinking=True, system="be brief", inp=inp, out=out)
     reply = "<think>\nok</think>\n\nfine"
     system = {"role": "system", "content": "be brief"}
     turn1 = [system, {"role": "user", "content": "hello"}]
-    turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "hi again"}]
+    turn2 = [*turn1, {"role": "assistant", "content": reply},
+             {"role": "user", "content": "hi again"}]
     turn3 = [*turn2, {"role": "assistant", "content": reply}, {"role": "user", "content": "third"}]
     turn4 = [system, {"role": "user", "content": "fourth"}]
     assert llm.tokenizer.calls == [(turn1, True), (turn2, False), (turn3, True), (turn4, True)]
     text = out.getvalue()
-    assert text.index(">>> thinking off\n") < text.index(">>> thinking on\n") < text.index(">>> conversation cleared")
+    assert (text.index(">>> thinking off\n") < text.index(">>> thinking on\n")
+            < text.index(">>> conversation cleared"))
     assert "unknown command /bogus" in text
     assert len(STATS.findall(text)) == 4
 

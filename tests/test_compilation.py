@@ -1,4 +1,5 @@
-"""torch.compile'd elementwise kernels compute what the plain functions in models/qwen3.py compute."""
+"""torch.compile'd elementwise kernels compute what the plain functions in models/qwen3.py
+compute."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 import torch
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.compilation import FUNCTIONS, MIN_COMPILED_TOKENS, compile_kernels, select_kernels, use_eager_kernels
+from nanoqwen.compilation import (
+    FUNCTIONS,
+    MIN_COMPILED_TOKENS,
+    compile_kernels,
+    select_kernels,
+    use_eager_kernels,
+)
 from nanoqwen.models import qwen3
 
 
@@ -23,13 +30,16 @@ def compiled():
 def test_compiled_kernels_equal_the_reference_functions(compiled):
     assert compiled.rms_norm is not qwen3.rms_norm  # really swapped in
     g = torch.Generator().manual_seed(0)
-    for n in (1, 5, MIN_COMPILED_TOKENS):  # the small calls run eager; the compiled functions are tested directly too
-        compiled = SimpleNamespace(**{name: getattr(qwen3.kernels, name).compiled for name in FUNCTIONS}) \
+    # the small calls run eager; the compiled functions are tested directly too
+    for n in (1, 5, MIN_COMPILED_TOKENS):
+        compiled = SimpleNamespace(**{name: getattr(qwen3.kernels, name).compiled
+                                      for name in FUNCTIONS}) \
             if n < MIN_COMPILED_TOKENS else qwen3.kernels
         for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
             x = torch.randn(n, 4, 32, generator=g).to(dtype)
             w = (torch.rand(32, generator=g) + 0.5).to(dtype)
-            cos, sin = torch.randn(n, 32, generator=g).to(dtype), torch.randn(n, 32, generator=g).to(dtype)
+            cos = torch.randn(n, 32, generator=g).to(dtype)
+            sin = torch.randn(n, 32, generator=g).to(dtype)
             with torch.inference_mode():
                 pairs = [(compiled.rms_norm(x, w, 1e-6), qwen3.rms_norm(x, w, 1e-6)),
                          (compiled.rms_norm(x.view(n, 128), w.repeat(4), 1e-6),
@@ -43,7 +53,8 @@ def test_compiled_kernels_equal_the_reference_functions(compiled):
 
 def test_only_calls_on_many_tokens_take_the_compiled_kernel(compiled, monkeypatch):
     calls = []
-    monkeypatch.setattr(qwen3.kernels.swiglu, "compiled", lambda x: calls.append(x.shape[0]) or qwen3.swiglu(x))
+    monkeypatch.setattr(qwen3.kernels.swiglu, "compiled",
+                        lambda x: calls.append(x.shape[0]) or qwen3.swiglu(x))
     with torch.inference_mode():
         for n in (1, 16, MIN_COMPILED_TOKENS - 1, MIN_COMPILED_TOKENS, 300):
             qwen3.kernels.swiglu(torch.randn(n, 8))
@@ -52,7 +63,8 @@ def test_only_calls_on_many_tokens_take_the_compiled_kernel(compiled, monkeypatc
 
 def test_engine_compiles_by_default_and_matches_enforce_eager(tiny_dir, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = [list(range(1, 81)), [9, 8, 7]]  # an 83-token prefill step: the compiled kernels' range
+    # an 83-token prefill step: the compiled kernels' range
+    prompts = [list(range(1, 81)), [9, 8, 7]]
     kwargs = dict(dtype="float32", device="cpu", max_model_len=128)
     eager = LLM(tiny_dir, enforce_eager=True, **kwargs)
     assert qwen3.kernels.rms_norm is qwen3.rms_norm  # enforce_eager puts the plain functions back
@@ -61,15 +73,18 @@ def test_engine_compiles_by_default_and_matches_enforce_eager(tiny_dir, monkeypa
     assert qwen3.kernels.rms_norm is not qwen3.rms_norm
     calls = []
     original = qwen3.kernels.swiglu.compiled
-    monkeypatch.setattr(qwen3.kernels.swiglu, "compiled", lambda x: calls.append(x.shape[0]) or original(x))
+    monkeypatch.setattr(qwen3.kernels.swiglu, "compiled",
+                        lambda x: calls.append(x.shape[0]) or original(x))
     got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    assert calls and min(calls) >= MIN_COMPILED_TOKENS  # the prefill went through the compiled kernel
+    # the prefill went through the compiled kernel
+    assert calls and min(calls) >= MIN_COMPILED_TOKENS
 
 
 def test_kernels_follow_each_engines_choice(compiled):
-    """Each (device, dtype) keeps its compiled kernels, installed again when an engine selects it; an engine on
-    another device (a GPU) gets the plain functions, not a CPU engine's compiled ones."""
+    """Each (device, dtype) keeps its compiled kernels, installed again when an engine selects
+    it; an engine on another device (a GPU) gets the plain functions, not a CPU engine's compiled
+    ones."""
     cpu = torch.device("cpu")
     f32 = qwen3.kernels.rms_norm
     assert compile_kernels(cpu, torch.bfloat16) and qwen3.kernels.rms_norm is not f32

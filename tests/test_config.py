@@ -1,4 +1,5 @@
-"""config.json and generation_config.json: official files, both transformers layouts, and clear refusals."""
+"""config.json and generation_config.json: official files, both transformers layouts, and clear
+refusals."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 
 def official_path(name: str) -> Path:
-    return QWEN3_0_6B / "config.json" if name == "Qwen3-0.6B" else ASSETS / "configs" / f"{name}.json"
+    return (QWEN3_0_6B / "config.json" if name == "Qwen3-0.6B"
+            else ASSETS / "configs" / f"{name}.json")
 
 
 def official(name: str = "Qwen3-0.6B") -> dict:
@@ -25,14 +27,17 @@ def official(name: str = "Qwen3-0.6B") -> dict:
 
 
 def transformers5_layout(raw: dict) -> dict:
-    """The same config as transformers 5 writes it: rope_parameters instead of rope_theta/rope_scaling, dtype."""
+    """The same config as transformers 5 writes it: rope_parameters instead of
+    rope_theta/rope_scaling, dtype."""
     new = {k: v for k, v in raw.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
-    new["rope_parameters"] = {"rope_theta": raw["rope_theta"], **(raw.get("rope_scaling") or {"rope_type": "default"})}
+    new["rope_parameters"] = {"rope_theta": raw["rope_theta"],
+                              **(raw.get("rope_scaling") or {"rope_type": "default"})}
     new["dtype"] = raw["torch_dtype"]
     return new
 
 
-# name: (layers, hidden, intermediate, heads, kv heads, tied)  -- from the model cards / hub config.json files
+# name: (layers, hidden, intermediate, heads, kv heads, tied) -- from the model cards / hub
+# config.json files
 OFFICIAL = {
     "Qwen3-0.6B": (28, 1024, 3072, 16, 8, True),
     "Qwen3-1.7B": (28, 2048, 6144, 16, 8, True),
@@ -47,15 +52,18 @@ OFFICIAL = {
 def test_official_configs(name):
     layers, hidden, inter, heads, kv_heads, tied = OFFICIAL[name]
     cfg = Qwen3Config.from_file(official_path(name))
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (layers, hidden, inter)
+    assert (cfg.num_hidden_layers, cfg.hidden_size,
+            cfg.intermediate_size) == (layers, hidden, inter)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (heads, kv_heads)
     assert cfg.num_kv_groups == heads // kv_heads
-    assert cfg.head_dim == 128  # explicit in every Qwen3 config; not hidden/heads (64 for 0.6B, 80 for 32B)
+    # explicit in every Qwen3 config; not hidden/heads (64 for 0.6B, 80 for 32B)
+    assert cfg.head_dim == 128
     assert cfg.tie_word_embeddings is tied
     assert cfg.vocab_size == 151936 and cfg.max_position_embeddings == 40960
     assert cfg.rope_theta == 1_000_000.0 and cfg.rope_scaling is None
     assert cfg.rms_norm_eps == 1e-6 and cfg.attention_bias is False
-    assert cfg.torch_dtype == "bfloat16" and cfg.eos_token_id == [151645] and cfg.bos_token_id == 151643
+    assert (cfg.torch_dtype == "bfloat16" and cfg.eos_token_id == [151645]
+            and cfg.bos_token_id == 151643)
 
 
 @pytest.mark.parametrize("name", list(OFFICIAL))
@@ -74,11 +82,13 @@ def test_dtype_of_transformers5_layout_is_read():
 
 
 def test_layout_written_by_transformers5_itself(tmp_path):
-    """What transformers' own save_pretrained writes (whatever its version) parses to the official config."""
+    """What transformers' own save_pretrained writes (whatever its version) parses to the
+    official config."""
     transformers = pytest.importorskip("transformers")
     for rope_scaling, max_pos in [(None, 40960), (YARN, 131072)]:
         raw = dict(official(), rope_scaling=rope_scaling, max_position_embeddings=max_pos)
-        transformers.Qwen3Config(**json.loads(json.dumps(raw))).save_pretrained(tmp_path)  # it edits its input
+        # it edits its input
+        transformers.Qwen3Config(**json.loads(json.dumps(raw))).save_pretrained(tmp_path)
         written = Qwen3Config.from_file(tmp_path / "config.json")
         assert written == Qwen3Config.from_dict(raw)
         assert written.rope_theta == 1_000_000.0
@@ -92,32 +102,36 @@ def test_yarn_in_both_layouts():
     new = Qwen3Config.from_dict(transformers5_layout(raw))
     assert new == old
     # the pre-4.45 spelling "type" instead of "rope_type"
-    legacy = dict(raw, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    legacy = dict(raw, rope_scaling={"type": "yarn", "factor": 4.0,
+                                     "original_max_position_embeddings": 32768})
     assert Qwen3Config.from_dict(legacy) == old
     # rope_parameters and a top-level rope_theta that agree are fine too
     assert Qwen3Config.from_dict(dict(transformers5_layout(raw), rope_theta=1_000_000)) == old
 
 
 def test_yarn_without_factor_is_refused():
-    raw = dict(official(), rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 32768})
+    raw = dict(official(), rope_scaling={"rope_type": "yarn",
+                                         "original_max_position_embeddings": 32768})
     with pytest.raises(ConfigError, match="'factor'"):
         Qwen3Config.from_dict(raw)
 
 
 def test_contradictory_rope_theta_names_both():
     raw = dict(transformers5_layout(official()), rope_theta=500000)
-    with pytest.raises(ConfigError, match=r"rope_theta=500000 .*rope_parameters\.rope_theta=1000000"):
+    with pytest.raises(ConfigError,
+                       match=r"rope_theta=500000 .*rope_parameters\.rope_theta=1000000"):
         Qwen3Config.from_dict(raw)
 
 
 def test_contradictory_rope_scaling_is_refused():
-    raw = dict(transformers5_layout(official()), rope_scaling=dict(YARN))  # yarn at the top, default inside
+    # yarn at the top, default inside
+    raw = dict(transformers5_layout(official()), rope_scaling=dict(YARN))
     with pytest.raises(ConfigError, match="rope_scaling=.*contradicts rope_parameters"):
         Qwen3Config.from_dict(raw)
 
 
-REQUIRED = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "max_position_embeddings", "rope_theta", "architectures"]
+REQUIRED = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "max_position_embeddings", "rope_theta", "architectures"]
 
 
 @pytest.mark.parametrize("name", REQUIRED)
@@ -153,7 +167,8 @@ def test_bad_integer_field_is_refused(value):
 @pytest.mark.parametrize("kv_heads", [3, 6, 32, -8])
 def test_kv_heads_must_divide_attention_heads(kv_heads):
     message = "must be a positive integer" if kv_heads < 0 else "must divide num_attention_heads=16"
-    with pytest.raises(ConfigError, match=rf"num_key_value_heads\W+{kv_heads}.*|num_key_value_heads.*{message}"):
+    with pytest.raises(ConfigError, match=rf"num_key_value_heads\W+{kv_heads}.*"
+                                          rf"|num_key_value_heads.*{message}"):
         Qwen3Config.from_dict(dict(official(), num_key_value_heads=kv_heads))
 
 
@@ -174,7 +189,8 @@ def test_head_dim_defaults_to_hidden_over_heads_and_must_be_even():
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path):
     raw = dict(official(), architectures=["Qwen2MoeForCausalLM"])
-    with pytest.raises(ConfigError, match="'Qwen2MoeForCausalLM' is not supported.*Qwen3MoeForCausalLM"):
+    with pytest.raises(ConfigError,
+                       match="'Qwen2MoeForCausalLM' is not supported.*Qwen3MoeForCausalLM"):
         Qwen3Config.from_dict(raw, where="x/config.json")
     # and through the front door, before any weight is looked for
     (tmp_path / "m").mkdir()
@@ -214,7 +230,8 @@ def test_generation_config_of_qwen3_0_6b():
 def test_generation_config_missing_file_and_single_eos(tmp_path):
     g = GenerationConfig.from_file(tmp_path / "generation_config.json", fallback_eos=[151645])
     assert g.eos_token_id == [151645] and g.temperature is None
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7, "do_sample": False}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7,
+                                                                 "do_sample": False}))
     g = GenerationConfig.from_file(tmp_path / "generation_config.json", fallback_eos=[151645])
     assert g.eos_token_id == [7] and g.do_sample is False
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["<|im_end|>"]}))
@@ -230,7 +247,8 @@ def test_llm_default_sampling_params_follow_generation_config(tiny_dir, tmp_path
 
     # a model whose generation_config says do_sample=false defaults to greedy
     greedy_dir = shutil.copytree(tiny_dir, tmp_path / "greedy")
-    (greedy_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 151645, "do_sample": False}))
+    (greedy_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 151645,
+                                                                   "do_sample": False}))
     llm = LLM(greedy_dir, dtype="float32", device="cpu", max_model_len=32)
     p = llm.get_default_sampling_params()
     assert p.temperature == 0 and p.top_k == -1 and p.top_p == 1.0
@@ -247,13 +265,16 @@ def test_to_dict_round_trips(name):
     assert {k: d[k] for k in OFFICIAL_KEYS} == {k: official(name)[k] for k in OFFICIAL_KEYS}
 
 
-OFFICIAL_KEYS = ["architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "tie_word_embeddings", "eos_token_id", "vocab_size",
-                 "max_position_embeddings", "model_type", "hidden_act"]
+OFFICIAL_KEYS = ["architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                 "eos_token_id", "vocab_size", "max_position_embeddings", "model_type",
+                 "hidden_act"]
 
 
 def test_to_dict_round_trips_yarn_and_bias():
-    raw = dict(official(), rope_scaling=dict(YARN, beta_fast=32), attention_bias=True, eos_token_id=[1, 2])
+    raw = dict(official(), rope_scaling=dict(YARN, beta_fast=32), attention_bias=True,
+               eos_token_id=[1, 2])
     cfg = Qwen3Config.from_dict(transformers5_layout(raw))
-    assert cfg.rope_scaling == dict(YARN, beta_fast=32) and cfg.attention_bias and cfg.eos_token_id == [1, 2]
+    assert (cfg.rope_scaling == dict(YARN, beta_fast=32) and cfg.attention_bias
+            and cfg.eos_token_id == [1, 2])
     assert Qwen3Config.from_dict(cfg.to_dict()) == cfg

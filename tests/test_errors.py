@@ -1,4 +1,5 @@
-"""Bad input gets one clear nanoqwen error naming the thing, never a raw traceback from deep inside torch."""
+"""Bad input gets one clear nanoqwen error naming the thing, never a raw traceback from deep
+inside torch."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanoqwen import LLM, ConfigError, InvalidRequestError, ModelNotFoundError, SamplingParams, WeightsError
+from nanoqwen import (
+    LLM,
+    ConfigError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    SamplingParams,
+    WeightsError,
+)
 
 
 def copy_model(src, dst):
@@ -27,8 +35,8 @@ def edit_config(path, **changes):
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nanoqwen.cli", *args], capture_output=True, text=True,
-                          input=stdin, timeout=120)
+    return subprocess.run([sys.executable, "-m", "nanoqwen.cli", *args], capture_output=True,
+                          text=True, input=stdin, timeout=120)
 
 
 def test_folder_without_config(tmp_path):
@@ -71,9 +79,11 @@ def test_missing_tensor_is_named(tiny_dir, tmp_path):
 def test_wrong_shape_names_tensor_and_both_shapes(tiny_dir, tmp_path):
     bad = copy_model(tiny_dir, tmp_path / "m")
     tensors = load_file(bad / "model.safetensors")
-    tensors["model.layers.0.self_attn.k_proj.weight"] = tensors["model.layers.0.self_attn.k_proj.weight"][:32]
+    name = "model.layers.0.self_attn.k_proj.weight"
+    tensors[name] = tensors[name][:32]
     save_file(tensors, bad / "model.safetensors")
-    with pytest.raises(WeightsError, match=r"k_proj\.weight' has shape \[32, 64\].*implies \[64, 64\]"):
+    with pytest.raises(WeightsError,
+                       match=r"k_proj\.weight' has shape \[32, 64\].*implies \[64, 64\]"):
         LLM(bad, dtype="float32")
 
 
@@ -117,9 +127,11 @@ def test_empty_prompt(llm):
 
 
 def test_prompt_longer_than_context_and_out_of_vocab_ids(llm):
-    with pytest.raises(InvalidRequestError, match="the prompt has 40 tokens but max_model_len is 32"):
+    with pytest.raises(InvalidRequestError,
+                       match="the prompt has 40 tokens but max_model_len is 32"):
         llm.generate([[5] * 40], use_tqdm=False)
-    with pytest.raises(InvalidRequestError, match=r"token id 999999 is not in the vocabulary \[0, 151936\)"):
+    with pytest.raises(InvalidRequestError,
+                       match=r"token id 999999 is not in the vocabulary \[0, 151936\)"):
         llm.generate([[1, 999999]], use_tqdm=False)
 
 
@@ -134,9 +146,11 @@ def test_a_bad_prompt_in_a_batch_leaves_the_engine_serving(llm):
 def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
     cases = [
         (["generate", "--model", str(tmp_path / "missing"), "--prompt", "hi"], "does not exist"),
-        (["generate", "--model", str(tiny_dir), "--prompt", "hi", "--temperature", "-1"], "temperature=-1.0"),
+        (["generate", "--model", str(tiny_dir), "--prompt", "hi", "--temperature", "-1"],
+         "temperature=-1.0"),
         (["generate", "--model", str(tiny_dir), "--prompt", "hi", "--top-p", "1.5"], "top_p=1.5"),
-        (["generate", "--model", str(tiny_dir), "--prompt", "", "--no-chat-template"], "prompt is empty"),
+        (["generate", "--model", str(tiny_dir), "--prompt", "", "--no-chat-template"],
+         "prompt is empty"),
         (["generate", "--model", str(tiny_dir), "--prompt", "hi " * 40, "--max-model-len", "16"],
          "max_model_len is 16"),
     ]
@@ -144,5 +158,6 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
         result = run_cli(*args)
         assert result.returncode == 1, (args, result.stderr)
         lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("nanoqwen: error:") and message in lines[0], lines
+        assert (len(lines) == 1 and lines[0].startswith("nanoqwen: error:")
+                and message in lines[0]), lines
         assert "Traceback" not in result.stderr

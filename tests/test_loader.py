@@ -1,4 +1,5 @@
-"""Loading checkpoints: tied heads, shards, peak memory, the progress bar, and what init-random writes."""
+"""Loading checkpoints: tied heads, shards, peak memory, the progress bar, and what init-random
+writes."""
 
 from __future__ import annotations
 
@@ -31,19 +32,23 @@ def file_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def expected_params(path: Path, config: Qwen3Config) -> dict[str, torch.Tensor]:
-    """What every nanoqwen parameter must hold, rebuilt from the checkpoint files without the loader."""
+    """What every nanoqwen parameter must hold, rebuilt from the checkpoint files without the
+    loader."""
     t = file_tensors(path)
-    exp = {"embed_tokens.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"]}
+    exp = {"embed_tokens.weight": t["model.embed_tokens.weight"],
+           "norm.weight": t["model.norm.weight"]}
     if not config.tie_word_embeddings:
         exp["lm_head.weight"] = t["lm_head.weight"]
     for i in range(config.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        for name in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
-                     "self_attn.k_norm.weight"):
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                     "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
             exp[dst + name] = t[src + name]
-        exp[dst + "self_attn.qkv_proj.weight"] = torch.cat([t[src + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        exp[dst + "self_attn.qkv_proj.weight"] = torch.cat([t[src + f"self_attn.{n}_proj.weight"]
+                                                            for n in "qkv"])
         exp[dst + "self_attn.o_proj.weight"] = t[src + "self_attn.o_proj.weight"]
-        exp[dst + "mlp.gate_up_proj.weight"] = torch.cat([t[src + f"mlp.{n}_proj.weight"] for n in ("gate", "up")])
+        exp[dst + "mlp.gate_up_proj.weight"] = torch.cat([t[src + f"mlp.{n}_proj.weight"]
+                                                          for n in ("gate", "up")])
         exp[dst + "mlp.down_proj.weight"] = t[src + "mlp.down_proj.weight"]
     return exp
 
@@ -61,13 +66,15 @@ def assert_params_equal_files(model: Qwen3ForCausalLM, path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tied_dirs(checkpoint, tmp_path_factory) -> dict[str, Path]:
-    """The same tied checkpoint twice: as init-random writes it (no lm_head.weight), and with the head stored."""
+    """The same tied checkpoint twice: as init-random writes it (no lm_head.weight), and with the
+    head stored."""
     plain = checkpoint("gqa1-tied-headdim", dtype="float32")
     with_head = tmp_path_factory.mktemp("tied-with-head") / "m"
     shutil.copytree(plain, with_head)
     tensors = load_file(with_head / "model.safetensors")
     assert "lm_head.weight" not in tensors
-    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # stored separately, same values
+    # stored separately, same values
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, with_head / "model.safetensors", metadata={"format": "pt"})
     return {"no-lm-head": plain, "lm-head-in-file": with_head}
 
@@ -134,17 +141,20 @@ def test_sharded_checkpoint_loads_the_same_parameters(checkpoint):
     assert len(shards) >= 3 and "model.safetensors" not in shards
     assert (sharded / "model.safetensors.index.json").is_file()
 
-    a = dict(LLM(single, dtype="float32", device="cpu", max_model_len=64).llm_engine.model.named_parameters())
+    a = dict(LLM(single, dtype="float32", device="cpu",
+                 max_model_len=64).llm_engine.model.named_parameters())
     b_model = LLM(sharded, dtype="float32", device="cpu", max_model_len=64).llm_engine.model
     b = dict(b_model.named_parameters())
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    assert_params_equal_files(b_model, sharded)  # and both hold the file's values, not two equal zero buffers
+    # and both hold the file's values, not two equal zero buffers
+    assert_params_equal_files(b_model, sharded)
 
 
 def test_shard_missing_from_disk_is_named(checkpoint, tmp_path):
-    sharded = shutil.copytree(checkpoint("gqa4-sharded", dtype="float32", max_shard_bytes=2 << 20), tmp_path / "m")
+    sharded = shutil.copytree(checkpoint("gqa4-sharded", dtype="float32", max_shard_bytes=2 << 20),
+                              tmp_path / "m")
     victim = sorted(sharded.glob("model-*.safetensors"))[1]
     victim.unlink()
     with pytest.raises(WeightsError, match=victim.name):
@@ -172,42 +182,47 @@ before = status()
 peak_anon = [before["RssAnon"]]
 done = threading.Event()
 
-def sample():  # the anonymous (heap) memory is not tracked by the kernel's high-water mark: sample it
+# the anonymous (heap) memory is not tracked by the kernel's high-water mark: sample it
+def sample():
     while not done.is_set():
         peak_anon[0] = max(peak_anon[0], status()["RssAnon"])
         time.sleep(0.001)
 
 thread = threading.Thread(target=sample, daemon=True)
 thread.start()
-llm = LLM(sys.argv[1], dtype="float32", device="cpu", max_model_len=64, enforce_eager=True)  # loading only
+# loading only
+llm = LLM(sys.argv[1], dtype="float32", device="cpu", max_model_len=64, enforce_eager=True)
 done.set()
 thread.join()
 after = status()
-print(json.dumps({"rss_before": before["VmRSS"], "anon_before": before["RssAnon"], "hwm_after": after["VmHWM"],
-                  "anon_peak": max(peak_anon[0], after["RssAnon"])}))
+print(json.dumps({"rss_before": before["VmRSS"], "anon_before": before["RssAnon"],
+                  "hwm_after": after["VmHWM"], "anon_peak": max(peak_anon[0], after["RssAnon"])}))
 """
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads Linux /proc/self/status")
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(),
+                    reason="reads Linux /proc/self/status")
 def test_peak_memory_while_loading_stays_near_the_weights(tmp_path):
     # hidden 512, 8 layers, tied, float32: a 412 MB file, 311 MB of it the embedding.
-    raw = tiny_config(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
+    raw = tiny_config(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                      tie_word_embeddings=True)
     path = write_random_model(tmp_path / "m", raw, dtype="float32")
     size = (path / "model.safetensors").stat().st_size
-    result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(path)], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(path)], capture_output=True,
+                            text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     m = json.loads(result.stdout.strip().splitlines()[-1])
     anon = (m["anon_peak"] - m["anon_before"]) / size
     rss = (m["hwm_after"] - m["rss_before"]) / size
-    # Measured (2 cores, torch 2.13 CPU, safetensors 0.8), as multiples of the file size: heap 1.13x (the
-    # parameters, 1.0x, plus the tokenizer), peak RSS 1.46x: the loader reopens the file every 128 MB and
-    # reads big tensors in row blocks, so at most one 128 MB group of mapped pages is resident besides
-    # the parameters. (With a single map held open for the whole file it was 2.16x.)
-    # With one extra full copy of the weights held while loading (tried in a scratch script, not kept:
-    # `sd = {k: v.clone() for k, v in load_file(f).items()}` before load_weights): heap 2.12x, RSS 2.77x-3.15x.
-    assert anon < 1.5, f"heap grew by {anon:.2f}x the checkpoint size while loading (a second copy?)"
+    # As multiples of the file size: the heap grows by the parameters (1.0x) plus the tokenizer; the
+    # peak RSS stays near that because the loader reopens the file every 128 MB and reads big
+    # tensors in row blocks, so at most one 128 MB group of mapped pages is resident besides the
+    # parameters (a single map held open for the whole file goes past the RSS bound). One extra full
+    # copy of the weights held while loading (`sd = {k: v.clone() for k, v in load_file(f).items()}`
+    # before load_weights) goes past both bounds.
+    assert anon < 1.5, (f"heap grew by {anon:.2f}x the checkpoint size while loading "
+                        "(a second copy?)")
     assert rss < 1.75, f"peak RSS grew by {rss:.2f}x the checkpoint size while loading"
 
 
@@ -268,12 +283,14 @@ def test_init_random_writes_a_hub_shaped_folder(tmp_path, case):
     overrides = {"tied": {}, "untied": {"tie_word_embeddings": False},
                  "bias-sharded": {"tie_word_embeddings": False, "attention_bias": True}}[case]
     shard = 1 << 20 if "sharded" in case else 2 << 30
-    path = write_random_model(tmp_path / "m", tiny_config(**overrides), dtype="bfloat16", max_shard_bytes=shard)
+    path = write_random_model(tmp_path / "m", tiny_config(**overrides), dtype="bfloat16",
+                              max_shard_bytes=shard)
     names = {p.name for p in path.iterdir()}
     if "sharded" in case:
         shards = names - HF_FILES - {"model.safetensors.index.json"}
         n = len(shards)
-        assert n >= 3 and shards == {f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)}
+        assert n >= 3 and shards == {f"model-{i:05d}-of-{n:05d}.safetensors"
+                                     for i in range(1, n + 1)}
         assert names == HF_FILES | shards | {"model.safetensors.index.json"}
         index = json.loads((path / "model.safetensors.index.json").read_text())
         located = {}
@@ -313,18 +330,22 @@ def test_init_random_same_seed_same_weights(tmp_path):
     c = file_tensors(write_random_model(tmp_path / "c", "tiny", seed=4))
     assert a.keys() == b.keys() == c.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], c["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"],
+                           c["model.layers.0.mlp.up_proj.weight"])
     norm = a["model.layers.0.input_layernorm.weight"].float()
     assert 0.5 < norm.mean() < 1.5 and norm.std() > 0  # norms near one but not all one
 
 
-@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"])
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b",
+                                    "qwen3-14b", "qwen3-32b"])
 def test_official_preset_tensor_names_and_shapes_match_transformers(tmp_path, preset):
-    """What init-random would write for the real sizes (head_dim 128 != hidden/heads), without writing it."""
+    """What init-random would write for the real sizes (head_dim 128 != hidden/heads), without
+    writing it."""
     from nanoqwen.init_random import checkpoint_shapes, preset_config
 
     raw = preset_config(preset)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     got = dict(checkpoint_shapes(Qwen3Config.from_dict(raw)))
     assert got == transformers_shapes(tmp_path)
-    assert got["model.layers.0.self_attn.q_proj.weight"] == (raw["num_attention_heads"] * 128, raw["hidden_size"])
+    assert got["model.layers.0.self_attn.q_proj.weight"] == (raw["num_attention_heads"] * 128,
+                                                             raw["hidden_size"])

@@ -27,7 +27,8 @@ def test_reference_attention_is_grouped_query_attention(groups):
     k, v = torch.randn(2, 2, 7, 16, generator=g), torch.randn(2, 2, 7, 16, generator=g)
     mask = torch.rand(2, 1, 5, 7, generator=g) > 0.3
     mask[..., 0] = True
-    torch.testing.assert_close(attention_reference(q, k, v, mask), repeat_kv_attention(q, k, v, mask))
+    torch.testing.assert_close(attention_reference(q, k, v, mask),
+                               repeat_kv_attention(q, k, v, mask))
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])
@@ -36,19 +37,21 @@ def test_sdpa_prefill_equals_reference(groups):
     q = torch.randn(1, 2 * groups, 9, 32, generator=g)
     k, v = torch.randn(1, 2, 9, 32, generator=g), torch.randn(1, 2, 9, 32, generator=g)
     causal = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
-    torch.testing.assert_close(attention_sdpa(q, k, v, None, causal=True), attention_reference(q, k, v, causal),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attention_sdpa(q, k, v, None, causal=True),
+                               attention_reference(q, k, v, causal), atol=1e-5, rtol=1e-5)
     # a chunk of 4 queries after 5 cached keys
     chunk_mask = torch.arange(9)[None, :] <= torch.arange(5, 9)[:, None]
     qc = q[:, :, 5:]
     torch.testing.assert_close(attention_sdpa(qc, k, v, chunk_mask[None, None]),
-                               attention_reference(qc, k, v, chunk_mask[None, None]), atol=1e-5, rtol=1e-5)
+                               attention_reference(qc, k, v, chunk_mask[None, None]), atol=1e-5,
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("num_cached", [0, 5])
 def test_blocked_prefill_attention_equals_reference(groups, num_cached):
-    """Query blocks of 4 over 10 new tokens: a partial last block, and keys cached before the chunk."""
+    """Query blocks of 4 over 10 new tokens: a partial last block, and keys cached before the
+    chunk."""
     g = torch.Generator().manual_seed(30 + groups + num_cached)
     t, s = 10, 10 + num_cached
     q = torch.randn(2 * groups, t, 32, generator=g)
@@ -73,7 +76,8 @@ def test_folded_decode_attention_equals_reference(groups):
     expected = attention_reference(q.unsqueeze(2), k, v, mask).squeeze(2)
     torch.testing.assert_close(decode_attention(q, k, v, mask), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(decode_attention(q, k, v, None),
-                               attention_reference(q.unsqueeze(2), k, v, None).squeeze(2), atol=1e-5, rtol=1e-5)
+                               attention_reference(q.unsqueeze(2), k, v, None).squeeze(2),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_rms_norm_is_computed_in_float32():

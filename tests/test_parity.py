@@ -10,7 +10,8 @@ from nanoqwen import LLM
 
 transformers = pytest.importorskip("transformers")
 
-PROMPT = [9707, 11, 847, 829, 374, 1207, 16948, 13, 358, 1075, 311, 3270, 2038, 304, 13027, 323, 8257, 13]
+PROMPT = [9707, 11, 847, 829, 374, 1207, 16948, 13, 358, 1075, 311, 3270, 2038, 304, 13027, 323,
+          8257, 13]
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -30,13 +31,16 @@ def test_float32_logits_and_greedy_match_transformers(checkpoint, shape):
 
 
 def test_yarn_rope_and_attention_bias_match_transformers(checkpoint):
-    path = checkpoint("yarn-bias", dtype="float32", attention_bias=True, max_position_embeddings=4096,
-                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
+    path = checkpoint("yarn-bias", dtype="float32", attention_bias=True,
+                      max_position_embeddings=4096,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                    "original_max_position_embeddings": 1024})
     ref = hf_model(path, torch.float32)
     llm = LLM(path, dtype="float32", device="cpu")
     with torch.inference_mode():
         expected = ref(torch.tensor([PROMPT])).logits[0].float()
-    torch.testing.assert_close(prompt_logits(llm.llm_engine.model, PROMPT), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(prompt_logits(llm.llm_engine.model, PROMPT), expected, atol=1e-4,
+                               rtol=0)
 
 
 def test_bfloat16_greedy_and_logits_close(checkpoint):
@@ -51,7 +55,8 @@ def test_bfloat16_greedy_and_logits_close(checkpoint):
 
 
 def test_qwen3_0_6b_shape_matches_transformers(tmp_path):
-    """The exact Qwen3-0.6B shape (28 layers, 16/8 heads, head_dim 128, tied 151936 vocab), short prompt."""
+    """The exact Qwen3-0.6B shape (28 layers, 16/8 heads, head_dim 128, tied 151936 vocab),
+    short prompt."""
     from nanoqwen.init_random import write_random_model
 
     path = write_random_model(tmp_path / "qwen3-0.6b", "qwen3-0.6b", dtype="float32", std=0.05)

@@ -1,4 +1,5 @@
-"""Sampling filters, penalties, min_tokens and logprobs, each checked on known numbers: ignoring one would fail."""
+"""Sampling filters, penalties, min_tokens and logprobs, each checked on known numbers:
+ignoring one would fail."""
 
 from __future__ import annotations
 
@@ -21,19 +22,20 @@ def kept(params: SamplingParams) -> dict[int, float]:
     return {int(i): round(float(p), 4) for p, i in zip(probs[0], ids[0], strict=True) if p > 0}
 
 
-def run(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None,
+def run(logits: torch.Tensor, params: list[SamplingParams],
+        generators: list[torch.Generator | None] | None = None,
         prompts: list[list[int]] | None = None, outputs: list[list[int]] | None = None,
         stops: list[set[int]] | None = None) -> SamplerOutput:
     b = len(params)
-    return sample(logits, params, generators or [None] * b, prompts or [[]] * b, outputs or [[]] * b,
-                  stops or [set()] * b)
+    return sample(logits, params, generators or [None] * b, prompts or [[]] * b,
+                  outputs or [[]] * b, stops or [set()] * b)
 
 
 def tokens(logits: torch.Tensor, params: list[SamplingParams], **kw) -> list[int]:
     return run(logits, params, **kw).token_ids.tolist()
 
 
-# --- filters -------------------------------------------------------------------------------------------------------
+# --- filters --------------------------------------------------------------------------------------
 
 def test_no_filter_keeps_the_distribution():
     assert kept(SamplingParams()) == {0: 0.1, 1: 0.4, 2: 0.05, 3: 0.3, 4: 0.15}
@@ -64,7 +66,8 @@ def test_temperature_sharpens_and_flattens():
 
 def test_filters_apply_per_row_in_a_mixed_batch():
     logits = LOGITS.repeat(3, 1)
-    probs, ids = filter_probs(logits, [SamplingParams(top_k=1), SamplingParams(), SamplingParams(top_p=0.7)])
+    probs, ids = filter_probs(logits, [SamplingParams(top_k=1), SamplingParams(),
+                                       SamplingParams(top_p=0.7)])
     support = [{int(i) for p, i in zip(probs[r], ids[r], strict=True) if p > 0} for r in range(3)]
     assert support == [{1}, {0, 1, 2, 3, 4}, {1, 3}]
 
@@ -89,7 +92,8 @@ def test_samples_follow_the_distribution():
 
 @pytest.mark.parametrize("params", [SamplingParams(top_k=3), SamplingParams(top_p=0.8)])
 def test_filtered_samples_follow_the_renormalised_distribution(params):
-    """top_k rows draw noise only for their k candidates (in rank order); the result must still be exact."""
+    """top_k rows draw noise only for their k candidates (in rank order); the result must still
+    be exact."""
     n = 4000
     gen = torch.Generator().manual_seed(1)
     draws = run(LOGITS.repeat(n, 1), [params] * n, [gen] * n).token_ids
@@ -97,7 +101,8 @@ def test_filtered_samples_follow_the_renormalised_distribution(params):
     kept = {1: 0.4, 3: 0.3, 4: 0.15}  # the three most likely, for both filters
     for token in range(5):
         p = kept.get(token, 0.0) / sum(kept.values())
-        assert abs(freq[token].item() - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-9, (token, freq.tolist())
+        bound = 4 * math.sqrt(p * (1 - p) / n) + 1e-9
+        assert abs(freq[token].item() - p) < bound, (token, freq.tolist())
 
 
 def test_sample_does_not_modify_the_logits():
@@ -109,11 +114,12 @@ def test_sample_does_not_modify_the_logits():
     assert torch.equal(logits, before)
 
 
-# --- penalties -----------------------------------------------------------------------------------------------------
+# --- penalties ------------------------------------------------------------------------------------
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0, 0.0]])
-    # token 0 in the prompt, token 1 in the output (twice), token 5 (logit 0) in the prompt; 2, 3, 4 unseen
+    # token 0 in the prompt, token 1 in the output (twice), token 5 (logit 0) in the prompt;
+    # 2, 3, 4 unseen
     out = apply_penalties(logits, [SamplingParams(repetition_penalty=2.0)], [[0, 5]], [[1, 1]])
     assert out.tolist() == [[1.0, -2.0, 0.5, -0.5, 3.0, 0.0]]
     # a penalty < 1 rewards repeats instead
@@ -123,14 +129,18 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits
 
 def test_presence_and_frequency_penalties_subtract_exact_amounts_for_output_counts_0_1_3():
     logits = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
-    prompt, output = [[0, 0, 0, 3]], [[1, 2, 2, 2]]  # counts in the output: token 0 -> 0, 1 -> 1, 2 -> 3
+    # counts in the output: token 0 -> 0, 1 -> 1, 2 -> 3
+    prompt, output = [[0, 0, 0, 3]], [[1, 2, 2, 2]]
     presence = apply_penalties(logits, [SamplingParams(presence_penalty=0.5)], prompt, output)
     assert presence[0].tolist() == pytest.approx([1.0, 0.5, 0.5, 1.0])
     frequency = apply_penalties(logits, [SamplingParams(frequency_penalty=0.25)], prompt, output)
     assert frequency[0].tolist() == pytest.approx([1.0, 0.75, 0.25, 1.0])
-    both = apply_penalties(logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], prompt, output)
+    both = apply_penalties(logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)],
+                           prompt, output)
     assert both[0].tolist() == pytest.approx([1.0, 1.0 - 0.75, 1.0 - 1.25, 1.0])
-    negative = apply_penalties(logits, [SamplingParams(presence_penalty=-1.0, frequency_penalty=-2.0)], prompt, output)
+    negative = apply_penalties(logits,
+                               [SamplingParams(presence_penalty=-1.0, frequency_penalty=-2.0)],
+                               prompt, output)
     assert negative[0].tolist() == pytest.approx([1.0, 4.0, 8.0, 1.0])
 
 
@@ -145,17 +155,21 @@ def test_repetition_then_presence_frequency_in_order():
 def test_penalties_flip_the_greedy_argmax():
     logits = torch.tensor([[5.0, 4.0, 0.0, 0.0]])
     assert tokens(logits, [GREEDY], outputs=[[0]]) == [0]
-    assert tokens(logits, [SamplingParams(temperature=0, presence_penalty=1.5)], outputs=[[0]]) == [1]
-    assert tokens(logits, [SamplingParams(temperature=0, frequency_penalty=0.6)], outputs=[[0, 0]]) == [1]
-    assert tokens(logits, [SamplingParams(temperature=0, repetition_penalty=1.5)], prompts=[[0]]) == [1]
+    assert tokens(logits, [SamplingParams(temperature=0, presence_penalty=1.5)],
+                  outputs=[[0]]) == [1]
+    assert tokens(logits, [SamplingParams(temperature=0, frequency_penalty=0.6)],
+                  outputs=[[0, 0]]) == [1]
+    assert tokens(logits, [SamplingParams(temperature=0, repetition_penalty=1.5)],
+                  prompts=[[0]]) == [1]
     # presence/frequency look at the output only, so a prompt token is not penalised by them
-    assert tokens(logits, [SamplingParams(temperature=0, presence_penalty=2.0)], prompts=[[0]]) == [0]
+    assert tokens(logits, [SamplingParams(temperature=0, presence_penalty=2.0)],
+                  prompts=[[0]]) == [0]
 
 
 def test_penalties_apply_only_to_rows_that_ask_for_them():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
-    params = [SamplingParams(repetition_penalty=1.7), SamplingParams(), SamplingParams(frequency_penalty=1.0),
-              SamplingParams(temperature=0)]
+    params = [SamplingParams(repetition_penalty=1.7), SamplingParams(),
+              SamplingParams(frequency_penalty=1.0), SamplingParams(temperature=0)]
     prompts, outputs = [[1, 2, 3]] * 4, [[4, 5, 5]] * 4
     out = apply_penalties(logits, params, prompts, outputs)
     assert torch.equal(out[1], logits[1]) and torch.equal(out[3], logits[3])
@@ -175,18 +189,22 @@ def test_no_penalty_no_min_tokens_means_no_copy():
     assert apply_penalties(logits, params, [[1]] * 2, [[2]] * 2) is logits
     assert block_stop_tokens(logits, params, [[2]] * 2, [{3}] * 2) is logits
     # min_tokens already reached: nothing to block either
-    assert block_stop_tokens(logits, [SamplingParams(min_tokens=1)] * 2, [[2]] * 2, [{3}] * 2) is logits
+    assert block_stop_tokens(logits, [SamplingParams(min_tokens=1)] * 2, [[2]] * 2,
+                             [{3}] * 2) is logits
 
 
-# --- min_tokens ----------------------------------------------------------------------------------------------------
+# --- min_tokens -----------------------------------------------------------------------------------
 
 def test_min_tokens_blocks_stop_ids_until_reached():
     logits = torch.tensor([[1.0, 2.0, 9.0, 8.0, 3.0]])  # stop ids 2 and 3 are the most likely
     params = [SamplingParams(temperature=0, min_tokens=3)]
-    assert tokens(logits, params, outputs=[[0, 0]], stops=[{2, 3}]) == [4]  # 2 outputs < 3: both blocked
+    # 2 outputs < 3: both blocked
+    assert tokens(logits, params, outputs=[[0, 0]], stops=[{2, 3}]) == [4]
     assert tokens(logits, params, outputs=[[0, 0, 0]], stops=[{2, 3}]) == [2]  # reached: free again
-    assert tokens(logits, params, outputs=[[0, 0]], stops=[{2}]) == [3]  # only the row's own stop ids
-    assert tokens(logits, [GREEDY], outputs=[[]], stops=[{2, 3}]) == [2]  # min_tokens 0 blocks nothing
+    # only the row's own stop ids
+    assert tokens(logits, params, outputs=[[0, 0]], stops=[{2}]) == [3]
+    # min_tokens 0 blocks nothing
+    assert tokens(logits, [GREEDY], outputs=[[]], stops=[{2, 3}]) == [2]
 
 
 def test_min_tokens_blocks_sampled_rows_too_and_only_its_rows():
@@ -194,18 +212,20 @@ def test_min_tokens_blocks_sampled_rows_too_and_only_its_rows():
     logits = torch.tensor([[0.0, 0.0, 3.0]]).repeat(n, 1)  # token 2 (the stop) is ~90% likely
     params = [SamplingParams(min_tokens=1)] * (n - 1) + [SamplingParams()]
     gen = torch.Generator().manual_seed(0)
-    draws = tokens(logits, params, generators=[gen] * n, outputs=[[]] * n, stops=[{2, 99}] * n)  # 99 >= V: skipped
+    # 99 >= V: skipped
+    draws = tokens(logits, params, generators=[gen] * n, outputs=[[]] * n, stops=[{2, 99}] * n)
     assert 2 not in draws[:-1]
-    draws = tokens(logits[:200], [SamplingParams()] * 200, generators=[gen] * 200, stops=[{2}] * 200)
+    draws = tokens(logits[:200], [SamplingParams()] * 200, generators=[gen] * 200,
+                   stops=[{2}] * 200)
     assert draws.count(2) > 150
 
 
-# --- logprobs ------------------------------------------------------------------------------------------------------
+# --- logprobs -------------------------------------------------------------------------------------
 
 def test_logprobs_of_the_chosen_token_ranks_and_top():
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(3)) * 3
-    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(logprobs=20), SamplingParams(),
-              SamplingParams(temperature=0.7, top_k=50, logprobs=0)]
+    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(logprobs=20),
+              SamplingParams(), SamplingParams(temperature=0.7, top_k=50, logprobs=0)]
     gens = [None, torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(2)]
     out = run(logits, params, generators=gens)
     exact = logits.double().log_softmax(-1)
@@ -223,56 +243,68 @@ def test_logprobs_of_the_chosen_token_ranks_and_top():
         for t, v in lp.top:
             assert v == pytest.approx(exact[i, t].item(), abs=1e-5)
         assert sum(math.exp(v) for _, v in lp.top) <= 1 + 1e-6
-    assert out.logprobs[0].rank == 1 and out.logprobs[0].top[0][0] == out.logprobs[0].token_id  # greedy
+    # greedy
+    assert out.logprobs[0].rank == 1 and out.logprobs[0].top[0][0] == out.logprobs[0].token_id
     assert out.logprobs[3].top == []  # logprobs=0: only the chosen token
 
 
 def test_logprobs_are_raw_before_penalties_and_temperature():
     logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]])
-    params = SamplingParams(temperature=0, presence_penalty=2.0, repetition_penalty=1.5, min_tokens=2, logprobs=2)
+    params = SamplingParams(temperature=0, presence_penalty=2.0, repetition_penalty=1.5,
+                            min_tokens=2, logprobs=2)
     out = run(logits, [params], prompts=[[3]], outputs=[[0]], stops=[{2}])
     exact = logits.double().log_softmax(-1)[0]
     lp = out.logprobs[0]
-    assert lp.token_id == 1 and lp.rank == 2  # the penalty chose token 1; raw, token 0 is still ahead
+    # the penalty chose token 1; raw, token 0 is still ahead
+    assert lp.token_id == 1 and lp.rank == 2
     assert lp.logprob == pytest.approx(exact[1].item(), abs=1e-5)
     assert [t for t, _ in lp.top] == [0, 1]
-    hot = run(logits, [SamplingParams(temperature=5.0, top_k=1, logprobs=1)], [torch.Generator().manual_seed(0)])
-    assert hot.logprobs[0].logprob == pytest.approx(exact[0].item(), abs=1e-5)  # not divided by the temperature
+    hot = run(logits, [SamplingParams(temperature=5.0, top_k=1, logprobs=1)],
+              [torch.Generator().manual_seed(0)])
+    # not divided by the temperature
+    assert hot.logprobs[0].logprob == pytest.approx(exact[0].item(), abs=1e-5)
 
 
-# --- batch invariance ----------------------------------------------------------------------------------------------
+# --- batch invariance -----------------------------------------------------------------------------
 
 def test_seeded_row_is_batch_invariant_with_penalties_on_other_rows():
     vocab, steps = 300, 12
     data = torch.Generator().manual_seed(4)
     step_logits = [torch.randn(4, vocab, generator=data) for _ in range(steps)]
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
-    others = [SamplingParams(repetition_penalty=1.3, top_k=5), SamplingParams(temperature=0, presence_penalty=1.0),
+    others = [SamplingParams(repetition_penalty=1.3, top_k=5),
+              SamplingParams(temperature=0, presence_penalty=1.0),
               SamplingParams(frequency_penalty=-0.5, min_tokens=5, logprobs=3)]
-    alone_gen, batch_gen, shared = (torch.Generator().manual_seed(7), torch.Generator().manual_seed(7),
+    alone_gen, batch_gen, shared = (torch.Generator().manual_seed(7),
+                                    torch.Generator().manual_seed(7),
                                     torch.Generator().manual_seed(0))
     alone, batch, outputs = [], [], [[], [], []]
     for logits in step_logits:
-        alone += tokens(logits[1:2], [seeded], generators=[alone_gen], prompts=[[1, 2]], outputs=[alone[:]],
-                        stops=[{0}])
+        alone += tokens(logits[1:2], [seeded], generators=[alone_gen], prompts=[[1, 2]],
+                        outputs=[alone[:]], stops=[{0}])
         out = tokens(logits, [others[0], seeded, others[1], others[2]],
-                     generators=[shared, batch_gen, None, shared], prompts=[[5, 6], [1, 2], [7], [8, 9]],
-                     outputs=[outputs[0], batch[:], outputs[1], outputs[2]], stops=[{0}, {0}, {0}, {1, 2}])
+                     generators=[shared, batch_gen, None, shared],
+                     prompts=[[5, 6], [1, 2], [7], [8, 9]],
+                     outputs=[outputs[0], batch[:], outputs[1], outputs[2]],
+                     stops=[{0}, {0}, {0}, {1, 2}])
         batch.append(out[1])
         for o, t in zip(outputs, [out[0], out[2], out[3]], strict=True):
             o.append(t)
     assert alone == batch and len(set(alone)) > 3  # a real draw, not a constant
 
 
-# --- SamplingParams ------------------------------------------------------------------------------------------------
+# --- SamplingParams -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
-    ("max_tokens", 0), ("max_tokens", -3), ("seed", "x"), ("seed", -1), ("seed", 2**64), ("stop_token_ids", [-1]),
+    ("max_tokens", 0), ("max_tokens", -3), ("seed", "x"), ("seed", -1), ("seed", 2**64),
+    ("stop_token_ids", [-1]),
     ("n", 0), ("n", 1.5), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("repetition_penalty", float("inf")), ("repetition_penalty", float("nan")),
-    ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("frequency_penalty", 3.0), ("frequency_penalty", -2.5),
-    ("frequency_penalty", float("nan")), ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.0),
+    ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("frequency_penalty", 3.0),
+    ("frequency_penalty", -2.5),
+    ("frequency_penalty", float("nan")), ("min_tokens", -1), ("min_tokens", 17),
+    ("min_tokens", 1.0),
     ("stop", ""), ("stop", ["ok", ""]), ("stop", ["ok", 3]), ("stop", 5),
     ("include_stop_str_in_output", "yes"), ("logprobs", -1), ("logprobs", 21), ("logprobs", True),
 ])
@@ -283,8 +315,10 @@ def test_invalid_sampling_values_name_the_field(field, value):
 
 def test_new_fields_defaults_and_normalisation():
     p = SamplingParams()
-    assert (p.n, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_tokens) == (1, 1.0, 0.0, 0.0, 0)
-    assert (p.stop, p.include_stop_str_in_output, p.logprobs, p.max_stop_len) == ([], False, None, 0)
+    assert (p.n, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+            p.min_tokens) == (1, 1.0, 0.0, 0.0, 0)
+    assert (p.stop, p.include_stop_str_in_output, p.logprobs,
+            p.max_stop_len) == ([], False, None, 0)
     assert SamplingParams(stop="END").stop == ["END"]
     assert SamplingParams(stop=("a", "xyz")).stop == ["a", "xyz"]
     assert SamplingParams(stop=["a", "xyz", "bc"]).max_stop_len == 3
@@ -294,5 +328,6 @@ def test_new_fields_defaults_and_normalisation():
     assert SamplingParams(presence_penalty=-2, frequency_penalty=2).frequency_penalty == 2
     # the old fields keep their positions
     old = SamplingParams(0.5, 10, 0.9, 0.1, 32, 1, [5], True, False)
-    assert (old.temperature, old.top_k, old.max_tokens, old.stop_token_ids, old.ignore_eos) == (0.5, 10, 32, [5], True)
+    assert (old.temperature, old.top_k, old.max_tokens, old.stop_token_ids,
+            old.ignore_eos) == (0.5, 10, 32, [5], True)
     assert old.skip_special_tokens is False

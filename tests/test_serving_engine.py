@@ -1,4 +1,5 @@
-"""The serving engine: paged KV cache, prefix caching, preemption, chunked prefill, n > 1, stops, logprobs.
+"""The serving engine: paged KV cache, prefix caching, preemption, chunked prefill, n > 1, stops,
+logprobs.
 
 Outputs must not depend on how requests were scheduled, and every block must come back.
 """
@@ -9,11 +10,10 @@ import random
 
 import pytest
 import torch
-from conftest import prompt_logits
+from conftest import SYSTEM, make_llm, prompt_logits
 
 from nanoqwen import LLM, ConfigError, InvalidRequestError, SamplingParams
 
-SYSTEM = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198, 151644, 872, 198]  # 14 shared tokens
 PROMPTS = [
     SYSTEM + [9707, 11, 847, 829, 374],
     SYSTEM + [785, 6722, 315, 9625, 374, 264, 1293, 11652, 9934],
@@ -28,13 +28,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 @pytest.fixture(scope="module")
 def model_dir(checkpoint):
     return checkpoint("gqa2-untied", dtype="float32")
-
-
-def make_llm(model_dir, **kwargs) -> LLM:
-    kwargs.setdefault("max_model_len", 128)
-    kwargs.setdefault("kv_cache_memory", 8 << 20)
-    kwargs.setdefault("block_size", 4)
-    return LLM(model_dir, dtype="float32", device="cpu", **kwargs)
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
@@ -60,7 +53,8 @@ def test_all_at_once_equals_one_at_a_time(model_dir, expected):
 
 
 def test_preemption_under_a_tiny_kv_budget_gives_the_same_tokens(model_dir, expected):
-    # 4-token blocks of 256 bytes a token for this shape: room for 52 tokens, far less than the batch needs
+    # 4-token blocks of 256 bytes a token for this shape: room for 52 tokens, far less than the
+    # batch needs
     per_token = 2 * 2 * 2 * 16 * 4  # k and v, 2 layers, 2 kv heads, head_dim 16, float32
     llm = make_llm(model_dir, kv_cache_memory=52 * per_token, max_model_len=52)
     assert llm.llm_engine.block_manager.num_blocks == 13
@@ -104,7 +98,8 @@ def test_n_samples_share_the_prompt_blocks(model_dir):
     while engine.has_unfinished_requests():
         outs = engine.step()
     out = outs[-1]
-    assert [c.index for c in out.outputs] == [0, 1, 2] and all(len(c.token_ids) == 6 for c in out.outputs)
+    assert ([c.index for c in out.outputs] == [0, 1, 2]
+            and all(len(c.token_ids) == 6 for c in out.outputs))
     # sample i is what a lone request seeded seed + i produces
     for i, c in enumerate(out.outputs):
         alone = SamplingParams(temperature=1.0, max_tokens=6, seed=7 + i, ignore_eos=True)
@@ -125,8 +120,10 @@ def test_no_block_leaks_over_hundreds_of_random_requests(model_dir):
         if rng.random() < 0.6 and len(live) < 12:
             prefix = SYSTEM[: rng.randrange(0, 15)]
             prompt = prefix + [rng.randrange(100, 5000) for _ in range(rng.randrange(1, 20))]
-            params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randrange(1, 24),
-                                    n=rng.choice([1, 1, 2, 3]), stop=rng.choice([None, ["e"]]), seed=rng.randrange(99))
+            params = SamplingParams(temperature=rng.choice([0, 0.8]),
+                                    max_tokens=rng.randrange(1, 24),
+                                    n=rng.choice([1, 1, 2, 3]), stop=rng.choice([None, ["e"]]),
+                                    seed=rng.randrange(99))
             engine.add_request(f"q{next_id}", prompt, params)
             live.append(f"q{next_id}")
             next_id += 1
@@ -173,7 +170,8 @@ def test_stop_string_split_across_tokens_is_caught_and_never_streamed(model_dir)
     cut = text.find(stop)
     assert 0 <= cut <= len(before) + len(piece4)
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop], skip_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                            skip_special_tokens=False)
     engine.add_request("s", PROMPTS[0], params)
     seen = []
     while engine.has_unfinished_requests():
@@ -191,8 +189,8 @@ def test_stop_string_split_across_tokens_is_caught_and_never_streamed(model_dir)
 def test_logprobs_match_a_float64_recomputation(model_dir):
     llm = make_llm(model_dir)
     prompt = PROMPTS[2]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True),
-                       use_tqdm=False)[0]
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert out.logprobs is not None and len(out.logprobs) == 5
     logits = prompt_logits(llm.llm_engine.model, prompt + out.token_ids).double()
     reference = torch.log_softmax(logits, dim=-1)
@@ -213,8 +211,10 @@ def test_min_tokens_holds_off_eos(model_dir):
     engine.eos_token_ids.clear()  # pretend the greedy path's 3rd token is EOS
     engine.eos_token_ids.add(ids[2])
     try:
-        early = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
-        late = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20, min_tokens=8),
+        early = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20),
+                             use_tqdm=False)[0]
+        late = llm.generate([PROMPTS[0]],
+                            SamplingParams(temperature=0, max_tokens=20, min_tokens=8),
                             use_tqdm=False)[0]
     finally:
         engine.eos_token_ids.clear()
@@ -225,11 +225,13 @@ def test_min_tokens_holds_off_eos(model_dir):
 
 def test_repetition_penalty_reaches_the_sampler(model_dir):
     llm = make_llm(model_dir)
-    plain = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    plain = llm.generate([PROMPTS[2]],
+                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                          use_tqdm=False)[0].token_ids
     assert len(set(plain)) < len(plain)  # a random model repeats itself
-    penalised = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                                                          repetition_penalty=100.0), use_tqdm=False)[0].token_ids
+    penalty = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                             repetition_penalty=100.0)
+    penalised = llm.generate([PROMPTS[2]], penalty, use_tqdm=False)[0].token_ids
     assert len(set(penalised)) > len(set(plain))
 
 

@@ -1,5 +1,6 @@
-"""Tensor parallelism on CPU (gloo, real worker processes): TP=2 gives TP=1's tokens, each rank holds and reads
-half the weights, bad sizes are refused, and a dead or failing worker stops the engine within seconds."""
+"""Tensor parallelism on CPU (gloo, real worker processes): TP=2 gives TP=1's tokens, each rank
+holds and reads half the weights, bad sizes are refused, and a dead or failing worker stops the
+engine within seconds."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import SYSTEM, make_llm
 
 import nanoqwen.loader as loader
 from nanoqwen import LLM, ConfigError, EngineDeadError, SamplingParams
@@ -26,7 +28,6 @@ from nanoqwen.init_random import preset_config, write_random_model
 
 pytestmark = pytest.mark.timeout(300)  # a hang fails the test instead of blocking the run
 
-SYSTEM = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198, 151644, 872, 198]  # 14 shared tokens
 PROMPTS = [
     SYSTEM + [9707, 11, 847, 829, 374],
     SYSTEM + [785, 6722, 315, 9625, 374, 264, 1293, 11652, 9934],
@@ -36,19 +37,21 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
 SAMPLED = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5, ignore_eos=True)
-# (conftest shape, overrides): GQA ratios 1/2/4, tied and untied heads, head_dim != hidden/heads, several
-# weight files, and attention biases (the row-parallel o_proj bias lives on rank 0 only).
+# (conftest shape, overrides): GQA ratios 1/2/4, tied and untied heads, head_dim != hidden/heads,
+# several weight files, and attention biases (the row-parallel o_proj bias lives on rank 0 only).
 CASES = {
     "gqa1-tied-headdim": ("gqa1-tied-headdim", {}),
     "gqa2-untied": ("gqa2-untied", {}),
     "gqa4-sharded": ("gqa4-sharded", {"max_shard_bytes": 20 << 20}),
     "gqa2-bias": ("gqa2-untied", {"attention_bias": True}),
-    # Qwen3-MoE (8 experts, top-2, layer 1 dense), experts stored per expert as on the hub, or fused as
-    # transformers 5 saves them; and every other layer sparse, top-3 of 6, no renormalisation, tied head
+    # Qwen3-MoE (8 experts, top-2, layer 1 dense), experts stored per expert as on the hub, or fused
+    # as transformers 5 saves them; and every other layer sparse, top-3 of 6, no renormalisation,
+    # tied head
     "moe-per-expert": ("moe", {}),
     "moe-fused": ("moe", {"fused_experts": True}),
-    "moe-step2-tied": ("moe", {"num_hidden_layers": 4, "mlp_only_layers": [], "decoder_sparse_step": 2,
-                               "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False,
+    "moe-step2-tied": ("moe", {"num_hidden_layers": 4, "mlp_only_layers": [],
+                               "decoder_sparse_step": 2, "num_experts": 6,
+                               "num_experts_per_tok": 3, "norm_topk_prob": False,
                                "tie_word_embeddings": True}),
 }
 
@@ -65,8 +68,8 @@ def case_dir(checkpoint, tmp_path_factory):
                 overrides = dict(overrides)
                 fused = overrides.pop("fused_experts", False)
                 raw = {**preset_config("qwen3-moe-tiny"), **overrides}
-                made[case] = write_random_model(tmp_path_factory.mktemp(case), raw, dtype="float32", std=0.08,
-                                                fused_experts=fused)
+                made[case] = write_random_model(tmp_path_factory.mktemp(case), raw,
+                                                dtype="float32", std=0.08, fused_experts=fused)
             else:
                 made[case] = checkpoint(name, dtype="float32", **overrides)
         return made[case]
@@ -83,12 +86,8 @@ def one_thread_per_rank():
     torch.set_num_threads(before)
 
 
-def make_llm(path, **kwargs) -> LLM:
-    kwargs = {"max_model_len": 128, "kv_cache_memory": 8 << 20, "block_size": 4, **kwargs}
-    return LLM(path, dtype="float32", device="cpu", **kwargs)
-
-
-EAGER = {"enforce_eager": True}  # where steps stay under the compiled kernels' 64 tokens: skip compiling them
+# where steps stay under the compiled kernels' 64 tokens: skip compiling them
+EAGER = {"enforce_eager": True}
 
 
 @contextlib.contextmanager
@@ -102,13 +101,16 @@ def tp_llm(path, size: int = 2, **kwargs) -> Iterator[LLM]:
 
 
 def run_all(llm: LLM) -> dict:
-    """Greedy over a batch, a prefix-cached repeat, and n=3 seeded samples forked from one prompt."""
+    """Greedy over a batch, a prefix-cached repeat, and n=3 seeded samples forked from one
+    prompt."""
     batch = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     again = llm.generate([PROMPTS[4]], GREEDY, use_tqdm=False)[0]
     forks = llm.generate([PROMPTS[1]], SAMPLED, use_tqdm=False)[0]
-    return {"batch": [o.token_ids for o in batch], "again": again.token_ids, "cached": again.num_cached_tokens,
+    return {"batch": [o.token_ids for o in batch], "again": again.token_ids,
+            "cached": again.num_cached_tokens,
             "forks": [c.token_ids for c in forks.outputs],
-            "logprobs": [[e[t].logprob for e, t in zip(o.logprobs, o.token_ids, strict=True)] for o in batch]}
+            "logprobs": [[e[t].logprob for e, t in zip(o.logprobs, o.token_ids, strict=True)]
+                         for o in batch]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -117,21 +119,23 @@ def test_tp2_gives_the_tokens_of_tp1(case_dir, case):
     expected = run_all(make_llm(path))
     with tp_llm(path) as llm:
         engine = llm.llm_engine
-        assert [p.returncode for p in engine.tp_group.procs] == [None]  # one worker, running
+        assert [w.proc.returncode for w in engine.tp_group.workers] == [None]  # one worker, running
         got = run_all(llm)
-        procs = engine.tp_group.procs
+        procs = [w.proc for w in engine.tp_group.workers]
     assert [p.returncode for p in procs] == [0]  # stopped cleanly on shutdown
-    assert got["cached"] == expected["cached"] == 16  # the first run's prompt and answer blocks were reused
+    # the first run's prompt and answer blocks were reused
+    assert got["cached"] == expected["cached"] == 16
     for key in ("batch", "again", "forks"):
         assert got[key] == expected[key], key
-    assert len({tuple(t) for t in expected["batch"]}) == len(PROMPTS) and len(set(map(tuple, got["forks"]))) == 3
+    assert (len({tuple(t) for t in expected["batch"]}) == len(PROMPTS)
+            and len(set(map(tuple, got["forks"]))) == 3)
     for a, b in zip(got["logprobs"], expected["logprobs"], strict=True):
         assert a == pytest.approx(b, abs=1e-4)
 
 
 def test_tp2_with_the_gpu_decode_attention(case_dir, monkeypatch):
-    """The GPU path's paged decode attention (its PyTorch reference backend) on each rank's heads; CUDA graphs
-    stay off under tensor parallelism."""
+    """The GPU path's paged decode attention (its PyTorch reference backend) on each rank's heads;
+    CUDA graphs stay off under tensor parallelism."""
     monkeypatch.setenv("NANOQWEN_PAGED_ATTENTION", "torch")  # the workers inherit it
     path = case_dir("gqa2-untied")
     expected = run_all(make_llm(path, **EAGER))
@@ -144,34 +148,41 @@ def test_tp2_with_the_gpu_decode_attention(case_dir, monkeypatch):
 
 
 def test_tp2_under_preemption_and_chunked_prefill(checkpoint):
-    """A KV pool too small for the batch (preemptions) and 3-token steps (chunked prefill) on both ranks."""
+    """A KV pool too small for the batch (preemptions) and 3-token steps (chunked prefill) on both
+    ranks."""
     path = checkpoint("gqa2-untied", dtype="float32")
-    per_token = 2 * 2 * 2 * 16 * 4  # TP=1: k and v, 2 layers, 2 kv heads, head_dim 16, float32; TP=2: half
+    # TP=1: k and v, 2 layers, 2 kv heads, head_dim 16, float32; TP=2: half
+    per_token = 2 * 2 * 2 * 16 * 4
     kwargs = {"max_model_len": 52, "max_num_batched_tokens": 3, "max_num_seqs": 3, **EAGER}
     ref = make_llm(path, kv_cache_memory=52 * per_token, **kwargs)
     expected = [o.token_ids for o in ref.generate(PROMPTS, GREEDY, use_tqdm=False)]
     with tp_llm(path, kv_cache_memory=52 * per_token // 2, **kwargs) as llm:
-        assert llm.llm_engine.block_manager.num_blocks == ref.llm_engine.block_manager.num_blocks == 13
+        assert (llm.llm_engine.block_manager.num_blocks
+                == ref.llm_engine.block_manager.num_blocks == 13)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
-        assert llm.llm_engine.scheduler.num_preemptions == ref.llm_engine.scheduler.num_preemptions > 0
+        assert (llm.llm_engine.scheduler.num_preemptions
+                == ref.llm_engine.scheduler.num_preemptions > 0)
 
 
 # ---------------------------------------------------------------- sharded loading
 
 
-def expected_shard(name: str, full: torch.Tensor, rank: int, config: Qwen3Config) -> torch.Tensor | None:
+def expected_shard(name: str, full: torch.Tensor, rank: int,
+                   config: Qwen3Config) -> torch.Tensor | None:
     """What rank `rank` of 2 must hold of a TP=1 parameter, rebuilt without the loader's table."""
     def half(t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.chunk(2, dim)[rank]
 
     if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        q = config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
         return torch.cat([half(p, 0) for p in full.split([q, kv, kv])])
     if name.endswith("gate_up_proj.weight"):
         return torch.cat([half(p, 0) for p in full.chunk(2)])
     if name.endswith(("o_proj.weight", "mlp.down_proj.weight")):
         return half(full, 1)
-    if name.endswith("experts.gate_up_proj"):  # [E, 2Ie, H]: each expert's gate rows, then its up rows
+    if name.endswith("experts.gate_up_proj"):
+        # [E, 2Ie, H]: each expert's gate rows, then its up rows
         return torch.cat([half(p, 1) for p in full.chunk(2, dim=1)], dim=1)
     if name.endswith("experts.down_proj"):  # [E, H, Ie]
         return half(full, 2)
@@ -182,7 +193,8 @@ def expected_shard(name: str, full: torch.Tensor, rank: int, config: Qwen3Config
     return full  # norms: replicated
 
 
-@pytest.mark.parametrize("case", ["gqa4-sharded", "gqa2-bias", "gqa1-tied-headdim", "moe-per-expert", "moe-fused"])
+@pytest.mark.parametrize("case", ["gqa4-sharded", "gqa2-bias", "gqa1-tied-headdim",
+                                  "moe-per-expert", "moe-fused"])
 def test_each_rank_reads_and_holds_only_its_half(case_dir, case, monkeypatch):
     path = case_dir(case)
     config = loader.load_config(path)
@@ -218,12 +230,14 @@ def test_each_rank_reads_and_holds_only_its_half(case_dir, case, monkeypatch):
 def test_iter_checkpoint_reads_planned_ranges_in_row_blocks(tmp_path):
     from safetensors.torch import save_file
 
-    tensors = {"a": torch.arange(24.0).view(6, 4), "b": torch.arange(36.0).view(3, 2, 6), "c": torch.arange(5.0)}
+    tensors = {"a": torch.arange(24.0).view(6, 4), "b": torch.arange(36.0).view(3, 2, 6),
+               "c": torch.arange(5.0)}
     save_file(tensors, tmp_path / "m.safetensors")
     plans = {"a": (0, [(0, 1), (3, 5)]), "b": (2, [(0, 2), (4, 6)]), "c": None}
     got: dict[str, torch.Tensor] = {}
-    for name, first_row, rows in loader.iter_checkpoint([tmp_path / "m.safetensors"], group_bytes=16,
-                                                        plan=lambda name, shape: plans[name]):
+    pieces = loader.iter_checkpoint([tmp_path / "m.safetensors"], group_bytes=16,
+                                    plan=lambda name, shape: plans[name])
+    for name, first_row, rows in pieces:
         assert rows.shape[0] == 1  # 16-byte groups: one row at a time
         part = got.setdefault(name, torch.full((3, *rows.shape[1:]), -1.0))
         part[first_row: first_row + 1] = rows
@@ -241,11 +255,13 @@ def test_misshaped_tensor_is_reported_with_full_shapes(checkpoint, tmp_path):
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
     tensors = load_file(dst / "model.safetensors")
-    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"][:, :64].clone()
+    down = "model.layers.1.mlp.down_proj.weight"
+    tensors[down] = tensors[down][:, :64].clone()
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     config = loader.load_config(dst)
-    with pytest.raises(loader.WeightsError, match=r"down_proj.weight' has shape \[64, 64\] in the checkpoint, "
-                                                  r"but config.json implies \[64, 128\]"):
+    with pytest.raises(loader.WeightsError,
+                       match=r"down_proj.weight' has shape \[64, 64\] in the checkpoint, "
+                             r"but config.json implies \[64, 128\]"):
         loader.load_model(dst, config, torch.float32, torch.device("cpu"), 64, tp_rank=1, tp_size=2)
 
 
@@ -258,18 +274,22 @@ def config(**overrides) -> Qwen3Config:
 
 def test_sizes_that_do_not_divide_are_refused_with_the_valid_ones():
     check_tensor_parallel_size(config(), 2)
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide num_key_value_heads=2 of this "
-                                          r"model; valid sizes: 1, 2$"):
+    with pytest.raises(ConfigError,
+                       match=r"tensor_parallel_size=4 does not divide num_key_value_heads=2 "
+                             r"of this model; valid sizes: 1, 2$"):
         check_tensor_parallel_size(config(), 4)
-    with pytest.raises(ConfigError, match=r"=3 does not divide num_attention_heads=4, num_key_value_heads=2, "
-                                          r"intermediate_size=128, vocab_size=151936 of this model; "
-                                          r"valid sizes: 1, 2$"):
+    with pytest.raises(ConfigError,
+                       match=r"=3 does not divide num_attention_heads=4, num_key_value_heads=2, "
+                             r"intermediate_size=128, vocab_size=151936 of this model; "
+                             r"valid sizes: 1, 2$"):
         check_tensor_parallel_size(config(), 3)
     with pytest.raises(ConfigError, match=r"does not divide vocab_size=1001 .*valid sizes: 1$"):
         check_tensor_parallel_size(config(vocab_size=1001), 2)
-    with pytest.raises(ConfigError, match=r"=8 does not divide intermediate_size=100 of this model; "
-                                          r"valid sizes: 1, 2, 4$"):
-        check_tensor_parallel_size(config(intermediate_size=100, num_attention_heads=8, num_key_value_heads=8), 8)
+    with pytest.raises(ConfigError,
+                       match=r"=8 does not divide intermediate_size=100 of this model; "
+                             r"valid sizes: 1, 2, 4$"):
+        check_tensor_parallel_size(config(intermediate_size=100, num_attention_heads=8,
+                                          num_key_value_heads=8), 8)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ConfigError, match="must be an integer >= 1"):
             check_tensor_parallel_size(config(), bad)
@@ -278,20 +298,23 @@ def test_sizes_that_do_not_divide_are_refused_with_the_valid_ones():
 def test_llm_refuses_before_starting_anything(checkpoint, monkeypatch):
     path = checkpoint("gqa2-untied", dtype="float32")
     start = time.monotonic()
-    with pytest.raises(ConfigError, match="tensor_parallel_size=4 does not divide num_key_value_heads=2"):
+    with pytest.raises(ConfigError,
+                       match="tensor_parallel_size=4 does not divide num_key_value_heads=2"):
         make_llm(path, tensor_parallel_size=4)
     assert time.monotonic() - start < 10 and not dist.is_initialized()
     # under torchrun the group is torchrun's: its size must be the tensor-parallel size
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match="torchrun started 4 processes but tensor_parallel_size is 2"):
+    with pytest.raises(ConfigError,
+                       match="torchrun started 4 processes but tensor_parallel_size is 2"):
         make_llm(path, tensor_parallel_size=2)
     assert not dist.is_initialized()
 
 
 def test_a_second_engine_is_refused_and_leaves_the_running_one_alone(checkpoint, monkeypatch):
-    """One tensor-parallel group per process: a second TP engine is refused before it starts a worker, and the
-    first keeps working (its group used to be torn down by the refused one's clean-up)."""
+    """One tensor-parallel group per process: a second TP engine is refused before it starts a
+    worker, and the first keeps working (its group used to be torn down by the refused one's
+    clean-up)."""
     path = checkpoint("gqa2-untied", dtype="float32")
     with tp_llm(path, **EAGER) as llm:
         def greedy() -> list[list[int]]:
@@ -299,8 +322,10 @@ def test_a_second_engine_is_refused_and_leaves_the_running_one_alone(checkpoint,
 
         expected = greedy()
         started = []
-        monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a) or pytest.fail("started"))
-        with pytest.raises(ConfigError, match="a tensor-parallel group is already running in this process"):
+        monkeypatch.setattr(subprocess, "Popen",
+                            lambda *a, **k: started.append(a) or pytest.fail("started"))
+        with pytest.raises(ConfigError,
+                           match="a tensor-parallel group is already running in this process"):
             make_llm(path, tensor_parallel_size=2, **EAGER)
         monkeypatch.undo()
         assert not started and dist.is_initialized()
@@ -311,35 +336,37 @@ def test_a_second_engine_is_refused_and_leaves_the_running_one_alone(checkpoint,
 
 
 def test_a_workers_joining_report_is_kept_whichever_read_takes_it():
-    """Rank 0 reads a worker's pipe in two places while it waits for "joining" (the wait itself, and the health
-    check that looks for errors); a report taken by the health check must still count (CI once lost it and
-    waited out the join timeout)."""
+    """Rank 0 reads a worker's pipe in two places while it waits for "joining" (the wait itself, and
+    the health check that looks for errors); a report taken by the health check must still count (CI
+    once lost it and waited out the join timeout)."""
     from multiprocessing.connection import Connection
 
-    from nanoqwen.engine.tp_worker import TPGroup
+    from nanoqwen.engine.tp_worker import Joining, TPGroup, Worker
 
     group = TPGroup(2, torch.device("cpu"))
     read_fd, write_fd = os.pipe()
-    group.conns.append(Connection(read_fd, writable=False))
-    group.procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    conn = Connection(read_fd, writable=False)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    group.workers.append(Worker(1, sleeper, conn))
     try:
         with Connection(write_fd, readable=False) as worker_end:
-            worker_end.send("joining")
+            worker_end.send(Joining())
         assert group.failure() is None  # the health check reads the pipe first
         start = time.monotonic()
-        group._wait_for_workers("joining", timeout=5.0)
+        group._wait_for_workers(Joining(), timeout=5.0)
         assert time.monotonic() - start < 1
     finally:
-        group.procs[0].kill()
-        group.procs[0].wait()
-        group.conns[0].close()
+        group.workers[0].proc.kill()
+        group.workers[0].proc.wait()
+        group.workers[0].conn.close()
 
 
 
 def test_killed_worker_stops_the_engine_within_seconds(checkpoint):
     path = checkpoint("gqa2-untied", dtype="float32")
-    llm = make_llm(path, tensor_parallel_size=2, max_model_len=4096, kv_cache_memory=16 << 20, **EAGER)
-    worker = llm.llm_engine.tp_group.procs[0]
+    llm = make_llm(path, tensor_parallel_size=2, max_model_len=4096, kv_cache_memory=16 << 20,
+                   **EAGER)
+    worker = llm.llm_engine.tp_group.workers[0].proc
     killed_at = []
 
     def kill() -> None:
@@ -349,15 +376,18 @@ def test_killed_worker_stops_the_engine_within_seconds(checkpoint):
     timer = threading.Timer(1.0, kill)
     timer.start()
     try:  # 4 x 4000 tokens: far more than 1 s of steps, so the kill lands mid-run
-        with pytest.raises(EngineDeadError, match=rf"tensor-parallel worker 1 \(pid {worker.pid}\) was killed by "
-                                                  r"SIGKILL; the tensor-parallel group is stopped"):
-            llm.generate([PROMPTS[2]] * 4, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)
+        with pytest.raises(EngineDeadError,
+                           match=rf"tensor-parallel worker 1 \(pid {worker.pid}\) was killed by "
+                                 r"SIGKILL; the tensor-parallel group is stopped"):
+            llm.generate([PROMPTS[2]] * 4, SamplingParams(max_tokens=4000, ignore_eos=True),
+                         use_tqdm=False)
     finally:
         timer.cancel()
     assert killed_at and time.monotonic() - killed_at[0] < 30
     assert not dist.is_initialized() and worker.returncode == -signal.SIGKILL
     start = time.monotonic()
-    with pytest.raises(EngineDeadError, match="was killed by SIGKILL"):  # and it stays dead, at once
+    # and it stays dead, at once
+    with pytest.raises(EngineDeadError, match="was killed by SIGKILL"):
         llm.generate([PROMPTS[2]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert time.monotonic() - start < 1
     assert not llm.llm_engine.requests and llm.llm_engine.block_manager.num_free_blocks == \
@@ -371,15 +401,19 @@ def test_ctrl_c_ends_the_step_then_interrupts_and_the_engine_keeps_working(check
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
-                llm.generate([PROMPTS[2]] * 4, SamplingParams(max_tokens=4000, ignore_eos=True), use_tqdm=False)
+                llm.generate([PROMPTS[2]] * 4, SamplingParams(max_tokens=4000, ignore_eos=True),
+                             use_tqdm=False)
         finally:
             timer.cancel()
-        assert llm.llm_engine.tp_group.dead is None and not llm.llm_engine.requests  # aborted, group intact
-        expected = [o.token_ids for o in make_llm(path, **EAGER).generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+        # aborted, group intact
+        assert llm.llm_engine.tp_group.dead is None and not llm.llm_engine.requests
+        expected = [o.token_ids
+                    for o in make_llm(path, **EAGER).generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
         assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] == expected
 
 
-# Loaded by the workers' interpreters only (they start after PYTHONPATH points here): fail where told to.
+# Loaded by the workers' interpreters only (they start after PYTHONPATH points here): fail where
+# told to.
 FAULT_HOOK = """
 import os
 import torch
@@ -410,20 +444,23 @@ elif where == "load":
 def test_failing_worker_stops_the_engine_with_its_error(checkpoint, tmp_path, monkeypatch):
     path = checkpoint("gqa2-untied", dtype="float32")
     (tmp_path / "sitecustomize.py").write_text(FAULT_HOOK)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    pythonpath = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", pythonpath)
     monkeypatch.setenv("NANOQWEN_TEST_FAIL", "step")
     llm = make_llm(path, tensor_parallel_size=2, **EAGER)
     start = time.monotonic()
-    with pytest.raises(EngineDeadError, match=r"tensor-parallel worker 1 \(pid \d+\) exited with code 1: "
-                                              r"OutOfMemoryError: simulated: out of memory in step 3; "
-                                              r"the tensor-parallel group is stopped"):
+    with pytest.raises(EngineDeadError,
+                       match=r"tensor-parallel worker 1 \(pid \d+\) exited with code 1: "
+                             r"OutOfMemoryError: simulated: out of memory in step 3; "
+                             r"the tensor-parallel group is stopped"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert time.monotonic() - start < 30 and not dist.is_initialized()
 
     monkeypatch.setenv("NANOQWEN_TEST_FAIL", "load")
     start = time.monotonic()
-    with pytest.raises(EngineDeadError, match=r"worker 1 \(pid \d+\) exited with code 1: OutOfMemoryError: "
-                                              r"simulated: out of memory while loading"):
+    with pytest.raises(EngineDeadError,
+                       match=r"worker 1 \(pid \d+\) exited with code 1: OutOfMemoryError: "
+                             r"simulated: out of memory while loading"):
         make_llm(path, tensor_parallel_size=2, **EAGER)
     assert time.monotonic() - start < 60 and not dist.is_initialized()
 
@@ -433,7 +470,8 @@ def test_failing_worker_stops_the_engine_with_its_error(checkpoint, tmp_path, mo
 
 @contextlib.contextmanager
 def tp2_server(path, log) -> Iterator[tuple[subprocess.Popen, str]]:
-    """A `nanoqwen serve --tensor-parallel-size 2` process and its base URL; killed on the way out if still up."""
+    """A `nanoqwen serve --tensor-parallel-size 2` process and its base URL; killed on the way out
+    if still up."""
     proc, base = start_server(path, log)
     try:
         yield proc, base
@@ -444,17 +482,19 @@ def tp2_server(path, log) -> Iterator[tuple[subprocess.Popen, str]]:
 
 
 def assert_logged_worker_kill(log, pid: int) -> None:
-    assert re.search(rf"nanoqwen: error: tensor-parallel worker 1 \(pid {pid}\) was killed by SIGKILL",
-                     log.read_text())
+    assert re.search(rf"nanoqwen: error: tensor-parallel worker 1 \(pid {pid}\) "
+                     r"was killed by SIGKILL", log.read_text())
 
 
 def start_server(path, log) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "nanoqwen", "serve", "--model", str(path), "--port", str(port), "--dtype", "float32",
-           "--device", "cpu", "--max-model-len", "1024", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
+    cmd = [sys.executable, "-m", "nanoqwen", "serve", "--model", str(path), "--port", str(port),
+           "--dtype", "float32", "--device", "cpu", "--max-model-len", "1024",
+           "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
            "--tensor-parallel-size", "2", "--enforce-eager"]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -468,31 +508,36 @@ def start_server(path, log) -> tuple[subprocess.Popen, str]:
 
 
 def worker_pid(log) -> int:
-    return int(re.search(r"tensor-parallel worker 1 started \(pid (\d+)\)", log.read_text()).group(1))
+    found = re.search(r"tensor-parallel worker 1 started \(pid (\d+)\)", log.read_text())
+    return int(found.group(1))
 
 
 def test_server_with_tp2_answers_like_tp1_and_exits_when_a_worker_dies(checkpoint, tmp_path):
     path, log = checkpoint("tiny", dtype="float32"), tmp_path / "server.log"
     with tp2_server(path, log) as (proc, base):
         messages = [{"role": "user", "content": "Why is the sky blue?"}]
-        ref = make_llm(path, max_model_len=1024, **EAGER).chat(messages, SamplingParams(temperature=0, max_tokens=12),
-                                                      use_tqdm=False)[0]
+        greedy = SamplingParams(temperature=0, max_tokens=12)
+        ref = make_llm(path, max_model_len=1024, **EAGER).chat(messages, greedy, use_tqdm=False)[0]
         body = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0}
         r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == ref.text
 
-        # A worker dies in the middle of a stream: the stream ends with the error, the server exits with it.
+# A worker dies in the middle of a stream: the stream ends with the error, the server exits
+        # with it.
         pid = worker_pid(log)
-        body = {"prompt": "Count to a thousand", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        body = {"prompt": "Count to a thousand", "max_tokens": 1000, "ignore_eos": True,
+                "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
-            first = [next(lines) for _ in range(6)]  # a few tokens in (events and the blank lines between them)
+            # a few tokens in (events and the blank lines between them)
+            first = [next(lines) for _ in range(6)]
             assert sum(line.startswith("data: {") for line in first) >= 2, first
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
             rest = "\n".join(lines)
-        assert re.search(r'data: \{"error": \{"message": "the engine stopped: tensor-parallel worker 1 \(pid \d+\) '
+        assert re.search(r'data: \{"error": \{"message": "the engine stopped: '
+                         r'tensor-parallel worker 1 \(pid \d+\) '
                          r'was killed by SIGKILL; the tensor-parallel group is stopped"', rest)
         assert proc.wait(timeout=30) == 1 and time.monotonic() - killed < 30
         assert_logged_worker_kill(log, pid)
@@ -504,28 +549,31 @@ def test_idle_server_exits_when_a_worker_dies(checkpoint, tmp_path):
         pid = worker_pid(log)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-        assert proc.wait(timeout=30) == 1 and time.monotonic() - killed < 10  # no request needed to notice
+        # no request needed to notice
+        assert proc.wait(timeout=30) == 1 and time.monotonic() - killed < 10
         assert_logged_worker_kill(log, pid)
 
 
 def test_torchrun_two_ranks_generate_like_tp1(checkpoint):
     path = checkpoint("gqa2-untied", dtype="float32")
-    args = ["generate", "--model", str(path), "--prompt", "Hello, my name is", "--no-chat-template", "--max-tokens",
-            "10", "--temperature", "0", "--dtype", "float32", "--device", "cpu", "--max-model-len", "64",
-            "--enforce-eager"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "nanoqwen",
-           *args, "--tensor-parallel-size", "2"]
+    args = ["generate", "--model", str(path), "--prompt", "Hello, my name is", "--no-chat-template",
+            "--max-tokens", "10", "--temperature", "0", "--dtype", "float32", "--device", "cpu",
+            "--max-model-len", "64", "--enforce-eager"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "nanoqwen", *args, "--tensor-parallel-size", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     greedy = SamplingParams(temperature=0, max_tokens=10)
-    ref = make_llm(path, max_model_len=64, **EAGER).generate("Hello, my name is", greedy, use_tqdm=False)[0]
+    ref = make_llm(path, max_model_len=64, **EAGER).generate("Hello, my name is", greedy,
+                                                             use_tqdm=False)[0]
     assert result.stdout == ref.text + "\n"  # printed once: by rank 0
 
 
 @pytest.mark.parametrize("case", ["gqa2-untied", "moe-per-expert"])
 def test_tp2_with_int8_quantises_each_rank_shard(case_dir, case):
-    """quantization="int8" under TP: every rank quantises its own shard (the row-parallel projections' scales are
-    per row of the rank's columns, so results are close to TP=1 int8, not bit-equal); MoE experts too."""
+    """quantization="int8" under TP: every rank quantises its own shard (the row-parallel
+    projections' scales are per row of the rank's columns, so results are close to TP=1 int8, not
+    bit-equal); MoE experts too."""
     from nanoqwen.quantization import Int8Experts, Int8Linear
 
     path = case_dir(case)
@@ -534,10 +582,12 @@ def test_tp2_with_int8_quantises_each_rank_shard(case_dir, case):
     expected = ref.generate(PROMPTS, GREEDY, use_tqdm=False)
     with tp_llm(path, quantization="int8", **EAGER) as llm:
         model = llm.llm_engine.model
-        assert isinstance(model.layers[0].self_attn.o_proj, Int8Linear) and isinstance(model.lm_head, Int8Linear)
+        assert (isinstance(model.layers[0].self_attn.o_proj, Int8Linear)
+                and isinstance(model.lm_head, Int8Linear))
         if case.startswith("moe"):
             assert isinstance(model.layers[0].mlp.experts, Int8Experts)
-        # both ranks quantised: each holds about half of TP=1's int8 bytes (an unquantised fp32 shard: ~2x)
+# both ranks quantised: each holds about half of TP=1's int8 bytes (an unquantised fp32
+        # shard: ~2x)
         assert len(llm.llm_engine.rank_weight_bytes) == 2
         for rank_bytes in llm.llm_engine.rank_weight_bytes:
             assert 0.45 < rank_bytes / ref.llm_engine.weight_bytes < 0.6

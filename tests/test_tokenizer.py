@@ -12,12 +12,14 @@ from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "nanoqwen" / "assets" / "qwen3-0.6b"
 
-ENGLISH = "The quick brown fox jumps over the lazy dog. It's 3.14159, isn't it?  Two  spaces, trailing  "
+ENGLISH = ("The quick brown fox jumps over the lazy dog. It's 3.14159, isn't it?  Two  spaces, "
+           "trailing  ")
 CHINESE = "你好，世界！今天天气怎么样？我正在学习机器学习和自然语言处理。龘靐齉"
 JAPANESE = "こんにちは世界。東京は日本の首都です。カタカナとひらがな、そして漢字。"
 EMOJI = "Family 👨‍👩‍👧‍👦, flags 🇯🇵🇺🇸🏴‍☠️, skin tone 👍🏽, coder 🧑‍💻, heart ❤️, 🦩🪿"
 CODE = "def f(x):\n\tif x:\n\t\treturn {'a': [1, 2]}\r\n    pass\n\n\n# 注释 ✓\n\tprint(f'{x!r}')\n"
-SPECIAL = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nhmm\n</think>\n\nok<|endoftext|>"
+SPECIAL = ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nhmm\n</think>\n\n"
+           "ok<|endoftext|>")
 TEXTS = {"english": ENGLISH, "chinese": CHINESE, "japanese": JAPANESE, "emoji": EMOJI, "code": CODE}
 
 
@@ -27,7 +29,8 @@ def tok() -> Tokenizer:
 
 
 def byte_token_id(tok: Tokenizer, byte: int) -> int:
-    """Id of the single-byte token for `byte`, via GPT-2's byte-to-unicode table that Qwen's BPE uses."""
+    """Id of the single-byte token for `byte`, via GPT-2's byte-to-unicode table that Qwen's BPE
+    uses."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     unprintable = [b for b in range(256) if b not in printable]
     char = chr(byte) if byte in printable else chr(256 + unprintable.index(byte))
@@ -36,7 +39,8 @@ def byte_token_id(tok: Tokenizer, byte: int) -> int:
     return token_id
 
 
-def stream(tok: Tokenizer, ids: list[int], **kwargs: bool) -> tuple[IncrementalDetokenizer, list[str], str]:
+def stream(tok: Tokenizer, ids: list[int],
+           **kwargs: bool) -> tuple[IncrementalDetokenizer, list[str], str]:
     detok = IncrementalDetokenizer(tok, **kwargs)
     deltas = [detok.push(i) for i in ids]
     return detok, deltas, detok.flush()
@@ -91,7 +95,8 @@ def test_decode_accepts_arrays(tok: Tokenizer) -> None:
 def test_skip_special_tokens(tok: Tokenizer) -> None:
     ids = tok.encode(SPECIAL)
     # <think> is an added token but not a special one, so it survives skipping, as in transformers
-    assert tok.decode(ids, skip_special_tokens=True) == "user\nhi\nassistant\n<think>\nhmm\n</think>\n\nok"
+    assert tok.decode(ids, skip_special_tokens=True) == (
+        "user\nhi\nassistant\n<think>\nhmm\n</think>\n\nok")
     assert tok.all_special_ids == list(range(151643, 151657))
 
 
@@ -112,7 +117,8 @@ def test_stream_matches_decode(tok: Tokenizer, name: str) -> None:
     assert "".join(deltas) + tail == tok.decode(ids) == TEXTS[name]
     assert tail == ""
     assert detok.text == TEXTS[name]
-    assert sum(1 for d in deltas if d) > len(ids) // 3  # text comes out as it goes, not all at the end
+    # text comes out as it goes, not all at the end
+    assert sum(1 for d in deltas if d) > len(ids) // 3
 
 
 def test_stream_emits_each_character_as_soon_as_it_is_complete(tok: Tokenizer) -> None:
@@ -187,7 +193,8 @@ def test_stream_skip_special_tokens(tok: Tokenizer) -> None:
 
 
 def write_tiny_tokenizer(folder: Path) -> None:
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>"))
+    word_level = tokenizers.models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")
+    backend = tokenizers.Tokenizer(word_level)
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     backend.add_special_tokens(["<|endoftext|>", "<|im_end|>"])
     backend.save(str(folder / "tokenizer.json"))
@@ -224,7 +231,8 @@ def test_special_tokens_as_dicts_or_missing(tmp_path: Path) -> None:
     tok = Tokenizer.from_pretrained(tmp_path)  # tokenizer_config.json is optional
     assert tok.eos_token_id is None and tok.pad_token_id is None
     eos = {"content": "<|im_end|>", "lstrip": False, "rstrip": False, "special": True}
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos, "pad_token": None}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos,
+                                                                "pad_token": None}))
     tok = Tokenizer.from_pretrained(tmp_path)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 3
     assert tok.encode("hi <|im_end|>") == [1, 3]

@@ -32,12 +32,15 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_uncached = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # free blocks still caching a prefix, oldest first
+        # a stack: block 0 is handed out first
+        self.free_uncached = list(range(num_blocks - 1, -1, -1))
+        # free blocks still caching a prefix, oldest first
+        self.evictable: OrderedDict[int, None] = OrderedDict()
         self.cached_blocks: dict[int, int] = {}  # hash -> block id
         self.prefix_queries = self.prefix_hits = 0  # in blocks, for the hit rate
         self.peak_used_blocks = 0
@@ -55,8 +58,8 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks matching the start of seq's tokens; never the block of the last token, which must
-        be computed to get the logits to sample from."""
+        """Cached blocks matching the start of seq's tokens; never the block of the last token,
+        which must be computed to get the logits to sample from."""
         if not self.enable_prefix_caching:
             return []
         found = []
@@ -70,20 +73,22 @@ class BlockManager:
         return found
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        """Chained hashes of (at least) seq's first num_blocks full blocks, computed once per sequence (its tokens
-        never change); the sequence's own list, not a copy."""
+        """Chained hashes of (at least) seq's first num_blocks full blocks, computed once per
+        sequence (its tokens never change); the sequence's own list, not a copy."""
         hashes = seq.block_hashes
         while len(hashes) < num_blocks:
-            hashes.append(hash((hashes[-1] if hashes else None, self._block_tokens(seq, len(hashes)))))
+            previous = hashes[-1] if hashes else None
+            hashes.append(hash((previous, self._block_tokens(seq, len(hashes)))))
         return hashes
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids(i * self.block_size, (i + 1) * self.block_size))
 
     def allocate(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
-        """Give a waiting seq the cached prefix blocks plus new blocks up to num_tokens; False if the pool
-        is too small right now (nothing is changed then)."""
-        reclaimed = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # free but cached: taken, not new
+        """Give a waiting seq the cached prefix blocks plus new blocks up to num_tokens; False if
+        the pool is too small right now (nothing is changed then)."""
+        # free but cached: taken, not new
+        reclaimed = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         new = max(0, -(-num_tokens // self.block_size) - len(cached))
         if new > self.num_free_blocks - reclaimed:
             return False
@@ -97,7 +102,8 @@ class BlockManager:
         return self.append_slots(seq, num_tokens)
 
     def append_slots(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow seq's block table to cover num_tokens tokens; False (and no change) if blocks run out."""
+        """Grow seq's block table to cover num_tokens tokens; False (and no change) if
+        blocks run out."""
         needed = self.blocks_needed(seq, num_tokens)
         if needed > self.num_free_blocks:
             return False
@@ -113,16 +119,18 @@ class BlockManager:
         if num_full <= seq.num_registered_blocks:  # most decode steps: no block filled up
             return
         hashes = self._block_hashes(seq, num_full)
-        for i in range(seq.num_registered_blocks, num_full):  # only the newly filled ones: no rescan per step
+        # only the newly filled ones: no rescan per step
+        for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and hashes[i] not in self.cached_blocks:
                 block.hash, block.token_ids = hashes[i], self._block_tokens(seq, i)
                 self.cached_blocks[hashes[i]] = block.block_id
         seq.num_registered_blocks = num_full
 
-    def fork(self, parent: Sequence, child: Sequence, copy_block: Callable[[int, int], None]) -> bool:
-        """Let child continue from parent's cache: full blocks are shared, a partly filled last block is
-        copied (both will write into it). False if no block is free for the copy."""
+    def fork(self, parent: Sequence, child: Sequence,
+             copy_block: Callable[[int, int], None]) -> bool:
+        """Let child continue from parent's cache: full blocks are shared, a partly filled last
+        block is copied (both will write into it). False if no block is free for the copy."""
         partial = parent.num_computed_tokens % self.block_size
         if partial and not self.num_free_blocks:
             return False
@@ -140,7 +148,8 @@ class BlockManager:
         return True
 
     def free(self, seq: Sequence) -> None:
-        """Drop seq's references; its blocks become free (still reusable by hash) once nobody holds them."""
+        """Drop seq's references; its blocks become free (still reusable by hash)
+        once nobody holds them."""
         # Tail first: evictable blocks go oldest first, so a sequence's prefix outlives its tail.
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
@@ -157,12 +166,14 @@ class BlockManager:
         """One more holder of a block (a prefix-cache hit keeps the block's key)."""
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.evictable[block_id]  # a free block reached by its hash is always an evictable one
+            # a free block reached by its hash is always an evictable one
+            del self.evictable[block_id]
         block.ref_count += 1
         return block_id
 
     def _take_free(self) -> int:
-        """A free block for new tokens: an uncached one, else the oldest cached one, whose prefix is forgotten."""
+        """A free block for new tokens: an uncached one, else the oldest cached one,
+        whose prefix is forgotten."""
         if self.free_uncached:
             block_id = self.free_uncached.pop()
         else:

@@ -1,10 +1,14 @@
-"""LLMEngine: requests in, tokens out, one `step()` at a time. No I/O, so any front end can drive it.
+"""LLMEngine: requests in, tokens out, one `step()` at a time.
+No I/O, so any front end can drive it.
 
-request -> Scheduler (which tokens run) -> ModelRunner (forward + sampling) -> OutputProcessor.
+request -> Scheduler.schedule (which tokens run) -> ModelRunner.execute (pack, forward, sample)
+        -> LLMEngine._postprocess (sequences advance; OutputProcessor: text, stops)
+        -> RequestOutput.
 
-With tensor_parallel_size N > 1 this engine is rank 0: it holds 1/N of the weights and of each KV block
-(its heads), schedules and samples; N-1 worker processes (engine/tp_worker.py) hold the rest and run every
-step's forward with it. Call shutdown() (or let the engine be collected) to stop them.
+With tensor_parallel_size N > 1 this engine is rank 0: it holds 1/N of the weights and of each KV
+block (its heads), schedules and samples; N-1 worker processes (engine/tp_worker.py) hold the rest
+and run every step's forward with it. Call shutdown() (or let the engine be collected) to stop
+them.
 """
 
 from __future__ import annotations
@@ -13,26 +17,26 @@ import logging
 import random
 import time
 import weakref
-from pathlib import Path
 
 import torch
 
 from nanoqwen.compilation import select_kernels
-from nanoqwen.config import GenerationConfig
+from nanoqwen.config import EngineConfig, GenerationConfig
 from nanoqwen.device import resolve_device, resolve_dtype
 from nanoqwen.distributed import check_tensor_parallel_size
 from nanoqwen.engine.block_manager import BlockManager
-from nanoqwen.engine.kv_cache import KVCache, kv_cache_budget
-from nanoqwen.engine.model_runner import ModelRunner
+from nanoqwen.engine.kv_cache import KVCache
+from nanoqwen.engine.memory import kv_cache_budget
+from nanoqwen.engine.model_runner import ModelRunner, SampledToken
 from nanoqwen.engine.output_processor import OutputProcessor, RequestState
-from nanoqwen.engine.scheduler import Scheduler
+from nanoqwen.engine.scheduler import ScheduledBatch, Scheduler
 from nanoqwen.engine.sequence import Sequence, SequenceStatus
-from nanoqwen.engine.tp_worker import LoadModel, TPGroup
+from nanoqwen.engine.tp_worker import KVCacheSize, LoadModel, TPGroup
 from nanoqwen.errors import ConfigError, InvalidRequestError
 from nanoqwen.hub import resolve_model_path
 from nanoqwen.loader import load_config, load_model
 from nanoqwen.outputs import RequestMetrics, RequestOutput
-from nanoqwen.quantization import check_quantization, weight_bytes
+from nanoqwen.quantization import weight_bytes
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -40,41 +44,31 @@ logger = logging.getLogger("nanoqwen")
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path, *, dtype: str | torch.dtype | None = None,
-                 device: str | torch.device | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 kv_cache_memory: int | float | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, seed: int | None = 0, enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1, quantization: str | None = None) -> None:
-        """enforce_eager: no torch.compile of elementwise kernels (CPU), no CUDA graphs for decode steps (GPU).
-        quantization: None or "int8" (weight-only, made at load: nanoqwen/quantization.py)."""
-        self.quantization = check_quantization(quantization)
-        self.model_dir = resolve_model_path(str(model))
+    def __init__(self, config: EngineConfig) -> None:
+        """Load the model and tokenizer, size the KV cache, and start the tensor-parallel workers if
+        any."""
+        self.engine_config = config
+        self.quantization = config.quantization
+        self.model_dir = resolve_model_path(str(config.model))
         self.config = load_config(self.model_dir)
-        check_tensor_parallel_size(self.config, tensor_parallel_size)
+        check_tensor_parallel_size(self.config, config.tensor_parallel_size)
+        config.check_model_len(self.config.max_position_embeddings, self.model_dir / "config.json")
         self.generation_config = GenerationConfig.from_file(
             self.model_dir / "generation_config.json", fallback_eos=self.config.eos_token_id)
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.config.torch_dtype, self.device)
-        limit = self.config.max_position_embeddings
-        if max_model_len is not None and not 1 < max_model_len <= limit:
-            raise ConfigError(f"max_model_len={max_model_len} must be in [2, {limit}] "
-                              f"(max_position_embeddings of {self.model_dir / 'config.json'})")
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("block_size", block_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.config.torch_dtype, self.device)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.eos_token_ids = set(self.generation_config.eos_token_id or self.config.eos_token_id)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         self.tp_group: TPGroup | None = None
-        if tensor_parallel_size > 1:  # under torchrun, ranks > 0 become workers in here and never return
-            self.tp_group = TPGroup.start(tensor_parallel_size, self.device, self.model_dir)
+        if config.tensor_parallel_size > 1:
+            # under torchrun, ranks > 0 become workers in here and never return
+            self.tp_group = TPGroup.start(config.tensor_parallel_size, self.device, self.model_dir)
             self.device = self.tp_group.device
             weakref.finalize(self, self.tp_group.shutdown)
         try:
-            num_blocks = self._load(max_model_len, kv_cache_memory, block_size, max_num_seqs, enforce_eager)
+            num_blocks = self._load()
         except BaseException as e:
             if self.tp_group is None:
                 raise
@@ -82,47 +76,58 @@ class LLMEngine:
             if dead is None:
                 raise
             raise dead from e
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.generator = torch.Generator(self.device).manual_seed(
-            seed if seed is not None else random.randrange(2**63))
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
+                                                self.max_model_len)
+        seed = config.seed if config.seed is not None else random.randrange(2**63)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
         self.requests: dict[str, RequestState] = {}
 
-    def _load(self, max_model_len: int | None, kv_cache_memory: int | float | None, block_size: int,
-              max_num_seqs: int, enforce_eager: bool) -> int:
-        """Load the weights (this rank's shard) and size the KV cache (the workers do the same with theirs);
-        return the number of KV blocks."""
-        limit = self.config.max_position_embeddings
+    def _load(self) -> int:
+        """Load the weights (this rank's shard) and size the KV cache (the workers do the same with
+        theirs); return the number of KV blocks."""
+        config, c = self.engine_config, self.config
+        limit = c.max_position_embeddings
         tp = self.tp_group
         if tp is not None:
-            tp.send(LoadModel(str(self.model_dir), self.dtype, max_model_len or limit, enforce_eager,
-                              self.quantization))
-        model_ = load_model(self.model_dir, self.config, self.dtype, self.device, max_model_len or limit,
-                            tp_rank=0, tp_size=tp.size if tp else 1, quantization=self.quantization)
+            tp.send(LoadModel(str(self.model_dir), self.dtype, config.max_model_len or limit,
+                              config.enforce_eager, self.quantization))
+        model_ = load_model(self.model_dir, c, self.dtype, self.device,
+                            config.max_model_len or limit, tp_rank=0, tp_size=tp.size if tp else 1,
+                            quantization=self.quantization)
         self.weight_bytes = weight_bytes(model_)  # this rank's
-        self.rank_weight_bytes = [self.weight_bytes]  # every rank's (filled in below under tensor parallelism)
+        # every rank's (filled in below under tensor parallelism)
+        self.rank_weight_bytes = [self.weight_bytes]
         logger.info("weights: %.2f GiB in memory (%s)", self.weight_bytes / 2**30,
                     self.quantization or str(self.dtype).removeprefix("torch."))
-        select_kernels(self.device, self.dtype, enforce_eager)
-        # The KV pool: as many blocks as the budget holds; it must fit at least one full-length sequence.
-        # With tensor parallelism the budget is per rank, and a rank's block holds only its heads.
-        c = self.config
-        per_token = KVCache.bytes_per_token(c.num_hidden_layers, model_.num_kv_heads, c.head_dim, self.dtype)
-        budget = kv_cache_budget(kv_cache_memory, self.device)
+        self.kernel_path = select_kernels(self.device, self.dtype, config.enforce_eager)
+        logger.info("kernels: %s", self.kernel_path)
+        # The KV pool: as many blocks as the budget holds; it must fit at least one full-length
+        # sequence. With tensor parallelism the budget is per rank, and a rank's block holds only
+        # its heads.
+        block_size = config.block_size
+        per_token = KVCache.bytes_per_token(c.num_hidden_layers, model_.num_kv_heads, c.head_dim,
+                                            self.dtype)
+        budget = kv_cache_budget(config.kv_cache_memory, self.device)
         num_blocks = max(0, budget) // (per_token * block_size)
         capacity = num_blocks * block_size
-        self.max_model_len = max_model_len or min(limit, capacity)
+        self.max_model_len = config.max_model_len or min(limit, capacity)
         if capacity < max(self.max_model_len, 2):
             raise ConfigError(
-                f"the KV cache budget of {budget / 2**30:.2f} GiB holds {capacity} tokens, fewer than "
-                f"max_model_len={self.max_model_len}: raise kv_cache_memory or lower max_model_len")
-        if self.max_model_len < limit and max_model_len is None:
-            logger.info("max_model_len set to %d, what the KV cache budget holds", self.max_model_len)
-        self.runner = ModelRunner(model_, num_blocks, block_size, max_num_seqs=max_num_seqs,
-                                  max_model_len=self.max_model_len, enforce_eager=enforce_eager)
+                f"the KV cache budget of {budget / 2**30:.2f} GiB holds {capacity} tokens, "
+                f"fewer than max_model_len={self.max_model_len}: "
+                "raise kv_cache_memory or lower max_model_len")
+        if self.max_model_len < limit and config.max_model_len is None:
+            logger.info("max_model_len set to %d, what the KV cache budget holds",
+                        self.max_model_len)
+        self.runner = ModelRunner(model_, num_blocks, block_size, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager)
         if tp is not None:
-            tp.send((num_blocks, block_size))  # every rank gets the same blocks
+            tp.send(KVCacheSize(num_blocks, block_size))  # every rank gets the same blocks
             self.rank_weight_bytes = tp.wait_ready(self.weight_bytes)
         return num_blocks
 
@@ -133,9 +138,11 @@ class LLMEngine:
     def default_sampling_params(self) -> SamplingParams:
         """The checkpoint's recommended sampling (generation_config.json), as vLLM does."""
         g = self.generation_config
+        temperature = (g.temperature if g.temperature is not None else 1.0) if g.do_sample else 0.0
         return SamplingParams(
-            temperature=(g.temperature if g.temperature is not None else 1.0) if g.do_sample else 0.0,
-            top_k=g.top_k or -1, top_p=g.top_p if g.top_p is not None else 1.0, min_p=g.min_p or 0.0)
+            temperature=temperature,
+            top_k=g.top_k or -1, top_p=g.top_p if g.top_p is not None else 1.0,
+            min_p=g.min_p or 0.0)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """A string is tokenized as is (no chat template); a list is taken as token ids."""
@@ -143,14 +150,16 @@ class LLMEngine:
         self.validate_prompt(token_ids)
         return token_ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None) -> None:
         """Queue a request (prompt_token_ids, when given, are the already tokenized prompt)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         params = sampling_params or self.default_sampling_params()
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, "
+                                      f"got {type(params).__name__}")
         token_ids = self.tokenize(prompt) if prompt_token_ids is None else prompt_token_ids
         seqs = [Sequence(request_id, i, token_ids, params) for i in range(params.n)]
         for seq in seqs:
@@ -161,20 +170,24 @@ class LLMEngine:
         seqs[0].forks = seqs[1:]
         for seq in seqs[1:]:
             seq.status = SequenceStatus.FORK_PENDING
-        self.requests[request_id] = RequestState(request_id, prompt if isinstance(prompt, str) else None, token_ids,
-                                                 params, seqs, RequestMetrics(arrival_time=time.perf_counter()))
+        text = prompt if isinstance(prompt, str) else None
+        metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.requests[request_id] = RequestState(request_id, text, token_ids, params, seqs, metrics)
         self.scheduler.add(seqs[0])
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
         vocab = self.config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [t for t in token_ids
+               if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]!r} is not in the vocabulary [0, {vocab})")
+            raise InvalidRequestError(f"prompt token id {bad[0]!r} is not in the vocabulary "
+                                      f"[0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
+                f"the prompt has {len(token_ids)} tokens "
+                f"but max_model_len is {self.max_model_len}: "
                 "shorten the prompt or raise max_model_len (--max-model-len)")
 
     def abort_request(self, request_id: str) -> None:
@@ -193,22 +206,34 @@ class LLMEngine:
         if batch.empty:
             return []
         if self.tp_group is None:
-            results = self.runner.execute(batch, self.eos_token_ids)
+            sampled = self.runner.execute(batch, self.eos_token_ids)
         else:
-            with self.tp_group.guard():  # a failed rank stops the group with an EngineDeadError, never a hang
-                results = self.runner.execute(batch, self.eos_token_ids)
-        for seq in batch.decode + [s for s, _ in batch.prefill]:
+            # a failed rank stops the group with an EngineDeadError, never a hang
+            with self.tp_group.guard():
+                sampled = self.runner.execute(batch, self.eos_token_ids)
+        return self._postprocess(batch, sampled)
+
+    def _postprocess(self, batch: ScheduledBatch, sampled: list[SampledToken]
+                     ) -> list[RequestOutput]:
+        """Everything that happens to sequences after a step, in order: their computed tokens
+        advance, newly filled blocks join the prefix cache, siblings waiting for a prompt start from
+        its cache, each sampled token is appended (text, stop checks) and finished sequences free
+        their blocks."""
+        for seq in batch.decode:
+            seq.num_computed_tokens += 1
+        for seq, n in batch.prefill:
+            seq.num_computed_tokens += n
+        for seq in batch.seqs:
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.register_full_blocks(seq)
-        for seq, _, _ in results:  # siblings take the prompt's cache before anything can finish
-            if seq.status == SequenceStatus.FORK_PENDING:
-                self._start_fork(seq)
+        for s in sampled:  # siblings take the prompt's cache before anything can finish
+            if s.seq.status == SequenceStatus.FORK_PENDING:
+                self._start_fork(s.seq)
         touched: dict[str, RequestState] = {}
-        for seq, token, logprobs in results:
-            state = self.requests[seq.request_id]
-            if self.output_processor.append_token(seq, token, logprobs) is not None:
+        for seq, token_id, logprobs in sampled:
+            if self.output_processor.append_token(seq, token_id, logprobs) is not None:
                 self.scheduler.finish(seq)
-            touched[state.request_id] = state
+            touched[seq.request_id] = self.requests[seq.request_id]
         outputs = []
         for state in touched.values():
             outputs.append(self.output_processor.make_output(state))
@@ -226,12 +251,14 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def check_health(self) -> None:
-        """Raise EngineDeadError if the engine cannot step any more (a tensor-parallel worker died)."""
+        """Raise EngineDeadError if the engine cannot step any more (a tensor-parallel worker
+        died)."""
         if self.tp_group is not None:
             self.tp_group.check()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (a no-op without them); the engine cannot step afterwards."""
+        """Stop the tensor-parallel workers (a no-op without them); the engine cannot step
+        afterwards."""
         if self.tp_group is not None:
             self.tp_group.shutdown()
 
@@ -240,9 +267,11 @@ class LLMEngine:
         bm = self.block_manager
         return {
             "num_blocks": bm.num_blocks, "block_size": bm.block_size,
-            "used_blocks": bm.num_blocks - bm.num_free_blocks, "peak_used_blocks": bm.peak_used_blocks,
+            "used_blocks": bm.num_blocks - bm.num_free_blocks,
+            "peak_used_blocks": bm.peak_used_blocks,
             "usage": 1 - bm.num_free_blocks / bm.num_blocks,
-            "prefix_cache_hit_rate": bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+            "prefix_cache_hit_rate": (bm.prefix_hits / bm.prefix_queries
+                                      if bm.prefix_queries else 0.0),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
         }

@@ -1,7 +1,9 @@
 """Run one scheduled step on the model: pack the tokens, run the forward, sample the next tokens.
 
-With tensor parallelism every rank runs `run_model` on the same `StepInput`: rank 0 builds it from the
-scheduled batch and broadcasts it, the workers (engine/tp_worker.py) receive it. Only rank 0 samples.
+Nothing here changes a sequence: what happens to sequences after a step happens in one place,
+LLMEngine._postprocess. With tensor parallelism every rank runs `run_model` on the same
+`StepInput`: rank 0 builds it from the scheduled batch and broadcasts it, the workers
+(engine/tp_worker.py) receive it. Only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -9,12 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from nanoqwen import distributed
+from nanoqwen.engine.attention_metadata import AttentionMetadata, DecodeRow, PrefillRow
 from nanoqwen.engine.cuda_graph import CUDAGraphRunner
-from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache
+from nanoqwen.engine.kv_cache import KVCache
 from nanoqwen.engine.scheduler import ScheduledBatch
 from nanoqwen.engine.sequence import Sequence
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
@@ -29,109 +33,140 @@ class StepInput:
     """What a forward needs, as plain data (rank 0 sends it to the other ranks)."""
 
     input_ids: list[int]  # decode tokens first, then the prompt chunks
-    decode: list[tuple[list[int], int]]  # (block table, context length) per decoding sequence
-    prefill: list[tuple[list[int], int, int]]  # (block table, cached tokens, query length) per prompt chunk
+    decode: list[DecodeRow]
+    prefill: list[PrefillRow]
     sample_rows: list[int]  # rows whose next token is sampled (their logits are computed)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks to copy first
+    # (src, dst) KV blocks to copy first
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class SampledToken(NamedTuple):
+    """A sequence's next token, as the step sampled it."""
+
+    seq: Sequence
+    token_id: int
+    logprobs: TokenLogprobs | None
 
 
 class ModelRunner:
     """Owns the model and its KV cache. On CUDA, decode attention reads the cache in place
-    (ops/paged_attention.py) and, unless enforce_eager, pure decode steps replay CUDA graphs (engine/cuda_graph.py).
+    (ops/paged_attention.py) and, unless enforce_eager, pure decode steps replay CUDA graphs
+    (engine/cuda_graph.py).
     """
 
-    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int, *, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, enforce_eager: bool = False) -> None:
+    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int, *,
+                 max_num_seqs: int = 64, max_model_len: int | None = None,
+                 enforce_eager: bool = False) -> None:
         self.model = model
         self.device = model.embed_tokens.weight.device
         c = model.config
-        self.attention_backend = attention_backend(self.device, block_size)  # None: the CPU grouped gather path
-        # Graphs need the paged kernels; on CPU they are never captured (NANOQWEN_PAGED_ATTENTION=torch runs the same
-        # padded static-buffer steps eagerly there, for tests). Not with tensor parallelism (yet): its collectives
-        # would have to be captured in the graphs too. Not for MoE models: the expert dispatch reads each expert's
-        # token count on the host (models/qwen3_moe.py), which a graph capture forbids.
-        use_runner = (not enforce_eager and self.attention_backend is not None and model.tp_size == 1
-                      and not c.is_moe)
+        # None: the CPU grouped gather path
+        self.attention_backend = attention_backend(self.device, block_size)
+        # Graphs need the paged kernels; on CPU they are never captured
+        # (NANOQWEN_PAGED_ATTENTION=torch runs the same padded static-buffer steps eagerly there,
+        # for tests). Not with tensor parallelism (yet): its collectives would have to be captured
+        # in the graphs too. Not for MoE models: the expert dispatch reads each expert's token count
+        # on the host (models/qwen3.py, Experts), which a graph capture forbids.
+        use_runner = (not enforce_eager and self.attention_backend is not None
+                      and model.tp_size == 1 and not c.is_moe)
         if not enforce_eager and self.device.type == "cuda" and c.is_moe:
-            logger.info("CUDA graphs are off for this MoE model: its expert dispatch syncs with the host")
-        # One extra block, never handed out by the block manager: graph padding rows write their keys/values there.
-        self.kv_cache = KVCache(c.num_hidden_layers, num_blocks + use_runner, block_size, model.num_kv_heads,
-                                c.head_dim, model.embed_tokens.weight.dtype, self.device)
-        self._block_copies: list[tuple[int, int]] = []  # made since the last step, for the other ranks
+            logger.info("CUDA graphs are off for this MoE model: "
+                        "its expert dispatch syncs with the host")
+        # One extra block, never handed out by the block manager: graph padding rows write their
+        # keys/values there.
+        self.kv_cache = KVCache(c.num_hidden_layers, num_blocks + use_runner, block_size,
+                                model.num_kv_heads, c.head_dim, model.embed_tokens.weight.dtype,
+                                self.device)
+        # made since the last step, for the other ranks
+        self._block_copies: list[tuple[int, int]] = []
         self.graph_runner: CUDAGraphRunner | None = None
         if use_runner:
             max_blocks = -(-(max_model_len or c.max_position_embeddings) // block_size)
-            self.graph_runner = CUDAGraphRunner(model, self.kv_cache, num_blocks * block_size, max_num_seqs,
-                                                max_blocks, self.attention_backend,
+            self.graph_runner = CUDAGraphRunner(model, self.kv_cache, num_blocks * block_size,
+                                                max_num_seqs, max_blocks, self.attention_backend,
                                                 use_graphs=self.device.type == "cuda")
             start = time.perf_counter()
             self.graph_runner.capture()
             if self.graph_runner.use_graphs:
-                logger.info("captured %d CUDA graphs (decode batch sizes %s) in %.1f s", len(self.graph_runner.graphs),
-                            self.graph_runner.batch_sizes, time.perf_counter() - start)
+                logger.info("captured %d CUDA graphs (decode batch sizes %s) in %.1f s",
+                            len(self.graph_runner.graphs), self.graph_runner.batch_sizes,
+                            time.perf_counter() - start)
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy a KV block (a forked sequence's partly filled one); the other ranks copy theirs next step."""
+        """Copy a KV block (a forked sequence's partly filled one); the other ranks copy theirs next
+        step."""
         self.kv_cache.copy_block(src, dst)
         if self.model.tp_size > 1:
             self._block_copies.append((src, dst))
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch,
-                eos_token_ids: set[int]) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
-        """Run the step; return (sequence, new token, logprobs) for every sequence that reached its next token.
+    def execute(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> list[SampledToken]:
+        """Pack -> forward -> sample: the next token of every sequence that reached its next token.
 
         A prompt chunk that does not finish its prompt produces no token: only its K/V are cached. A
-        sequence whose prompt finishes here also samples the first token of each sibling waiting to fork.
+        sequence whose prompt finishes here also samples the first token of each sibling waiting to
+        fork.
         """
-        input_ids: list[int] = [seq.token_ids(seq.num_tokens - 1, seq.num_tokens)[0] for seq in batch.decode]
-        decode = [(seq.block_table, seq.num_tokens) for seq in batch.decode]
-        prefill = []
-        sampled: list[Sequence] = []
-        rows: list[int] = []
-
-        def sample_from(row: int, seq: Sequence) -> None:
-            for s in [seq, *seq.forks]:  # siblings waiting to fork sample their first token from the same row
-                sampled.append(s)
-                rows.append(row)
-
-        for i, seq in enumerate(batch.decode):  # decode rows come first
-            sample_from(i, seq)
-        for seq, n in batch.prefill:
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids(start, start + n)
-            prefill.append((seq.block_table, start, n))
-            if start + n == seq.num_tokens:
-                sample_from(len(input_ids) - 1, seq)
-        if not prefill and self.graph_runner is not None and self.graph_runner.can_run(decode):
-            logits = self.graph_runner.run(input_ids, decode)  # [b, V], padded to a captured batch size inside
-            if rows != list(range(len(decode))):
-                logits = logits[torch.tensor(rows, device=self.device)]
-        else:  # eager: steps with prompt chunks, and every step without a graph runner (CPU, tensor parallel)
-            step = StepInput(input_ids, decode, prefill, rows)
-            if self.model.tp_size > 1:
-                step.block_copies, self._block_copies = self._block_copies, []
-                distributed.broadcast_object(step)  # the workers run the same forward on their shards
-            logits = self.run_model(step)
-        for seq in batch.decode:
-            seq.num_computed_tokens += 1
-        for seq, n in batch.prefill:
-            seq.num_computed_tokens += n
+        step, seqs = self.prepare(batch)
+        logits = self.forward(step)
         if logits is None:
             return []
-        out = sample(logits, [s.sampling_params for s in sampled], [s.generator for s in sampled],
-                     [s.prompt_token_ids for s in sampled], [s.output_token_ids for s in sampled],
-                     [self._stop_ids(s, eos_token_ids) for s in sampled])
-        return list(zip(sampled, out.token_ids.tolist(), out.logprobs, strict=True))
+        out = sample(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs],
+                     [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                     [self._stop_ids(s, eos_token_ids) for s in seqs])
+        rows = zip(seqs, out.token_ids.tolist(), out.logprobs, strict=True)
+        return [SampledToken(*row) for row in rows]
+
+    @staticmethod
+    def prepare(batch: ScheduledBatch) -> tuple[StepInput, list[Sequence]]:
+        """The step's tokens, flat (decode tokens first, then the prompt chunks), and the sequence
+        sampled from each of step.sample_rows (a prompt's row once more for each sibling waiting to
+        fork from it)."""
+        step = StepInput(input_ids=[], decode=[], prefill=[], sample_rows=[])
+        seqs: list[Sequence] = []
+
+        def sample_from(row: int, seq: Sequence) -> None:
+            for s in [seq, *seq.forks]:
+                seqs.append(s)
+                step.sample_rows.append(row)
+
+        for seq in batch.decode:
+            step.input_ids.append(seq.last_token_id)
+            step.decode.append(DecodeRow(seq.block_table, seq.num_tokens))
+            sample_from(len(step.input_ids) - 1, seq)
+        for seq, n in batch.prefill:
+            start = seq.num_computed_tokens
+            step.input_ids += seq.token_ids(start, start + n)
+            step.prefill.append(PrefillRow(seq.block_table, start, n))
+            if start + n == seq.num_tokens:
+                sample_from(len(step.input_ids) - 1, seq)
+        return step, seqs
+
+    def forward(self, step: StepInput) -> torch.Tensor | None:
+        """Float32 logits [len(step.sample_rows), V] (None when nothing is sampled): a CUDA graph's
+        replay for a decode-only step that has one, else the eager forward (with the other ranks,
+        under tensor parallelism)."""
+        if (not step.prefill and self.graph_runner is not None
+                and self.graph_runner.can_run(step.decode)):
+            logits = self.graph_runner.run(step.input_ids, step.decode)  # [b, V], padded inside
+            if step.sample_rows != list(range(len(step.decode))):
+                logits = logits[torch.tensor(step.sample_rows, device=self.device)]
+            return logits
+        if self.model.tp_size > 1:
+            step.block_copies, self._block_copies = self._block_copies, []
+            distributed.broadcast_object(step)  # the workers run the same forward on their shards
+        return self.run_model(step)
 
     @torch.inference_mode()
     def run_model(self, step: StepInput) -> torch.Tensor | None:
-        """This rank's forward of one step: float32 logits [len(sample_rows), V] on rank 0, None elsewhere."""
+        """This rank's forward of one step: float32 logits [len(sample_rows), V] on rank 0, None
+        elsewhere."""
         for src, dst in step.block_copies:
             self.kv_cache.copy_block(src, dst)
-        meta = AttentionMetadata.build(step.decode, step.prefill, self.kv_cache.block_size, self.device,
-                                       paged_backend=self.attention_backend)
-        hidden = self.model(torch.tensor(step.input_ids, device=self.device), meta.positions, self.kv_cache, meta)
+        meta = AttentionMetadata.build(step.decode, step.prefill, self.kv_cache.block_size,
+                                       self.device, paged_backend=self.attention_backend)
+        input_ids = torch.tensor(step.input_ids, device=self.device)
+        hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)
         if not step.sample_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])

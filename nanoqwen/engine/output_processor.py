@@ -51,7 +51,8 @@ class OutputProcessor:
         seq.text += seq.detokenizer.push(token)
         stop_ids = p.stop_token_ids or ()
         if token in stop_ids or (token in self.eos_token_ids and not p.ignore_eos):
-            seq.stop_reason = token if token in stop_ids else None  # None: the model's EOS, as in vLLM
+            # None: the model's EOS, as in vLLM
+            seq.stop_reason = token if token in stop_ids else None
             return self._finish(seq, "stop")
         if p.stop and len(seq.output_token_ids) >= p.min_tokens:
             hit = self._find_stop(seq.text, p, max(0, old_len - p.max_stop_len + 1))
@@ -91,8 +92,9 @@ class OutputProcessor:
             hold = seq.sampling_params.max_stop_len - 1
             if seq.finish_reason is None and hold > 0:
                 text = text[: max(0, len(text) - hold)]
-            completions.append(CompletionOutput(seq.index, text, list(seq.output_token_ids), seq.finish_reason,
-                                                seq.stop_reason, list(seq.logprobs) if seq.logprobs else None))
+            logprobs = list(seq.logprobs) if seq.logprobs else None
+            completions.append(CompletionOutput(seq.index, text, list(seq.output_token_ids),
+                                                seq.finish_reason, seq.stop_reason, logprobs))
         m = state.metrics
         firsts = [s.first_token_time for s in state.seqs if s.first_token_time is not None]
         lasts = [s.last_token_time for s in state.seqs if s.last_token_time is not None]
@@ -102,5 +104,5 @@ class OutputProcessor:
         finished = state.finished
         if finished and m.finished_time is None:
             m.finished_time = time.perf_counter()
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
-                             state.seqs[0].num_cached_tokens, m)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                             finished, state.seqs[0].num_cached_tokens, m)

@@ -14,15 +14,21 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nanoqwen.engine.block_manager import BlockManager
 from nanoqwen.engine.sequence import Sequence, SequenceStatus
 
 
+class ScheduledPrefill(NamedTuple):
+    seq: Sequence
+    num_tokens: int  # prompt tokens computed this step, from seq.num_computed_tokens on
+
+
 @dataclass
 class ScheduledBatch:
     decode: list[Sequence] = field(default_factory=list)  # one token each
-    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    prefill: list[ScheduledPrefill] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -30,11 +36,16 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.prefill)
+        return len(self.decode) + sum(p.num_tokens for p in self.prefill)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.decode + [p.seq for p in self.prefill]
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -51,6 +62,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        preemptions = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -63,12 +75,16 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 break  # seq itself was preempted: everything after it was too
             if seq.is_prefilling:
-                batch.prefill.append((seq, n))
+                batch.prefill.append(ScheduledPrefill(seq, n))
             else:
                 batch.decode.append(seq)
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # No admissions in a step that had to preempt: the blocks are short, and the
+        # sequence just preempted (now first in the queue) would be readmitted at once,
+        # only to be preempted again.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+                and self.num_preemptions == preemptions:
             seq = self.waiting[0]
             cached = self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
@@ -78,9 +94,10 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.prefill.append((seq, n))
+            batch.prefill.append(ScheduledPrefill(seq, n))
             budget -= n
-        batch.decode.sort(key=lambda s: s.num_tokens)  # shortest first: attention groups similar lengths
+        # shortest first: attention groups similar lengths
+        batch.decode.sort(key=lambda s: s.num_tokens)
         return batch
 
     def preempt(self, seq: Sequence) -> None:

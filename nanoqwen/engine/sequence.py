@@ -32,8 +32,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose keys/values are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks, in order
-    num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
+    # prefix-cache keys of its full blocks, in order
+    block_hashes: list[int] = field(default_factory=list)
+    # leading blocks of block_table already offered to the prefix cache
+    num_registered_blocks: int = 0
     forks: list[Sequence] = field(default_factory=list)  # siblings to start from this one's prefill
     generator: torch.Generator | None = None
     finish_reason: str | None = None
@@ -55,8 +57,13 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        """True while more than the newest token is missing from the cache (after admission or preemption)."""
+        """True while more than the newest token is missing from the cache (after
+        admission or preemption)."""
         return self.num_uncomputed_tokens > 1
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def token_ids(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

@@ -1,16 +1,20 @@
-"""Tensor-parallel workers: ranks 1..N-1 run the model on their shards, driven by rank 0 (the engine).
+"""Tensor-parallel workers: ranks 1..N-1 run the model on their shards, driven by rank 0 (the
+engine).
 
-`TPGroup.start` (on rank 0) either starts the N-1 worker processes itself (fresh interpreters running
-`worker_main`: nothing of the caller's script runs again in them) or, when `torchrun` started every rank,
-joins them; there ranks > 0 turn into workers inside LLMEngine and exit when rank 0 is done. A worker:
+`TPGroup.start` (on rank 0) either starts the N-1 worker processes itself (fresh interpreters
+running `worker_main`: nothing of the caller's script runs again in them) or, when `torchrun`
+started every rank, joins them; there ranks > 0 turn into workers inside LLMEngine and exit when
+rank 0 is done. A worker:
   1. joins the process group (nanoqwen/distributed.py),
   2. receives what to load (LoadModel) and loads only its shard of the weights,
-  3. receives the KV-cache size rank 0 decided, so every rank has the same blocks (each holding its heads),
+  3. receives the KV-cache size rank 0 decided (KVCacheSize), so every rank has the same blocks
+     (each holding its heads),
   4. runs the forward of every StepInput rank 0 broadcasts, until it receives None (stop).
 
-Failures never hang rank 0: a worker that raises (out of memory, a bug) reports its error over a pipe and
-exits; a killed worker just exits. Rank 0's next collective then fails at once (the connection closes) or,
-at worst, times out; the engine stops the whole group and raises an EngineDeadError naming the worker.
+Failures never hang rank 0: a worker that raises (out of memory, a bug) reports its error over a
+pipe (WorkerFailed) and exits; a killed worker just exits. Rank 0's next collective then fails at
+once (the connection closes) or, at worst, times out; the engine stops the whole group and raises an
+EngineDeadError naming the worker (TPGroup.failure says why, TPGroup._die stops the group).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -36,7 +40,8 @@ from nanoqwen import distributed
 from nanoqwen.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger("nanoqwen")
-WORKER_COMMAND = "import sys; from nanoqwen.engine.tp_worker import worker_main; worker_main(sys.argv[1:])"
+WORKER_COMMAND = ("import sys; from nanoqwen.engine.tp_worker import worker_main; "
+                  "worker_main(sys.argv[1:])")
 JOIN_TIMEOUT = 300.0  # seconds for a started worker to import torch and reach the rendezvous
 
 
@@ -51,31 +56,79 @@ class LoadModel:
     quantization: str | None = None
 
 
+@dataclass
+class KVCacheSize:
+    """Rank 0's second message: the KV cache it sized, so every rank has the same blocks."""
+
+    num_blocks: int
+    block_size: int
+
+
+# ---- a worker's reports to rank 0, over its pipe
+@dataclass
+class Joining:
+    """The worker started and is joining the process group."""
+
+
+@dataclass
+class WorkerFailed:
+    """The worker raised (it exits next): `message` is the exception, "Type: text"."""
+
+    message: str
+
+
+@dataclass
+class Worker:
+    """Rank 0's record of one worker process it started."""
+
+    rank: int
+    proc: subprocess.Popen
+    conn: Connection  # the worker's reports
+    error: str | None = None  # its WorkerFailed message, once read
+    # its other reports (Joining), kept until read
+    inbox: list[object] = field(default_factory=list)
+
+    def receive(self) -> None:
+        """Take what the worker sent: a WorkerFailed into `error`, anything else into `inbox`. Every
+        read keeps what it took: `failure()` reads the same pipes while `_wait_for_workers` waits
+        for Joining."""
+        with contextlib.suppress(OSError, EOFError):
+            while self.conn.poll():
+                match self.conn.recv():
+                    case WorkerFailed(message):
+                        self.error = message
+                    case report:
+                        self.inbox.append(report)
+
+
 class TPGroup:
-    """Rank 0's handle on the tensor-parallel group: the workers it started (none under torchrun), its health."""
+    """Rank 0's handle on the tensor-parallel group: the workers it started (none under torchrun),
+    its health."""
 
     def __init__(self, size: int, device: torch.device) -> None:
         self.size, self.device = size, device
-        self.procs: list[subprocess.Popen] = []  # worker rank i + 1
-        self.conns: list[Connection] = []  # each worker's reports
-        self.errors: dict[int, str] = {}
-        self.inbox: dict[int, list[object]] = {}  # each worker's other reports ("joining"), kept until read
+        self.workers: list[Worker] = []  # the worker processes it started, rank 1 first
         self.dead: str | None = None  # why the group stopped working
         self.closed = False
-        self.owns_group = False  # this process's torch.distributed group is this TPGroup's (shut down with it)
+        # this process's torch.distributed group is this TPGroup's (shut down with it)
+        self.owns_group = False
 
     @classmethod
     def start(cls, size: int, device: torch.device, model_dir: Path) -> TPGroup:
-        """Start (or, under torchrun, join) the group; on a torchrun rank > 0 this serves rank 0 and exits.
+        """Start (or, under torchrun, join) the group; on a torchrun rank > 0 this serves rank 0 and
+        exits.
 
-        model_dir: this process's copy of the model (on another node a hub id may resolve to another path).
+        model_dir: this process's copy of the model (on another node a hub id may resolve to another
+        path).
         """
-        distributed.check_no_group()  # before starting anything: another engine's group must be left alone
+        # before starting anything: another engine's group must be left alone
+        distributed.check_no_group()
         env = distributed.torchrun_env()
         if env is not None:
             rank, world, local_rank = env
             if world != size:
-                raise ConfigError(f"torchrun started {world} processes but tensor_parallel_size is {size}: "
+                raise ConfigError(f"torchrun started {world} processes but "
+                                  f"tensor_parallel_size is {size}: "
                                   f"give torchrun as many processes as --tensor-parallel-size")
             device = _rank_device(device, local_rank)
             distributed.init_tensor_parallel(rank, size, device)
@@ -96,18 +149,24 @@ class TPGroup:
         init_method = f"tcp://127.0.0.1:{distributed.free_port()}"
         try:  # (a failure part-way stops the workers already started)
             for rank in range(1, size):
-                read_fd, write_fd = os.pipe()  # the worker's reports ("joining", its error) come back on it
-                group.conns.append(Connection(read_fd, writable=False))
-                cmd = [sys.executable, "-c", WORKER_COMMAND, "--rank", str(rank), "--size", str(size),
-                       "--device", device.type, "--init-method", init_method, "--report-fd", str(write_fd),
-                       "--threads", str(torch.get_num_threads())]
-                # Its own session: Ctrl-C in the terminal reaches rank 0 only, which then stops the workers.
+                # the worker's reports (Joining, WorkerFailed) come back on it
+                read_fd, write_fd = os.pipe()
+                conn = Connection(read_fd, writable=False)
+                cmd = [sys.executable, "-c", WORKER_COMMAND, "--rank", str(rank),
+                       "--size", str(size), "--device", device.type, "--init-method", init_method,
+                       "--report-fd", str(write_fd), "--threads", str(torch.get_num_threads())]
+                # Its own session: Ctrl-C in the terminal reaches rank 0 only, which then stops the
+                # workers.
                 try:
-                    group.procs.append(subprocess.Popen(cmd, pass_fds=(write_fd,), start_new_session=True))
+                    proc = subprocess.Popen(cmd, pass_fds=(write_fd,), start_new_session=True)
+                except BaseException:
+                    conn.close()
+                    raise
                 finally:
                     os.close(write_fd)
-                logger.info("tensor-parallel worker %d started (pid %d)", rank, group.procs[-1].pid)
-            group._wait_for_workers("joining", JOIN_TIMEOUT)
+                group.workers.append(Worker(rank, proc, conn))
+                logger.info("tensor-parallel worker %d started (pid %d)", rank, proc.pid)
+            group._wait_for_workers(Joining(), JOIN_TIMEOUT)
             group.owns_group = True
             distributed.init_tensor_parallel(0, size, group.device, init_method)
         except BaseException:
@@ -117,39 +176,61 @@ class TPGroup:
 
     # ---- messages to the workers
     def send(self, message: object) -> None:
-        """Broadcast a message (LoadModel, the KV-cache size) from rank 0 to the workers."""
+        """Broadcast a message (LoadModel, KVCacheSize) from rank 0 to the workers."""
         distributed.broadcast_object(message)
 
     def wait_ready(self, weight_bytes: int) -> list[int]:
-        """Wait until every worker has loaded its shard and built its KV cache; every rank's weight bytes."""
+        """Wait until every worker has loaded its shard and built its KV cache; every rank's weight
+        bytes."""
         return distributed.gather_objects(weight_bytes)
 
     # ---- health
     def failure(self, wait: float = 0.0) -> str | None:
-        """Why the group broke, if a worker died or reported an error (waiting up to `wait` seconds for one)."""
-        deadline = time.monotonic() + wait
-        while True:
-            for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
-                self._receive(rank, conn)
-                if proc.poll() is not None:
-                    return self._describe(rank)
-            if time.monotonic() >= deadline:
-                return next((self._describe(rank) for rank in sorted(self.errors)), None)
-            time.sleep(0.02)
-
-    def _describe(self, rank: int) -> str:
-        proc, code = self.procs[rank - 1], self.procs[rank - 1].returncode
+        """Why the group is dead, if a worker died or reported an error (looking up to `wait`
+        seconds for one to end): its rank, pid, how it ended and its error report; None while all
+        are well."""
+        worker = self._failed_worker(wait)
+        if worker is None:
+            return None
+        code = worker.proc.returncode
         how = ("failed" if code is None else f"was killed by {_signal_name(-code)}" if code < 0
                else f"exited with code {code}")
-        error = f": {self.errors[rank]}" if rank in self.errors else ""
-        return f"tensor-parallel worker {rank} (pid {proc.pid}) {how}{error}"
+        error = f": {worker.error}" if worker.error is not None else ""
+        return f"tensor-parallel worker {worker.rank} (pid {worker.proc.pid}) {how}{error}"
+
+    def _failed_worker(self, wait: float) -> Worker | None:
+        """The first worker that ended, else (once `wait` is over) the first that reported an
+        error."""
+        deadline = time.monotonic() + wait
+        while True:
+            for worker in self.workers:
+                worker.receive()
+                if worker.proc.poll() is not None:
+                    return worker
+            if time.monotonic() >= deadline:
+                return next((w for w in self.workers if w.error is not None), None)
+            time.sleep(0.02)
+
+    def _die(self, reason: str, starting: bool = False) -> EngineDeadError:
+        """The one way a failure ends the group: record why (`dead`), stop every worker, and return
+        the EngineDeadError for the caller to raise. Once started, the reason is logged and says
+        that the group is stopped; while `starting`, the error raised out of `start` is the only
+        report."""
+        if starting:
+            self.dead = reason
+        else:
+            self.dead = f"{reason}; the tensor-parallel group is stopped"
+            logger.error("%s", self.dead)
+        self.shutdown()
+        return EngineDeadError(self.dead)
 
     def check(self) -> None:
-        """Raise EngineDeadError if the group is stopped, or stop it now if a worker died since the last step."""
-        if self.dead is None and (reason := self.failure()) is not None:
-            self._stop(reason)
+        """Raise EngineDeadError if the group is stopped, or stop it now if a worker died since the
+        last step."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if (reason := self.failure()) is not None:
+            raise self._die(reason)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -159,80 +240,68 @@ class TPGroup:
             try:
                 yield
             except Exception as e:
-                reason = self.failure(wait=3.0) if self.procs else None
-                self._stop(reason or f"a tensor-parallel step failed ({type(e).__name__}: {e})")
-                raise EngineDeadError(self.dead) from e
-            except BaseException:  # a second Ctrl-C in the middle of a step: the ranks are out of step for good
-                self._stop("interrupted in the middle of a step")
+                reason = self.failure(wait=3.0) if self.workers else None
+                reason = reason or f"a tensor-parallel step failed ({type(e).__name__}: {e})"
+                raise self._die(reason) from e
+            except BaseException:
+                # a second Ctrl-C in the middle of a step: the ranks are out of step for good
+                self._die("interrupted in the middle of a step")
                 raise
 
     def startup_failure(self, error: BaseException) -> EngineDeadError | None:
-        """While starting: stop the group; an EngineDeadError to raise instead of `error` if a worker broke."""
-        reason = self.failure(wait=3.0) if self.procs and not isinstance(error, ConfigError) else None
-        if reason is not None:
-            self._stop(reason)
-            return EngineDeadError(self.dead)
-        self.shutdown()
-        return None
-
-    def _stop(self, reason: str) -> None:
-        self.dead = f"{reason}; the tensor-parallel group is stopped"
-        logger.error("%s", self.dead)
-        self.shutdown()
+        """While starting: stop the group; an EngineDeadError to raise instead of `error` if a
+        worker broke."""
+        reason = (self.failure(wait=3.0) if self.workers and not isinstance(error, ConfigError)
+                  else None)
+        if reason is None:
+            self.shutdown()
+            return None
+        return self._die(reason)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Tell the workers to stop (kill what does not within `timeout`) and leave the process group."""
+        """Tell the workers to stop (kill what does not within `timeout`) and leave the process
+        group."""
         if self.closed:
             return
         self.closed = True
         if self.dead is None and self.owns_group and distributed.tp_size() > 1:
             with contextlib.suppress(Exception):
                 distributed.broadcast_object(None)
-            for proc in self.procs:
+            for worker in self.workers:
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout)
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for conn in self.conns:
-            conn.close()
+                    worker.proc.wait(timeout)
+        for worker in self.workers:
+            if worker.proc.poll() is None:
+                worker.proc.kill()
+                worker.proc.wait()
+            worker.conn.close()
         if self.owns_group:
             distributed.destroy_tensor_parallel()
         self.dead = self.dead or "the engine was shut down"
 
-    def _wait_for_workers(self, message: str, timeout: float) -> None:
-        """Wait until every worker sent `message`; raise at once if one dies or reports an error."""
+    def _wait_for_workers(self, report: object, timeout: float) -> None:
+        """Wait until every worker sent `report`; stop the group and raise at once if one dies or
+        reports an error."""
         deadline = time.monotonic() + timeout
-        pending = set(range(1, self.size))
+        pending = list(self.workers)
         while pending:
-            for rank in sorted(pending):
-                self._receive(rank, self.conns[rank - 1])
-                if message in self.inbox.get(rank, []):
-                    pending.discard(rank)
+            for worker in pending:
+                worker.receive()
+            pending = [w for w in pending if report not in w.inbox]
             if (reason := self.failure()) is not None:
-                raise EngineDeadError(f"{reason} while starting")
+                raise self._die(f"{reason} while starting", starting=True)
             if time.monotonic() > deadline:
-                raise EngineDeadError(f"tensor-parallel workers {sorted(pending)} did not start within "
-                                      f"{timeout:.0f} s")
+                ranks = [w.rank for w in pending]
+                raise self._die(f"tensor-parallel workers {ranks} did not start "
+                                f"within {timeout:.0f} s", starting=True)
             time.sleep(0.02)
-
-    def _receive(self, rank: int, conn: Connection) -> None:
-        """Take what a worker sent: its error report into `errors`, anything else into its `inbox`. Every read
-        keeps what it took: `failure()` reads the same pipes while `_wait_for_workers` waits for "joining"."""
-        with contextlib.suppress(OSError, EOFError):
-            while conn.poll():
-                message = conn.recv()
-                if isinstance(message, tuple) and message[0] == "error":
-                    self.errors[rank] = message[1]
-                else:
-                    self.inbox.setdefault(rank, []).append(message)
 
 
 @contextlib.contextmanager
 def _ctrl_c_after_the_step() -> Iterator[None]:
-    """Hold a Ctrl-C until the step is over (a step cut short leaves the ranks out of step), then raise it; a
-    second Ctrl-C interrupts at once. Only on the main thread, and only over Python's default handler."""
+    """Hold a Ctrl-C until the step is over (a step cut short leaves the ranks out of step), then
+    raise it; a second Ctrl-C interrupts at once. Only on the main thread, and only over Python's
+    default handler."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
@@ -277,24 +346,25 @@ def worker_main(argv: list[str] | None = None) -> None:
     device = _rank_device(torch.device(args.device), args.rank)
     conn = Connection(args.report_fd, readable=False)
     try:
-        conn.send("joining")
+        conn.send(Joining())
         distributed.init_tensor_parallel(args.rank, args.size, device, args.init_method)
         run_worker(args.rank, args.size, device)
     except BaseException as e:
         with contextlib.suppress(Exception):
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            conn.send(WorkerFailed(f"{type(e).__name__}: {e}"))
         print(f"nanoqwen tensor-parallel worker {args.rank} failed:", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()
-        # Leave now: a process group left mid-collective can abort in its C++ destructors at a normal exit.
+        # Leave now: a process group left mid-collective can abort in its C++ destructors at a
+        # normal exit.
         os._exit(1)
     conn.close()
     distributed.destroy_tensor_parallel()
 
 
 def run_worker(rank: int, size: int, device: torch.device, model_dir: Path | None = None) -> None:
-    """Load this rank's shard (from model_dir, else rank 0's path), then run every step rank 0 sends until it
-    says stop (None)."""
+    """Load this rank's shard (from model_dir, else rank 0's path), then run every step rank 0 sends
+    until it says stop (None)."""
     from nanoqwen.compilation import select_kernels
     from nanoqwen.engine.model_runner import ModelRunner
     from nanoqwen.loader import load_config, load_model
@@ -304,13 +374,14 @@ def run_worker(rank: int, size: int, device: torch.device, model_dir: Path | Non
     if load is None:
         return
     model_dir = model_dir or Path(load.model_dir)
-    model = load_model(model_dir, load_config(model_dir), load.dtype, device, load.max_model_len, rank, size,
-                       show_progress=False, quantization=load.quantization)  # int8 scales per row of its shard
+    # int8 scales per row of its shard
+    model = load_model(model_dir, load_config(model_dir), load.dtype, device, load.max_model_len,
+                       rank, size, show_progress=False, quantization=load.quantization)
     select_kernels(device, load.dtype, load.enforce_eager)
-    kv = distributed.broadcast_object()
+    kv: KVCacheSize | None = distributed.broadcast_object()
     if kv is None:
         return
-    num_blocks, block_size = kv
+    num_blocks, block_size = kv.num_blocks, kv.block_size
     runner = ModelRunner(model, num_blocks, block_size)
     distributed.gather_objects(weight_bytes(model))  # ready, and what this rank holds
     while (step := distributed.broadcast_object()) is not None:

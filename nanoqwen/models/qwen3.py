@@ -1,13 +1,13 @@
 """The Qwen3 decoder (dense and MoE), written from plain tensor operations.
 
-Read top to bottom: RMSNorm -> RoPE -> attention (QK-norm, GQA) -> SwiGLU MLP or sparse MoE (qwen3_moe.py)
-block -> decoder layer -> the whole model. It computes what transformers' Qwen3ForCausalLM and
-Qwen3MoeForCausalLM compute.
+Read top to bottom: RMSNorm -> linear layers -> RoPE -> attention (QK-norm, GQA) -> SwiGLU MLP or
+sparse MoE block -> decoder layer -> the whole model. It computes what transformers'
+Qwen3ForCausalLM and Qwen3MoeForCausalLM compute.
 
 Two layout choices, both made so one batch can mix sequences of different lengths:
 - Tokens are flat: a batch of sequences is one [num_tokens, hidden] tensor, so every matmul
   runs once over all tokens with no padding. Only attention needs to know where each
-  sequence starts; `AttentionMetadata` (nanoqwen/engine/kv_cache.py) tells it.
+  sequence starts; `AttentionMetadata` (nanoqwen/engine/attention_metadata.py) tells it.
 - The checkpoint's q/k/v projections are stored as one `qkv_proj` matrix and gate/up as one
   `gate_up_proj` (stacked at load time), so each layer does two big matmuls instead of five.
 
@@ -15,13 +15,15 @@ Shapes: N = tokens in the batch, H = hidden_size, Hq/Hkv = query/key-value heads
 D = head_dim, I = intermediate_size, V = vocab_size; MoE: E = num_experts, K = num_experts_per_tok,
 Ie = moe_intermediate_size.
 
-Tensor parallelism (tp_size ranks, nanoqwen/distributed.py): each rank holds Hq/tp query heads and Hkv/tp
-key-value heads (qkv_proj split by rows, "column-parallel"), I/tp MLP columns (gate_up_proj by rows), and
-the matching input columns of o_proj and down_proj ("row-parallel"): a rank's o_proj/down_proj output is
-its part of a sum, and one all_reduce per projection adds the parts. MoE experts are split the same way over
-Ie (the router is whole on every rank, so all ranks pick the same experts), with one all_reduce after the
-expert sum. The embedding and the LM head are split over the vocabulary. So a layer costs two all_reduce
-calls, and they are the only places ranks talk. At tp_size 1 every all_reduce is skipped: the plain model.
+Tensor parallelism (tp_size ranks, nanoqwen/distributed.py) lives in the layers that are cut:
+`ColumnParallelLinear` holds 1/tp of the output rows (qkv_proj: Hq/tp query and Hkv/tp key-value
+heads; gate_up_proj: I/tp MLP columns; the LM head: V/tp vocabulary rows), `RowParallelLinear` the
+matching 1/tp of the input columns (o_proj, down_proj), so its output is this rank's part of a sum
+and it adds the parts with one all_reduce. MoE experts are cut the same way over Ie (the router is
+whole on every rank, so all ranks pick the same experts), with one all_reduce after the expert sum;
+the embedding is cut over the vocabulary. Each such module's `tp_dims` says which dimension of which
+parameter is cut (the loader reads only that slice). So a layer costs two all_reduce calls, the only
+places ranks talk; at tp_size 1 every all_reduce is skipped: the plain model.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from torch import nn
 
 from nanoqwen.config import Qwen3Config
 from nanoqwen.distributed import all_reduce, check_tensor_parallel_size, gather
-from nanoqwen.ops.attention import attention_sdpa, decode_attention, prefill_attention_blocked
-from nanoqwen.ops.paged_attention import paged_decode_attention
+from nanoqwen.ops.attention import attend
 
 if TYPE_CHECKING:
-    from nanoqwen.engine.kv_cache import AttentionMetadata, KVCache
+    from nanoqwen.engine.attention_metadata import AttentionMetadata
+    from nanoqwen.engine.kv_cache import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,7 +53,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T + bias; weight [out, in], filled by the loader (int8 swaps in nanoqwen/quantization.py)."""
+    """y = x @ weight.T + bias; weight [out, in], filled by the loader. Whole on every rank (tp_dims
+    empty).
+
+    `matmul` is the one place that reads the weight: weight-only int8 (nanoqwen/quantization.py)
+    overrides it.
+    """
+
+    # parameter -> the dimension tensor parallelism cuts (the loader reads it)
+    tp_dims: dict[str, int] = {}
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -59,7 +69,43 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return kernels.linear(x, self.weight, bias)  # F.linear (see Kernels below)
+
+
+class ColumnParallelLinear(Linear):
+    """A Linear whose output rows are cut over the ranks: each holds 1/tp of every part of
+    `output_sizes` (qkv_proj: [q; k; v], gate_up_proj: [gate; up]), stacked [part_0 of this rank;
+    part_1 of this rank; ...]. Nothing to add up: each rank's outputs are its own heads or
+    columns."""
+
+    tp_dims = {"weight": 0, "bias": 0}
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 tp_size: int = 1) -> None:
+        self.output_sizes = [size // tp_size for size in output_sizes]  # this rank's part of each
+        super().__init__(in_features, sum(self.output_sizes), bias)
+
+
+class RowParallelLinear(Linear):
+    """A Linear whose input columns are cut over the ranks (the ones a ColumnParallelLinear before
+    it left on this rank): its output is this rank's part of a sum, and all_reduce adds the parts.
+    The bias must be added once, so only rank 0 has one (as in vLLM)."""
+
+    tp_dims = {"weight": 1}
+    # parameters the other ranks do not have (the loader skips them there)
+    tp_rank0_only = ("bias",)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        super().__init__(in_features // tp_size, out_features, bias and tp_rank == 0)
+        self.tp_size = tp_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x, self.bias)  # [N, out]: this rank's part of the sum
+        return all_reduce(y) if self.tp_size > 1 else y
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +154,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos() * scale, persistent=False)
         self.register_buffer("sin", angles.sin() * scale, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         # [N, D] each, in the activation dtype as transformers casts them
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
@@ -130,12 +177,15 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class Kernels:
-    """The elementwise functions the layers call. nanoqwen/compilation.py may swap in torch.compile'd
-    versions of the same functions (one fused kernel each); these plain ones stay the reference."""
+    """The functions the layers call for their elementwise math and their matmuls. An engine may
+    swap in faster versions of the same functions (nanoqwen/compilation.py): torch.compile'd
+    elementwise kernels (one fused kernel each), and on CPUs without fast bf16 a matmul computed in
+    float32 (nanoqwen/ops/cpu.py). These plain ones stay the reference."""
 
     rms_norm = staticmethod(rms_norm)
     apply_rope = staticmethod(apply_rope)
     swiglu = staticmethod(swiglu)
+    linear = staticmethod(F.linear)
 
 
 kernels = Kernels()
@@ -160,85 +210,159 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Qwen3Config, layer_idx: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """QK-norm grouped-query attention. With tp_size > 1 this rank's heads: whole GQA groups, so
+    each query head finds its key/value head on the same rank."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         super().__init__()
-        self.layer_idx, self.tp_size = layer_idx, tp_size
-        # this rank's heads: whole GQA groups, so each query head finds its key/value head on the same rank
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size, config.head_dim)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        # Row-parallel: the bias must be added once to the sum over ranks, so only rank 0 has it (as in vLLM).
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias and tp_rank == 0)
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = config.num_key_value_heads // tp_size
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size],
+                                             config.attention_bias, tp_size)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, config.attention_bias,
+                                        tp_rank, tp_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = kernels.apply_rope(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)  # [N, Hq, D]
-        k = kernels.apply_rope(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)  # [N, Hkv, D]
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        kv_cache.store(self.layer_idx, k, v, meta)
-        out = torch.empty_like(q)  # [N, Hq, D]
-        if meta.paged_decode is not None:
-            # GPU: all decode tokens (one query per sequence) in one call reading the cache blocks in place.
-            p, rows = meta.paged_decode, slice(0, meta.num_decode_tokens)
-            paged_decode_attention(q[rows], kv_cache.k[self.layer_idx], kv_cache.v[self.layer_idx], p.block_tables,
-                                   p.context_lens, self.head_dim**-0.5, p.backend, out=out[rows])
-        else:
-            # CPU: decode tokens are batched, a group of similar lengths per attention call, their blocks gathered.
-            for group in meta.decode_groups:
-                k_ctx, v_ctx = kv_cache.decode_context(self.layer_idx, group)  # [B, Hkv, S, D]
-                rows = slice(group.start, group.end)
-                out[rows] = decode_attention(q[rows], k_ctx, v_ctx, group.mask)
-        # Prompt chunks attend causally to their own tokens and to what the cache already held.
-        for chunk in meta.prefills:
-            k_ctx, v_ctx = kv_cache.sequence_context(self.layer_idx, chunk)  # [1, Hkv, S, D]
-            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            qp = q[rows].transpose(0, 1)  # [Hq, T, D]
-            if q.device.type == "cpu" and q.dtype != torch.float32:
-                o = prefill_attention_blocked(qp, k_ctx[0], v_ctx[0], chunk.context_len - chunk.query_len)
-            else:
-                causal = chunk.context_len == chunk.query_len  # nothing cached before: the plain causal mask
-                o = attention_sdpa(qp[None], k_ctx, v_ctx, None if causal else chunk.causal_mask,
-                                  causal=causal)[0]
-            out[rows] = o.transpose(0, 1)
-        out = self.o_proj(out.view(n, -1))  # [N, H]; with tp_size > 1 only this rank's heads' share
-        return all_reduce(out) if self.tp_size > 1 else out
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))  # [N, Hq, D]
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
+        v = v.view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
+        out = attend(q, k, v, kv_cache, self.layer_idx, meta)  # [N, Hq, D]: ops/attention.py
+        return self.o_proj(out.view(n, -1))  # [N, H]
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up stacked in one matrix [2I, H].
 
-    With tp_size > 1 a rank holds I/tp of the columns: [gate_r; up_r] rows and the matching down_proj columns.
+    With tp_size > 1 a rank holds I/tp of the columns: [gate_r; up_r] rows and the matching
+    down_proj columns.
     """
+
+    def __init__(self, config: Qwen3Config, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        i = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [i, i], tp_size=tp_size)
+        self.down_proj = RowParallelLinear(i, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [N, 2I/tp] -> [N, I/tp] -> [N, H]
+        return self.down_proj(kernels.swiglu(self.gate_up_proj(x)))
+
+
+# ---- Qwen3-MoE: a router picks K of E SwiGLU experts per token
+# (transformers' Qwen3MoeSparseMoeBlock)
+
+
+def experts_reference(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                      expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The definition, token by token:
+    out[n] = sum_k weights[n, k] * expert_{expert_ids[n, k]}(x[n]).
+
+    x [N, H]; gate_up_proj [E, 2Ie, H]; down_proj [E, H, Ie]; expert_ids, weights [N, K] -> [N, H].
+    Every token's K experts' matrices are gathered ([N, K, 2Ie, H]): clear, but too big for
+    real use.
+    """
+    # [N, K, Ie] each
+    gate, up = torch.einsum("nkjh,nh->nkj", gate_up_proj[expert_ids], x).chunk(2, dim=-1)
+    out = torch.einsum("nkhi,nki->nkh", down_proj[expert_ids], F.silu(gate) * up)  # [N, K, H]
+    return (out * weights[..., None]).sum(1)
+
+
+class Experts(nn.Module):
+    """E SwiGLU MLPs, stacked: gate_up_proj [E, 2Ie, H] (each expert's gate rows, then its up rows),
+    down_proj [E, H, Ie]. Tensor parallelism splits every expert over Ie, like the dense MLP over I:
+    a rank holds Ie/tp of each expert's columns ([gate_r; up_r] rows, the matching down_proj
+    columns)."""
+
+    tp_dims = {"gate_up_proj": 1, "down_proj": 2}
+    # A checkpoint tensor that fills all of gate_up_proj (transformers 5's fused experts) holds the
+    # gate rows, then the up rows, along the cut dimension: the loader cuts each of the 2 parts on
+    # its own.
+    tp_fused_parts = {"gate_up_proj": 2}
 
     def __init__(self, config: Qwen3Config, tp_size: int = 1) -> None:
         super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size // tp_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """experts_reference, grouped by expert: x [N, H]; expert_ids, weights [N, K] -> [N, H].
+
+        The N*K (token, expert) assignments are sorted by expert, so each expert that got tokens
+        runs one matmul pair over all of its tokens; results are weighted and added back to their
+        tokens.
+        """
+        k = expert_ids.shape[1]
+        order = expert_ids.flatten().argsort(stable=True)  # [N*K] assignments, grouped by expert
+        tokens = order // k  # [N*K] the token of each sorted assignment
+        xs, ws = x[tokens], weights.flatten()[order, None]  # [N*K, H], [N*K, 1]
+        counts = torch.bincount(expert_ids.flatten(), minlength=len(self.gate_up_proj)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            start += count
+            # [count, Ie] each
+            gate, up = self.expert_linear(xs[rows], "gate_up_proj", e).chunk(2, dim=-1)
+            y = self.expert_linear(F.silu(gate) * up, "down_proj", e)  # [count, H]
+            out.index_add_(0, tokens[rows], y * ws[rows])
+        return out
+
+    def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        """x [n, in] through expert e's matrix `name` (gate_up_proj or down_proj) -> [n, out]. The
+        one place that reads the matrices: int8 experts (quantization.py) override it."""
+        return kernels.linear(x, getattr(self, name)[e])
+
+
+class SparseMoeBlock(nn.Module):
+    """Route each token to its top-K of E experts and sum their outputs, weighted by the router."""
+
+    def __init__(self, config: Qwen3Config, tp_size: int = 1) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.tp_size = tp_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size // tp_size)
-        self.down_proj = Linear(config.intermediate_size // tp_size, config.hidden_size)
+        # the router, whole on every rank
+        self.gate = Linear(config.hidden_size, config.num_experts)
+        self.experts = Experts(config, tp_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (expert ids [N, K], weights [N, K] in x's dtype), computed as transformers
+        does."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [N, E]
+        weights, expert_ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return expert_ids, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(kernels.swiglu(self.gate_up_proj(x)))  # [N, H]; with tp_size > 1 this rank's share
+        # with tp_size > 1 this rank's part of every expert's sum, as in RowParallelLinear
+        out = self.experts(x, *self.route(x))  # [N, H]
         return all_reduce(out) if self.tp_size > 1 else out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, layer_idx: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, config: Qwen3Config, layer_idx: int, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.is_moe_layer(layer_idx):
-            from nanoqwen.models.qwen3_moe import SparseMoeBlock  # builds on Linear above: imported once it exists
-
-            self.mlp: nn.Module = SparseMoeBlock(config, tp_size)
-        else:
-            self.mlp = MLP(config, tp_size)
+        moe = config.is_moe_layer(layer_idx)
+        self.mlp = SparseMoeBlock(config, tp_size) if moe else MLP(config, tp_rank, tp_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -247,18 +371,24 @@ class DecoderLayer(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The embedding table; with tp_size > 1 only rows [vocab_start, vocab_end) of it, on this rank."""
+    """The embedding table; with tp_size > 1 only rows [vocab_start, vocab_end) of it, on this
+    rank."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    tp_dims = {"weight": 0}
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         super().__init__()
         rows = vocab_size // tp_size
-        self.tp_size, self.vocab_start, self.vocab_end = tp_size, tp_rank * rows, (tp_rank + 1) * rows
+        self.tp_size = tp_size
+        self.vocab_start, self.vocab_end = tp_rank * rows, (tp_rank + 1) * rows
         self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
-        # Each rank looks up the ids in its range and gives zeros for the others: the sum is every id's row.
+        # Each rank looks up the ids in its range and gives zeros for the others: the sum is every
+        # id's row.
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         x = F.embedding(torch.where(mine, input_ids - self.vocab_start, 0), self.weight)
         return all_reduce(x.masked_fill_(~mine[:, None], 0))
@@ -275,11 +405,15 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         check_tensor_parallel_size(config, tp_size)
         self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp_rank, tp_size) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   tp_rank, tp_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp_rank, tp_size)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size // tp_size)  # this rank's vocabulary rows
-        if config.tie_word_embeddings:  # a tied head is the embedding matrix itself: one tensor, not a copy
+        self.lm_head = ColumnParallelLinear(config.hidden_size, [config.vocab_size],
+                                            tp_size=tp_size)  # [V/tp, H]
+        if config.tie_word_embeddings:
+            # a tied head is the embedding matrix itself: one tensor, not a copy
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_model_len or config.max_position_embeddings)
 
@@ -299,8 +433,8 @@ class Qwen3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [M, H] -> float32 logits [M, V]; call it only on the positions that get sampled.
 
-        With tp_size > 1 each rank computes its slice of the vocabulary [M, V/tp] and rank 0 gathers the
-        slices (the other ranks get None: only rank 0 samples).
+        With tp_size > 1 each rank computes its slice of the vocabulary [M, V/tp] and rank 0 gathers
+        the slices (the other ranks get None: only rank 0 samples).
         """
         logits = self.lm_head(hidden)
         if self.tp_size > 1:

@@ -1,1 +1,2 @@
-"""Kernels behind the model's plain-PyTorch code: paged decode attention for GPUs (with its reference)."""
+"""Kernels behind the model's plain-PyTorch code: paged decode attention for GPUs (with its
+reference)."""

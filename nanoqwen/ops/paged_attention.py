@@ -1,21 +1,27 @@
-"""Decode attention over the paged KV cache: one query per sequence, its keys and values found through its
-block table (the GPU fast path; the CPU path gathers groups of sequences instead, see models/qwen3.py).
+"""Decode attention over the paged KV cache: one query per sequence, its keys and values found
+through its block table (the GPU fast path; the CPU path gathers groups of sequences instead, see
+models/qwen3.py).
 
     paged_decode_attention(q [B, Hq, D], k_cache, v_cache [num_blocks, block_size, Hkv, D],
-                           block_tables [B, max_blocks] int32, context_lens [B] int32, scale, backend) -> [B, Hq, D]
+                           block_tables [B, max_blocks] int32, context_lens [B] int32, scale,
+                           backend) -> [B, Hq, D]
 
 Row i attends to the first context_lens[i] positions of its sequence: position p lives at slot
-p % block_size of block block_tables[i, p // block_size]. Entries of block_tables past a row's context are
-never read. A row with context_len 0 (padding added to reach a captured CUDA-graph batch size) attends to
-nothing and gets zeros. The shapes never depend on the data, so all three backends can be captured in a graph:
+p % block_size of block block_tables[i, p // block_size]. Entries of block_tables past a row's
+context are never read. A row with context_len 0 (padding added to reach a captured CUDA-graph batch
+size) attends to nothing and gets zeros. The shapes never depend on the data, so all three backends
+can be captured in a graph:
 
-- "torch": the documented reference in plain PyTorch (gathers all max_blocks blocks, masks, softmax in fp32);
+- "torch": the documented reference in plain PyTorch (gathers all max_blocks blocks, masks, softmax
+  in fp32);
 - "triton": nanoqwen/ops/triton_paged_attention.py, reading the blocks in place;
-- "flash": flash-attn's flash_attn_with_kvcache (needs block_size a multiple of 256, flash-attn 2's limit).
+- "flash": flash-attn's flash_attn_with_kvcache (needs block_size a multiple of 256, flash-attn 2's
+  limit).
 
-`attention_backend(device, block_size)` picks one: flash when flash_attn is importable and the block size
-allows, else triton, on CUDA; None on CPU, where the model keeps its grouped gather path. The environment
-variable NANOQWEN_PAGED_ATTENTION=auto|flash|triton|torch|off overrides the choice (off: the CPU path).
+`attention_backend(device, block_size)` picks one: flash when flash_attn is importable and the block
+size allows, else triton, on CUDA; None on CPU, where the model keeps its grouped gather path. The
+environment variable NANOQWEN_PAGED_ATTENTION=auto|flash|triton|torch|off overrides the choice (off:
+the CPU path).
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ BACKENDS = ("flash", "triton", "torch")
 
 
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """The definition: gather each row's blocks into [B, Hkv, S, D] (S = max_blocks * block_size), mask the
-    positions at or past its context_len, softmax in float32; the G = Hq / Hkv query heads of a kv head share it."""
+                                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition: gather each row's blocks into [B, Hkv, S, D] (S = max_blocks * block_size),
+    mask the positions at or past its context_len, softmax in float32; the G = Hq / Hkv query heads
+    of a kv head share it."""
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     tables = block_tables.long()
@@ -42,7 +49,8 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
     v = v_cache[tables].flatten(1, 2).transpose(1, 2).float()
     keep = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None]  # [B, S]
     keep = keep[:, None, None, :]  # [B, 1, 1, S]
-    scores = (q.float().view(b, hkv, hq // hkv, 1, d) @ k.unsqueeze(2).transpose(-1, -2)) * scale  # [B, Hkv, G, 1, S]
+    qg = q.float().view(b, hkv, hq // hkv, 1, d)
+    scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * scale  # [B, Hkv, G, 1, S]
     probs = scores.masked_fill(~keep.unsqueeze(1), float("-inf")).softmax(-1)
     probs = probs.masked_fill(~keep.unsqueeze(1), 0.0)  # a row with nothing to attend to: NaN -> 0
     result = (probs @ v.unsqueeze(2)).view(b, hq, d).to(q.dtype)
@@ -52,31 +60,39 @@ def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
 
 
 def paged_decode_attention_flash(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """flash-attn's paged KV-cache kernel (one query token per sequence, so no causal mask is needed)."""
+                                 block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """flash-attn's paged KV-cache kernel (one query token per sequence, so no causal mask is
+    needed)."""
     from flash_attn import flash_attn_with_kvcache
 
     o = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
-                                block_table=block_tables, softmax_scale=scale).squeeze(1)  # [B, Hq, D]
-    o = torch.where((context_lens > 0)[:, None, None], o, 0.0)  # padding rows: zeros, whatever the kernel wrote
+                                block_table=block_tables,
+                                softmax_scale=scale).squeeze(1)  # [B, Hq, D]
+    # padding rows: zeros, whatever the kernel wrote
+    o = torch.where((context_lens > 0)[:, None, None], o, 0.0)
     if out is None:
         return o
     return out.copy_(o)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, backend: str,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dispatch to a backend (see the module docstring); the result is written into out when given."""
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           backend: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatch to a backend (see the module docstring); the result is written into out when
+    given."""
     if backend == "triton":
         from nanoqwen.ops.triton_paged_attention import paged_decode_attention_triton
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
+                                             scale, out)
     if backend == "flash":
-        return paged_decode_attention_flash(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+        return paged_decode_attention_flash(q, k_cache, v_cache, block_tables, context_lens,
+                                            scale, out)
     if backend == "torch":
-        return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale, out)
-    raise ValueError(f"unknown paged attention backend {backend!r}; use one of {', '.join(BACKENDS)}")
+        return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens,
+                                                scale, out)
+    raise ValueError(f"unknown paged attention backend {backend!r}; "
+                     f"use one of {', '.join(BACKENDS)}")
 
 
 def has_module(name: str) -> bool:
@@ -84,20 +100,22 @@ def has_module(name: str) -> bool:
 
 
 def attention_backend(device: torch.device, block_size: int) -> str | None:
-    """The paged decode backend for this device, or None for the grouped gather path of models/qwen3.py."""
+    """The paged decode backend for this device, or None for the grouped gather path of
+    models/qwen3.py."""
     choice = os.environ.get("NANOQWEN_PAGED_ATTENTION", "auto")
     if choice == "off":
         return None
     if choice in BACKENDS:
         return choice
     if choice != "auto":
-        raise ValueError(f"NANOQWEN_PAGED_ATTENTION={choice!r}: use auto, off or one of {', '.join(BACKENDS)}")
+        raise ValueError(f"NANOQWEN_PAGED_ATTENTION={choice!r}: "
+                         f"use auto, off or one of {', '.join(BACKENDS)}")
     if device.type != "cuda":
         return None
     if has_module("flash_attn") and block_size % 256 == 0:
         return "flash"
     if has_module("triton"):
         return "triton"
-    logger.warning("neither triton nor flash_attn is installed: decode attention gathers the KV cache "
-                   "(slower), and CUDA graphs are off")
+    logger.warning("neither triton nor flash_attn is installed: "
+                   "decode attention gathers the KV cache (slower), and CUDA graphs are off")
     return None

@@ -1,14 +1,16 @@
-"""Paged decode attention as a Triton kernel: each sequence's keys and values are read from their cache blocks
-in place, never gathered into a dense copy.
+"""Paged decode attention as a Triton kernel: each sequence's keys and values are read from their
+cache blocks in place, never gathered into a dense copy.
 
-One program per (sequence, kv head) handles the G = Hq / Hkv query heads that share that kv head. It walks
-the sequence's context BLOCK_N tokens at a time, finding each token's cache block through the block table, and
-keeps an online softmax (running max, running sum of exponentials, weighted sum of values) in float32. The G
-query heads are padded to 16 rows so both products run as `tl.dot` (the tensor cores' smallest tile); the padding
-rows are zeros and never stored. A row with context_len 0 (a CUDA-graph padding row) runs no iteration and
-stores zeros. Float32 caches use exact (IEEE) products rather than tf32.
+One program per (sequence, kv head) handles the G = Hq / Hkv query heads that share that kv head. It
+walks the sequence's context BLOCK_N tokens at a time, finding each token's cache block through the
+block table, and keeps an online softmax (running max, running sum of exponentials, weighted sum of
+values) in float32. The G query heads are padded to 16 rows so both products run as `tl.dot` (the
+tensor cores' smallest tile); the padding rows are zeros and never stored. A row with context_len 0
+(a CUDA-graph padding row) runs no iteration and stores zeros. Float32 caches use exact (IEEE)
+products rather than tf32.
 
-Run on CPU tensors with TRITON_INTERPRET=1 set before this module is imported (tests/test_gpu_paths.py).
+Run on CPU tensors with TRITON_INTERPRET=1 set before this module is imported
+(tests/test_gpu_paths.py).
 """
 
 from __future__ import annotations
@@ -43,21 +45,26 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     for start in range(0, context_len, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
-        ok = pos < context_len  # at least pos == start is in range, so every row of s has a finite max
-        block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        # at least pos == start is in range, so every row of s has a finite max
+        ok = pos < context_len
+        block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE,
+                        mask=ok, other=0).to(tl.int64)
         offset = pos % BLOCK_SIZE
         kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
-                    + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
-        v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
-                    + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
+                    + kv_head * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
+        v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                    + kv_head * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0)
         if IEEE:  # float32 caches: exact products, not tf32
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         s = tl.where(ok[None, :], s * scale, float("-inf"))  # [GROUP_PAD, BLOCK_N]
         new_max = tl.maximum(row_max, tl.max(s, axis=1))
-        alpha = tl.exp(row_max - new_max)  # rescales what was summed under the old max (0 on the first iteration)
+        # rescales what was summed under the old max (0 on the first iteration)
+        alpha = tl.exp(row_max - new_max)
         p = tl.exp(s - new_max[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
         if IEEE:
@@ -65,16 +72,19 @@ def _paged_decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         row_max = new_max
-    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # context_len 0: acc is 0, so the row is zeros
-    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=g_ok[:, None] & d_ok[None, :])
+    # context_len 0: acc is 0, so the row is zeros
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                  out: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
-    """q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int32;
-    context_lens [B] int32 -> [B, Hq, D] (written into out when given)."""
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                  scale: float, out: torch.Tensor | None = None,
+                                  block_n: int = 64) -> torch.Tensor:
+    """q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
+    block_tables [B, max_blocks] int32; context_lens [B] int32 -> [B, Hq, D] (written into out when
+    given)."""
     b, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     if out is None:

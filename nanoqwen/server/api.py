@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI-compatible endpoints over one AsyncEngine, with API-key checks, body limits,
-OpenAI-shaped errors, Prometheus metrics and one log line per request."""
+"""The FastAPI app: OpenAI-compatible endpoints over one AsyncEngine, with API-key checks, body
+limits, OpenAI-shaped errors, Prometheus metrics and one log line per request."""
 
 from __future__ import annotations
 
@@ -29,14 +29,16 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 M = TypeVar("M", bound=BaseModel)
 
 
-def build_app(engine: Any, served_model_name: str, api_key: str | None = None, max_waiting: int | None = None,
+def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
+              max_waiting: int | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """An app serving `engine` (an LLMEngine, or anything with its interface) as `served_model_name`.
+    """An app serving `engine` (an LLMEngine, or anything with its interface) as
+    `served_model_name`.
 
     The engine loop thread starts and stops with the app's lifespan.
     """
-    state = ServerState(engine, AsyncEngine(engine, max_waiting), ServerMetrics(), served_model_name, api_key,
-                        max_body_bytes, int(time.time()))
+    state = ServerState(engine, AsyncEngine(engine, max_waiting), ServerMetrics(),
+                        served_model_name, api_key, max_body_bytes, int(time.time()))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -44,7 +46,8 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None, m
         yield
         await state.async_engine.stop()
 
-    app = FastAPI(title="nanoqwen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="nanoqwen", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.server = state
     app.add_middleware(AccessLog, metrics=state.metrics)
 
@@ -55,18 +58,19 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None, m
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if e.status_code == 404 else None
-        return JSONResponse(APIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code,
-                            headers=e.headers)
+        body = APIError(e.status_code, str(e.detail), code=code).body()
+        return JSONResponse(body, status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, e: InvalidRequestError) -> JSONResponse:
-        return JSONResponse(APIError(400, str(e)).body(), status_code=400)  # user input the engine rejected
+        # user input the engine rejected
+        return JSONResponse(APIError(400, str(e)).body(), status_code=400)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception) -> JSONResponse:
         logger.exception("internal error")
-        return JSONResponse(APIError(500, f"internal server error: {type(e).__name__}", type="server_error").body(),
-                            status_code=500)
+        error = APIError(500, f"internal server error: {type(e).__name__}", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -85,8 +89,8 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None, m
     async def models(request: Request) -> Response:
         _check_api_key(state, request)
         return JSONResponse({"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": state.created, "owned_by": "nanoqwen",
-            "max_model_len": engine.max_model_len}]})
+            "id": served_model_name, "object": "model", "created": state.created,
+            "owned_by": "nanoqwen", "max_model_len": engine.max_model_len}]})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -105,7 +109,8 @@ def _check_api_key(state: ServerState, request: Request) -> None:
     if state.api_key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             state.api_key.encode()):
         raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                        type="authentication_error", code="invalid_api_key")
 
@@ -139,12 +144,15 @@ def _validation_error(e: ValidationError) -> APIError:
         return APIError(400, f"request body is not valid JSON: {err['msg']}", code="invalid_json")
     if not err["loc"]:
         return APIError(400, f"request body must be a JSON object: {err['msg']}")
-    where = ".".join(str(p) for p in err["loc"])  # e.g. messages.0.role (a union adds its member: stop.str)
-    return APIError(400, f"{where}: {err['msg']} (got {err.get('input')!r:.100})", param=str(err["loc"][0]))
+    # e.g. messages.0.role (a union adds its member: stop.str)
+    where = ".".join(str(p) for p in err["loc"])
+    return APIError(400, f"{where}: {err['msg']} (got {err.get('input')!r:.100})",
+                    param=str(err["loc"][0]))
 
 
 class AccessLog:
-    """Pure ASGI middleware (streams pass straight through): counts each response and logs one line."""
+    """Pure ASGI middleware (streams pass straight through): counts each response and logs
+    one line."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app, self.metrics = app, metrics

@@ -1,10 +1,11 @@
-"""Qwen3's reasoning (<think>...</think>) and hermes-style tool calls (<tool_call>{json}</tool_call>), parsed
-incrementally from the generated text.
+"""Qwen3's reasoning (<think>...</think>) and hermes-style tool calls
+(<tool_call>{json}</tool_call>), parsed incrementally from the generated text.
 
-Both parsers are streaming state machines: feed() takes each new piece of text and returns what is final
-so far; finish() flushes what was held back. A whole answer is parsed by one feed() and one finish(), so a
-non-streamed response is exactly the concatenation of the streamed deltas. Text that may be the start of a
-tag (e.g. "</thi") is held back until the next delta decides it, so tags split across deltas work.
+Both parsers are streaming state machines: feed() takes each new piece of text and returns what is
+final so far; finish() flushes what was held back. A whole answer is parsed by one feed() and one
+finish(), so a non-streamed response is exactly the concatenation of the streamed deltas. Text that
+may be the start of a tag (e.g. "</thi") is held back until the next delta decides it, so tags
+split across deltas work.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ def _partial_tag_len(text: str, tag: str) -> int:
 
 
 class ReasoningParser:
-    """Splits Qwen3 output into reasoning_content (inside <think>...</think>) and content, as vLLM's qwen3
-    parser does: a <think> that opens the answer starts reasoning, </think> ends it, and text after it is
-    content. Nothing is stripped, so the two parts plus the tags are the raw output.
+    """Splits Qwen3 output into reasoning_content (inside <think>...</think>) and content, as vLLM's
+    qwen3 parser does: a <think> that opens the answer starts reasoning, </think> ends it, and text
+    after it is content. Nothing is stripped, so the two parts plus the tags are the raw output.
 
-    in_reasoning=True starts inside the block: for templates whose generation prompt already ends with
-    <think> (Qwen3 *-Thinking-2507), the model only emits the closing tag. An answer that ends before
-    </think> (e.g. cut by max_tokens) is all reasoning, in streams and whole responses alike.
+    in_reasoning=True starts inside the block: for templates whose generation prompt already ends
+    with <think> (Qwen3 *-Thinking-2507), the model only emits the closing tag. An answer that ends
+    before </think> (e.g. cut by max_tokens) is all reasoning, in streams and whole responses alike.
     """
 
     def __init__(self, in_reasoning: bool = False) -> None:
@@ -79,12 +80,14 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def to_dict(self, index: int | None = None) -> dict:
-        out = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        function = {"name": self.name, "arguments": self.arguments}
+        out = {"id": self.id, "type": "function", "function": function}
         return out if index is None else {"index": index, **out}
 
 
 def parse_tool_call(raw: str) -> ToolCall | None:
-    """{"name": ..., "arguments": {...}} -> ToolCall; None for anything else (it then stays text)."""
+    """{"name": ..., "arguments": {...}} -> ToolCall; None for anything else (it then stays
+    text)."""
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError:
@@ -98,17 +101,19 @@ def parse_tool_call(raw: str) -> ToolCall | None:
 
 
 class ToolCallParser:
-    """Turns complete <tool_call>{json}</tool_call> blocks into ToolCalls (vLLM's hermes parser format).
+    """Turns complete <tool_call>{json}</tool_call> blocks into ToolCalls
+    (vLLM's hermes parser format).
 
-    A block whose JSON is malformed, or that never closes, stays in the content as text. Whitespace around
-    calls (the newlines Qwen3 puts between them) and at the end of an answer that made calls is dropped
-    rather than sent as content.
+    A block whose JSON is malformed, or that never closes, stays in the content as text. Whitespace
+    around calls (the newlines Qwen3 puts between them) and at the end of an answer that made calls
+    is dropped rather than sent as content.
     """
 
     def __init__(self) -> None:
         self.buffer = ""
         self.in_call = False
-        self.pending_space = ""  # trailing whitespace outside calls, held until we know if it is content
+        # trailing whitespace outside calls, held until we know if it is content
+        self.pending_space = ""
         self.num_calls = 0
         self.after_call = False
 
@@ -162,8 +167,8 @@ class ToolCallParser:
 
 
 class ChatOutputParser:
-    """One answer's text -> (reasoning, content, tool calls): the reasoning parser first (if thinking is on),
-    then the tool-call parser on the content (if tools are on)."""
+    """One answer's text -> (reasoning, content, tool calls): the reasoning parser first (if
+    thinking is on), then the tool-call parser on the content (if tools are on)."""
 
     def __init__(self, reasoning: bool, in_reasoning: bool, tools: bool) -> None:
         self.reasoning = ReasoningParser(in_reasoning) if reasoning else None
@@ -181,7 +186,8 @@ class ChatOutputParser:
     def parse(self, text: str) -> tuple[str, str, list[ToolCall]]:
         """A whole answer at once (the same result as streaming it)."""
         parts = [self.feed(text), self.finish()]
-        return "".join(p[0] for p in parts), "".join(p[1] for p in parts), [c for p in parts for c in p[2]]
+        reasoning, content = "".join(p[0] for p in parts), "".join(p[1] for p in parts)
+        return reasoning, content, [c for p in parts for c in p[2]]
 
     def _content(self, content: str, final: bool) -> tuple[str, list[ToolCall]]:
         if self.tools is None:

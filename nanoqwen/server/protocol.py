@@ -1,8 +1,8 @@
-"""Request bodies of the OpenAI API (plus vLLM's extra sampling fields) as pydantic models, and the error
-type every endpoint answers with.
+"""Request bodies of the OpenAI API (plus vLLM's extra sampling fields) as pydantic models, and the
+error type every endpoint answers with.
 
-Models are strict (a string where a number belongs is a 400, not silently converted) and ignore unknown
-fields, as OpenAI-compatible servers do, so newer clients that send more keep working.
+Models are strict (a string where a number belongs is a 400, not silently converted) and ignore
+unknown fields, as OpenAI-compatible servers do, so newer clients that send more keep working.
 """
 
 from __future__ import annotations
@@ -20,16 +20,20 @@ INT64 = {"ge": -(2**63), "le": 2**63 - 1}
 
 
 class APIError(Exception):
-    """An error answered as OpenAI's {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+    """An error answered as OpenAI's {"error": {"message", "type", "param", "code"}} with an
+    HTTP status."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code = param, code
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
 
 
 class _Model(BaseModel):
@@ -68,24 +72,30 @@ class _GenerationRequest(_Model):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
-                        prompt_len: int, max_model_len: int) -> SamplingParams:
-        """The model's defaults with every field the request gave on top (SamplingParams checks the values).
+    def sampling_params(self, defaults: SamplingParams, max_tokens: int | None,
+                        logprobs: int | None, prompt_len: int,
+                        max_model_len: int) -> SamplingParams:
+        """The model's defaults with every field the request gave on top (SamplingParams checks
+        the values).
 
-        max_tokens None runs up to the context; asking for more than the context holds is an error, as in vLLM.
+        max_tokens None runs up to the context; asking for more than the context holds is an
+        error, as in vLLM.
         """
         if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                                f"{max_tokens} in the completion). Reduce the prompt or max_tokens.",
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                                f"However, you requested {prompt_len + max_tokens} tokens "
+                                f"({prompt_len} in the prompt, {max_tokens} in the completion). "
+                                "Reduce the prompt or max_tokens.",
                            param="max_tokens")
-        names = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "ignore_eos", "min_tokens", "stop", "stop_token_ids", "skip_special_tokens",
-                 "include_stop_str_in_output")
+        names = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "stop",
+                 "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         try:
-            return dataclasses.replace(defaults, **given, n=self.n, max_tokens=max_tokens, logprobs=logprobs)
-        except InvalidRequestError as e:  # "SamplingParams.min_tokens=9 is invalid: ..." names the field
+            return dataclasses.replace(defaults, **given, n=self.n, max_tokens=max_tokens,
+                                       logprobs=logprobs)
+        except InvalidRequestError as e:
+            # "SamplingParams.min_tokens=9 is invalid: ..." names the field
             field = re.match(r"SamplingParams\.(\w+)=", str(e))
             raise APIError(400, str(e), param=field.group(1) if field else None) from None
 
@@ -97,7 +107,8 @@ class ContentPart(_Model):
 
 class FunctionCall(_Model):
     name: str
-    arguments: str | dict[str, Any] = "{}"  # OpenAI clients send a JSON string; the template takes either
+    # OpenAI clients send a JSON string; the template takes either
+    arguments: str | dict[str, Any] = "{}"
 
 
 class ToolCallIn(_Model):
@@ -115,12 +126,14 @@ class ChatMessage(_Model):
     reasoning_content: str | None = None
 
     def to_template(self) -> dict[str, Any]:
-        """The dict the chat template reads: text parts joined, "developer" as "system" (what Qwen3 knows)."""
+        """The dict the chat template reads: text parts joined, "developer" as "system" (what
+        Qwen3 knows)."""
         content = self.content
         if isinstance(content, list):
             bad = [p.type for p in content if p.type != "text" or p.text is None]
             if bad:
-                raise APIError(400, f"content part type {bad[0]!r} is not supported: this model takes text only",
+                raise APIError(400, f"content part type {bad[0]!r} is not supported: "
+                                    "this model takes text only",
                                param="messages")
             content = "".join(p.text or "" for p in content)
         msg = self.model_dump(exclude_none=True, exclude={"content", "tool_calls"})
@@ -132,7 +145,8 @@ class ChatMessage(_Model):
 
 
 class FunctionDef(_Model):
-    model_config = ConfigDict(extra="allow", strict=True)  # keep every schema key: the template prints them
+    # keep every schema key: the template prints them
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -178,9 +192,11 @@ class CompletionRequest(_GenerationRequest):
         """nanoqwen serves one prompt per request; a list of one prompt is that prompt."""
         prompt = self.prompt
         if self.echo or self.suffix:
-            raise APIError(400, "echo and suffix are not supported", param="echo" if self.echo else "suffix")
+            raise APIError(400, "echo and suffix are not supported",
+                           param="echo" if self.echo else "suffix")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
-                raise APIError(400, f"got {len(prompt)} prompts: send one prompt per request", param="prompt")
+                raise APIError(400, f"got {len(prompt)} prompts: send one prompt per request",
+                               param="prompt")
             prompt = prompt[0]
         return prompt

@@ -6,45 +6,31 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import signal
 import socket
 from collections.abc import Callable
 from typing import Any
 
+from nanoqwen.config import engine_config_from_args, memory_size
 from nanoqwen.errors import ConfigError, EngineDeadError
-
-_UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
-
-
-def memory_size(text: str) -> int | float:
-    """--kv-cache-memory: bytes ("67108864", "64MiB", "4G") or a fraction of free memory ("0.5")."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, e.g. 64MiB) or a fraction (e.g. 0.5)")
-    number, unit = m.group(1), m.group(2).lower()
-    if "." in number and not unit:
-        return float(number)
-    return int(float(number) * _UNITS[unit])
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("NANOQWEN_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOQWEN_API_KEY, else none)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens per step")
-    p.add_argument("--kv-cache-memory", type=memory_size, default=None,
-                   help="KV cache size: bytes (e.g. 2GiB) or a fraction of free memory (e.g. 0.5)")
-    p.add_argument("--no-enable-prefix-caching", action="store_true", help="turn prefix caching off")
+                   help="require 'Authorization: Bearer KEY' on /v1 "
+                        "(default: $NANOQWEN_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: --model)")
     p.add_argument("--max-waiting", type=int, default=256,
-                   help="requests that may wait for their first token before new ones get 503 (default 256)")
-    p.add_argument("--max-body-bytes", type=memory_size, default=8 << 20, help="largest request body (default 8MiB)")
+                   help="requests that may wait for their first token before new ones get 503 "
+                        "(default 256)")
+    p.add_argument("--max-body-bytes", type=memory_size, default=8 << 20,
+                   help="largest request body (default 8MiB)")
     p.add_argument("--shutdown-timeout", type=int, default=10,
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cancelled")
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM "
+                        "before they are cancelled")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -56,7 +42,8 @@ def serve(args: argparse.Namespace) -> None:
         cancel_all: Callable[[], None]
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            # Stopped listening; in-flight requests get `grace` seconds to finish, then are cancelled.
+            # Stopped listening; in-flight requests get `grace` seconds to
+            # finish, then are cancelled.
             timer = asyncio.get_running_loop().call_later(self.grace, self.cancel_all)
             try:
                 await super().shutdown(sockets)
@@ -65,15 +52,12 @@ def serve(args: argparse.Namespace) -> None:
 
     from nanoqwen.engine.llm_engine import LLMEngine
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_body_bytes", "shutdown_timeout"):
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("max_waiting", "max_body_bytes", "shutdown_timeout"):  # the server's own options
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-    engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_enable_prefix_caching,
-                       seed=args.seed, enforce_eager=args.enforce_eager,
-                       tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
+    engine = LLMEngine(engine_config_from_args(args))
     try:
         _run(args, engine, _Server)
     finally:
@@ -81,28 +65,32 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace, engine: Any, server_class: type) -> None:
-    """Serve `engine` until SIGINT/SIGTERM, or until the engine dies (then raise its EngineDeadError)."""
+    """Serve `engine` until SIGINT/SIGTERM, or until the engine dies (then raise its
+    EngineDeadError)."""
     import uvicorn
 
     from nanoqwen.server.api import build_app
 
     log = logging.getLogger("nanoqwen.server")
     stats = engine.kv_cache_stats
-    log.info("loaded %s (%s, %s): max_model_len %d, %d KV blocks of %d tokens", args.model, engine.device,
-             engine.dtype, engine.max_model_len, stats["num_blocks"], stats["block_size"])
+    log.info("loaded %s (%s, %s): max_model_len %d, %d KV blocks of %d tokens", args.model,
+             engine.device, engine.dtype, engine.max_model_len, stats["num_blocks"],
+             stats["block_size"])
     app = build_app(engine, args.served_model_name or str(args.model), api_key=args.api_key,
                     max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
-    # uvicorn's own timeout is only a backstop: at --shutdown-timeout we end the requests ourselves, so
-    # their streams close with an error event instead of being cut (and logged as tracebacks).
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
+    # uvicorn's own timeout is only a backstop: at --shutdown-timeout we end the requests ourselves,
+    # so their streams close with an error event instead of being cut (and logged as tracebacks).
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout + 5,
+                            lifespan="on")
     server = server_class(config)
     async_engine = app.state.server.async_engine
     server.grace, server.cancel_all = args.shutdown_timeout, async_engine.cancel_all
-    # A dead engine (a tensor-parallel worker died) cannot recover: stop serving and exit with its error.
+    # A dead engine (a tensor-parallel worker died) cannot recover: stop serving
+    # and exit with its error.
     async_engine.on_dead = lambda _: setattr(server, "should_exit", True)
-    # uvicorn re-raises the signal that stopped it once it has shut down; with these no-op handlers in
-    # place that ends serve() normally, so a requested shutdown exits with status 0.
+    # uvicorn re-raises the signal that stopped it once it has shut down; with these no-op handlers
+    # in place that ends serve() normally, so a requested shutdown exits with status 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run()

@@ -24,7 +24,9 @@ from nanoqwen.server.protocol import APIError
 
 @dataclass
 class ServerState:
-    engine: Any  # the LLMEngine (read-only here: tokenizer, limits, defaults); only AsyncEngine's thread steps it
+    # the LLMEngine (read-only here: tokenizer, limits, defaults); only AsyncEngine's thread
+    # steps it
+    engine: Any
     async_engine: AsyncEngine
     metrics: ServerMetrics
     served_model_name: str
@@ -41,18 +43,21 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 class Generation:
-    """One generation request: start it, iterate its outputs, and always close it (abort if unfinished)."""
+    """One generation request: start it, iterate its outputs, and always close it
+    (abort if unfinished)."""
 
     def __init__(self, state: ServerState, http: Request, prefix: str) -> None:
         self.state, self.http = state, http
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        # TTFT counts from the request's arrival (AccessLog notes it), so parsing and templating are included.
+        # TTFT counts from the request's arrival (AccessLog notes it), so parsing and templating
+        # are included.
         self.arrival = getattr(http.state, "arrival", None) or time.perf_counter()
         self.stream: RequestStream | None = None
         self.last: RequestOutput | None = None
         self.last_time: float | None = None
-        self.finish_label: str | None = None  # set by the endpoint (e.g. "tool_calls"); default from the output
+        # set by the endpoint (e.g. "tool_calls"); default from the output
+        self.finish_label: str | None = None
         self.closed = self.recorded = False
         self.defer_record = False  # final(): the endpoint records once it knows the finish reason
 
@@ -73,7 +78,8 @@ class Generation:
             self.close()
 
     async def final(self) -> RequestOutput:
-        """The finished output; if the client disconnects first, the request is aborted (APIError 499).
+        """The finished output; if the client disconnects first, the request
+        is aborted (APIError 499).
 
         The caller calls record() once it has built the response.
         """
@@ -110,7 +116,8 @@ class Generation:
             self.record()
 
     async def aclose(self) -> None:
-        """close() as a response's background task: also covers a stream whose client left before it began."""
+        """close() as a response's background task: also covers a stream whose client left
+        before it began."""
         self.close()
 
     def record(self) -> None:
@@ -125,9 +132,11 @@ class Generation:
         first = self.stream.first_output_time
         ttft = first - self.arrival if first is not None else None
         longest = max(lengths, default=0)
-        tpot = (self.last_time - first) / (longest - 1) if first is not None and longest > 1 else None
+        tpot = ((self.last_time - first) / (longest - 1)
+                if first is not None and longest > 1 else None)
         self.state.metrics.record_request(self.prompt_len, sum(lengths), reason, ttft, tpot)
-        self.http.state.log = (f"{self.id} prompt={self.prompt_len} generated={sum(lengths)} finish={reason}"
+        self.http.state.log = (f"{self.id} prompt={self.prompt_len} generated={sum(lengths)} "
+                               f"finish={reason}"
                                + (f" ttft={ttft * 1000:.0f}ms" if ttft is not None else ""))
 
 
@@ -138,14 +147,17 @@ async def _wait_for_disconnect(http: Request) -> None:
 
 def usage(out: RequestOutput) -> dict[str, Any]:
     prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, reversed: the character of each byte in a token's string -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    """GPT-2's byte-level BPE alphabet, reversed: the character of each byte in a token's string
+    -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -157,7 +169,8 @@ def _byte_decoder() -> dict[str, int]:
 
 
 def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
-    """The token's raw UTF-8 bytes (a token may hold part of a character, which its text shows as U+FFFD)."""
+    """The token's raw UTF-8 bytes (a token may hold part of a character, which its text shows
+    as U+FFFD)."""
     backend, decoder = getattr(tokenizer, "backend", None), _byte_decoder()
     piece = backend.id_to_token(token_id) if backend is not None else None
     if piece and all(ch in decoder for ch in piece):
@@ -173,28 +186,36 @@ def _token_text(lp: Logprob, tokenizer: Any, token_id: int) -> str:
     return lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([token_id])
 
 
-def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int) -> list[dict]:
+def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob]],
+                  top_n: int) -> list[dict]:
     """OpenAI's chat logprobs.content items, one per generated token."""
     items = []
     for token_id, entry in zip(token_ids, entries, strict=False):
         def item(tid: int, lp: Logprob) -> dict[str, Any]:
             text = _token_text(lp, tokenizer, tid)
-            return {"token": text, "logprob": _finite(lp.logprob), "bytes": token_bytes(tokenizer, tid, text)}
-        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= top_n), key=lambda x: x[1].rank)[:top_n]
-        items.append({**item(token_id, entry[token_id]), "top_logprobs": [item(t, lp) for t, lp in top]})
+            return {"token": text, "logprob": _finite(lp.logprob),
+                    "bytes": token_bytes(tokenizer, tid, text)}
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= top_n),
+                     key=lambda x: x[1].rank)[:top_n]
+        items.append({**item(token_id, entry[token_id]),
+                      "top_logprobs": [item(t, lp) for t, lp in top]})
     return items
 
 
-def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int,
-                        offset: int) -> dict[str, list]:
-    """OpenAI's legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset from `offset`)."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob]],
+                        top_n: int, offset: int) -> dict[str, list]:
+    """OpenAI's legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset
+    from `offset`)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
     for token_id, entry in zip(token_ids, entries, strict=False):
         chosen = entry[token_id]
         text = _token_text(chosen, tokenizer, token_id)
-        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= top_n), key=lambda x: x[1].rank)[:top_n]
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= top_n),
+                     key=lambda x: x[1].rank)[:top_n]
         tops = {_token_text(lp, tokenizer, t): _finite(lp.logprob) for t, lp in top}
-        tops.setdefault(text, _finite(chosen.logprob))  # as vLLM: the sampled token is always listed
+        # as vLLM: the sampled token is always listed
+        tops.setdefault(text, _finite(chosen.logprob))
         out["tokens"].append(text)
         out["token_logprobs"].append(_finite(chosen.logprob))
         out["top_logprobs"].append(tops)

@@ -1,0 +1,218 @@
+"""Which matmul path a CPU runs 16-bit models on: measured once per machine, not guessed from its
+name.
+
+CPUs with native bf16 matrix instructions (AVX-512-BF16, AMX) multiply bf16 matrices as fast as
+float32 ones or faster. On the others (AVX2-only: AMD Zen 2/3, most Intel client chips) torch's bf16
+matrix-matrix product is many times slower than its float32 one, because every element is converted
+in the inner loop. There, the weights stay 16-bit in memory (half the bytes; a matrix-vector
+product, one decode row, reads them directly and stays fast) and products over many rows (prompt
+chunks, large batches) convert the weights to float32 block by block and multiply in float32:
+`upcast_linear`. Prompt attention does the same (ops/attention.py).
+
+Either path computes the same function: bf16 inputs, products accumulated in float32, the output
+rounded to bf16 once. Only the order of the float32 additions differs, so greedy tokens agree within
+bf16's tolerance.
+
+The choice (`select_matmul_path`): NANOQWEN_CPU_MATMUL=bf16|float32 forces it; otherwise a probe
+times a bf16 and a float32 matmul of a prompt-sized shape (about a second, once) and the result is
+cached per CPU model, CPU flags, torch version and thread count in
+~/.cache/nanoqwen/cpu-matmul.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("nanoqwen")
+PATHS = ("bf16", "float32")
+# fewer rows read the 16-bit weights directly (a matrix-vector product is memory-bound)
+UPCAST_MIN_ROWS = 16
+# up to this many rows, nanoqwen's own kernels (ops/cpu_gemv.py) where they are on
+GEMV_MAX_ROWS = 16
+UPCAST_BLOCK_BYTES = 16 << 20  # the largest float32 copy of a weight block upcast_linear makes
+# rows, in, out: a prompt chunk through a Qwen3-0.6B-sized projection
+PROBE_SHAPE = (256, 1024, 1024)
+SLOW_BF16 = 0.5  # bf16 below half of float32's speed: compute in float32
+
+
+@dataclass
+class MatmulPath:
+    """How 16-bit matmuls over many rows run on this CPU: "bf16" (torch's own kernel) or "float32"
+    (upcast)."""
+
+    path: str
+    reason: str  # why, for the log line and `nanoqwen bench`
+    bf16_gflops: float | None = None
+    float32_gflops: float | None = None
+    gemv: bool = False  # few rows (decode) through ops/cpu_gemv.py's kernels
+
+    def describe(self) -> str:
+        few = f"<= {GEMV_MAX_ROWS} rows: nanoqwen's AVX2 gemv kernels; " if self.gemv else ""
+        if self.path == "bf16":
+            return f"{few}bf16 matmuls ({self.reason})"
+        return (f"{few}>= {UPCAST_MIN_ROWS} rows: float32 compute from 16-bit weights "
+                f"({self.reason})")
+
+
+_in_use = MatmulPath("bf16", "the default")
+
+
+def matmul_path() -> MatmulPath:
+    """The path this process's engine chose (nanoqwen/compilation.py select_kernels sets it)."""
+    return _in_use
+
+
+def use_matmul_path(path: MatmulPath) -> None:
+    global _in_use
+    _in_use = path
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for x [N, in] on this CPU's path: a few bf16 rows through the gemv kernel (when on),
+    many 16-bit rows computed in float32 (on the float32 path), everything else torch's own
+    F.linear."""
+    rows = x.shape[0]
+    if _in_use.gemv and rows <= GEMV_MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16:
+        from nanoqwen.ops import cpu_gemv
+
+        return cpu_gemv.bf16_gemv(x, weight, bias)
+    if rows >= UPCAST_MIN_ROWS and upcast_16bit(x):
+        return upcast_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def gemv_rows(x: torch.Tensor) -> bool:
+    """Whether a product over x's rows goes through the gemv kernels (bf16, few rows, the kernels
+    on)."""
+    return _in_use.gemv and x.dtype == torch.bfloat16 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
+
+
+def upcast_16bit(x: torch.Tensor) -> bool:
+    """Whether a product over x's rows computes in float32 from 16-bit operands (CPU without fast
+    bf16)."""
+    return (_in_use.path == "float32" and x.device.type == "cpu"
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def cpu_name_and_flags() -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags, from /proc/cpuinfo (empty where there is none)."""
+    name, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown CPU":
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return name, flags
+
+
+def isa_summary(flags: set[str]) -> str:
+    """The flags that decide matmul speed, e.g. "avx2 fma" or "avx512f avx512_bf16 amx_bf16"."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return " ".join(f for f in wanted if f in flags) or "no AVX2"
+
+
+def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
+    """This machine's path for 16-bit matmuls over many rows: forced, cached, or measured now (and
+    cached)."""
+    choice = _select_path(cache_dir)
+    # nanoqwen's gemv kernels: on CPUs without fast bf16 (where torch's few-row kernels read far
+    # below the bandwidth), or where NANOQWEN_CPU_GEMV=1 asks for them; never where
+    # NANOQWEN_CPU_GEMV=0.
+    wanted = os.environ.get("NANOQWEN_CPU_GEMV", "auto")
+    if wanted == "1" or (wanted == "auto" and choice.path == "float32"):
+        from nanoqwen.ops import cpu_gemv
+
+        choice.gemv = cpu_gemv.available()
+    return choice
+
+
+def _select_path(cache_dir: Path | None) -> MatmulPath:
+    forced = os.environ.get("NANOQWEN_CPU_MATMUL", "auto")
+    if forced in PATHS:
+        return MatmulPath(forced, "forced by NANOQWEN_CPU_MATMUL")
+    if forced != "auto":
+        logger.warning("NANOQWEN_CPU_MATMUL=%s is not one of auto, %s: measuring instead",
+                       forced, ", ".join(PATHS))
+    name, flags = cpu_name_and_flags()
+    capability = torch.backends.cpu.get_cpu_capability()
+    key = f"{name} | {isa_summary(flags)} | {capability} | torch {torch.__version__}" \
+          f" | {torch.get_num_threads()} threads"
+    cache = (cache_dir or _cache_dir()) / "cpu-matmul.json"
+    known = _read_json(cache)
+    if key in known:
+        return MatmulPath(**{**known[key], "gemv": False})
+    choice = probe()
+    known[key] = {k: v for k, v in asdict(choice).items() if k != "gemv"}
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(known, indent=1))
+    except OSError:  # a read-only home: measure again next time
+        pass
+    return choice
+
+
+def probe() -> MatmulPath:
+    """Time a bf16 and a float32 matmul of PROBE_SHAPE and choose."""
+    bf16, f32 = _gflops(torch.bfloat16), _gflops(torch.float32)
+    path = "bf16" if bf16 >= SLOW_BF16 * f32 else "float32"
+    return MatmulPath(path, f"measured: bf16 {bf16:.1f}, float32 {f32:.1f} GFLOP/s",
+                      round(bf16, 1), round(f32, 1))
+
+
+def _gflops(dtype: torch.dtype) -> float:
+    """GFLOP/s of F.linear on PROBE_SHAPE in `dtype`, best of three runs after a warm-up."""
+    rows, n_in, n_out = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(rows, n_in, generator=g).to(dtype),
+            torch.randn(n_out, n_in, generator=g).to(dtype))
+    F.linear(x, w)  # warm-up: oneDNN picks its kernel
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        F.linear(x, w)
+        best = min(best, time.perf_counter() - start)
+    return 2 * rows * n_in * n_out / best / 1e9
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for 16-bit x and weight, computed in float32: the weight converted
+    in row blocks of at most UPCAST_BLOCK_BYTES (an LM head never has a float32 copy in memory), the
+    output rounded to x's dtype once."""
+    out_features, in_features = weight.shape
+    x32 = x.float()
+    step = max(1, UPCAST_BLOCK_BYTES // (4 * max(in_features, 1)))
+    if out_features <= step:
+        y = F.linear(x32, weight.float(), None if bias is None else bias.float())
+        return y.to(x.dtype)
+    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+    for start in range(0, out_features, step):
+        end = min(start + step, out_features)
+        b = None if bias is None else bias[start:end].float()
+        out[..., start:end] = F.linear(x32, weight[start:end].float(), b)
+    return out
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanoqwen"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}

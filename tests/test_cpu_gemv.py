@@ -1,0 +1,190 @@
+"""The CPU matrix-vector kernels (nanoqwen/ops/cpu_gemv.py) against their plain-torch references, and the
+fallback when they cannot be built.
+
+Kernel and reference both accumulate in float32 and round to bf16 once; only the order of the float32
+additions differs, so each output may differ from the reference by at most one bf16 rounding step (1 ulp of
+the output) plus the float32 summation error. That error matters only where the sum cancels to nearly zero,
+so the tolerance adds 1e-5 (about 170 float32 ulps) of the sum of the terms' magnitudes.
+
+Input contract (tested below): non-contiguous inputs work (they are copied); wrong dtypes, shapes or
+mismatched K raise RuntimeError naming the argument.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from nanoqwen.ops import cpu_gemv
+
+MS = (1, 2, 3, 5, 8)
+KS = (16, 17, 100, 1024 + 7)
+NS = (1, 3, 257)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not cpu_gemv.available():
+        pytest.skip(f"CPU gemv kernels not available here ({cpu_gemv._failure or 'NANOQWEN_CPU_GEMV=0'})")
+    return cpu_gemv
+
+
+def bf16_ulp(y: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at |y| (8 significant bits): 2^(exponent - 7); the smallest normal's below."""
+    y = y.float().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    return torch.exp2(torch.floor(torch.log2(y)) - 7)
+
+
+def assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> None:
+    """got == want within 1 bf16 ulp, plus float32 noise relative to `magnitude` (sum of |terms| per output)."""
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    diff = (got.float() - want.float()).abs()
+    allowed = torch.maximum(bf16_ulp(want), bf16_ulp(got)) + 1e-5 * magnitude
+    worst = (diff - allowed).max().item() if diff.numel() else 0.0
+    assert worst <= 0, f"max abs difference beyond 1 bf16 ulp by {worst}"
+
+
+def make(m: int, k: int, n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed * 1000 + m * 100 + k * 10 + n)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(n, generator=g) / 64 / k**0.5).to(torch.bfloat16)
+    return x, w, bias, q, scale
+
+
+def check_bf16(kernels, x, w, bias=None) -> torch.Tensor:
+    got = kernels.bf16_gemv(x, w, bias)
+    magnitude = x.float().abs() @ w.float().abs().T + (0 if bias is None else bias.float().abs())
+    assert_within_one_ulp(got, kernels.bf16_gemv_reference(x, w, bias), magnitude)
+    return got
+
+
+def check_int8(kernels, x, q, scale) -> torch.Tensor:
+    got = kernels.int8_gemv(x, q, scale)
+    magnitude = (x.float().abs() @ q.float().abs().T) * scale.float().abs()
+    assert_within_one_ulp(got, kernels.int8_gemv_reference(x, q, scale), magnitude)
+    return got
+
+
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("m", MS)
+def test_bf16_gemv_matches_reference(kernels, m, k, n):
+    x, w, bias, _, _ = make(m, k, n)
+    check_bf16(kernels, x, w)
+    check_bf16(kernels, x, w, bias)
+
+
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("m", MS)
+def test_int8_gemv_matches_reference(kernels, m, k, n):
+    x, _, _, q, scale = make(m, k, n)
+    check_int8(kernels, x, q, scale)
+
+
+def test_mostly_bit_exact(kernels):
+    # Differing only in summation order, nearly all outputs round to the same bf16 value.
+    x, w, bias, q, scale = make(4, 1024 + 7, 257)
+    for got, want in ((kernels.bf16_gemv(x, w, bias), kernels.bf16_gemv_reference(x, w, bias)),
+                      (kernels.int8_gemv(x, q, scale), kernels.int8_gemv_reference(x, q, scale))):
+        assert (got == want).float().mean().item() > 0.95
+
+
+def test_more_than_8_rows_and_leading_dims(kernels):
+    x, w, bias, q, scale = make(11, 100, 33)
+    check_bf16(kernels, x, w, bias)
+    check_int8(kernels, x, q, scale)
+    x3 = x[:10].reshape(2, 5, 100)
+    y = kernels.int8_gemv(x3, q, scale)
+    assert y.shape == (2, 5, 33)
+    assert torch.equal(y, kernels.int8_gemv(x[:10], q, scale).view(2, 5, 33))
+
+
+def test_multithreaded_split_matches(kernels):
+    # Enough rows that at::parallel_for splits N over threads (a task reads >= 256 KB of weights); an odd
+    # count, so a thread's range does not split evenly into the kernel's two streams.
+    x, w, bias, q, scale = make(2, 1024, 1001)
+    check_bf16(kernels, x, w, bias)
+    check_int8(kernels, x, q, scale)
+
+
+def test_non_contiguous_inputs_work(kernels):
+    x, w, bias, q, scale = make(3, 64, 40)
+    xt = x.t().contiguous().t()  # same values, transposed strides
+    wt = w.t().contiguous().t()
+    bias2 = torch.stack([bias, bias], 1)[:, 0]  # stride 2
+    assert not (xt.is_contiguous() or wt.is_contiguous() or bias2.is_contiguous())
+    assert torch.equal(kernels.bf16_gemv(xt, wt, bias2), kernels.bf16_gemv(x, w, bias))
+    qt = q.t().contiguous().t()
+    assert torch.equal(kernels.int8_gemv(xt, qt, scale), kernels.int8_gemv(x, q, scale))
+
+
+def test_wrong_inputs_raise(kernels):
+    x, w, bias, q, scale = make(2, 32, 8)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        kernels.bf16_gemv(x.float(), w)
+    with pytest.raises(RuntimeError, match="w must be BFloat16"):
+        kernels.bf16_gemv(x, w.half())
+    with pytest.raises(RuntimeError, match="q must be Char"):
+        kernels.int8_gemv(x, w, scale)
+    with pytest.raises(RuntimeError, match="scale must be bfloat16"):
+        kernels.int8_gemv(x, q, scale.float())
+    with pytest.raises(RuntimeError, match=r"bias must have shape \[8\]"):
+        kernels.bf16_gemv(x, w, bias[:4])
+    with pytest.raises(RuntimeError, match="K=31"):
+        kernels.bf16_gemv(x[:, :31], w)
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """cpu_gemv with its cached build state reset (restored after the test)."""
+    monkeypatch.setattr(cpu_gemv, "_ext", None)
+    monkeypatch.setattr(cpu_gemv, "_failure", None)
+    return monkeypatch
+
+
+def test_env_var_disables_without_building(fresh_state):
+    def no_build():
+        raise AssertionError("must not build")
+
+    fresh_state.setenv("NANOQWEN_CPU_GEMV", "0")
+    fresh_state.setattr(cpu_gemv, "_build", no_build)
+    assert not cpu_gemv.available()
+    with pytest.raises(RuntimeError, match="NANOQWEN_CPU_GEMV=0"):
+        cpu_gemv.bf16_gemv(torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.bfloat16))
+
+
+def test_build_failure_warns_once(fresh_state, caplog):
+    from torch.utils import cpp_extension
+
+    calls = []
+
+    def failing_load(*args, **kwargs):
+        calls.append(kwargs.get("name"))
+        raise RuntimeError("Error building extension: no compiler")
+
+    fresh_state.delenv("NANOQWEN_CPU_GEMV", raising=False)
+    fresh_state.setattr(cpu_gemv, "compile_flags", lambda: ["-O3"])  # also on CPUs without AVX2
+    fresh_state.setattr(cpp_extension, "load", failing_load)
+    with caplog.at_level(logging.WARNING, logger="nanoqwen"):
+        assert not cpu_gemv.available()
+        assert not cpu_gemv.available()
+    assert len(calls) == 1
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_gemv.int8_gemv(torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.int8),
+                           torch.ones(2, dtype=torch.bfloat16))
+
+
+def test_no_avx2_is_a_failure(fresh_state, caplog):
+    fresh_state.delenv("NANOQWEN_CPU_GEMV", raising=False)
+    fresh_state.setattr(cpu_gemv, "cpu_name_and_flags", lambda: ("some CPU", {"sse2"}))
+    with caplog.at_level(logging.WARNING, logger="nanoqwen"):
+        assert not cpu_gemv.available()
+    assert "AVX2" in caplog.text

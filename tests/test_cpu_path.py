@@ -1,0 +1,133 @@
+"""The per-CPU matmul path (nanoqwen/ops/cpu.py): how it is chosen, and that both choices compute
+the same function: bf16 inputs, float32 accumulation, one rounding to bf16."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import hf_greedy, hf_model, our_greedy
+
+from nanoqwen import LLM, SamplingParams
+from nanoqwen.models.qwen3 import attention_reference
+from nanoqwen.ops import attention, cpu
+from nanoqwen.quantization import dequantized_linear, quantize_weight
+
+# >= 64 rows: upcast and compiled kernels both run
+LONG_PROMPT = [(7 * i + 3) % 5000 + 100 for i in range(80)]
+
+
+@pytest.fixture
+def path_in_use():
+    """Restore the process's matmul path after the test."""
+    before = cpu.matmul_path()
+    yield
+    cpu.use_matmul_path(before)
+
+
+@pytest.mark.parametrize("forced", ["bf16", "float32"])
+def test_the_environment_forces_either_path(forced, monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", forced)
+    monkeypatch.setattr(cpu, "probe", lambda: pytest.fail("a forced path must not measure"))
+    choice = cpu.select_matmul_path(tmp_path)
+    assert choice.path == forced and "NANOQWEN_CPU_MATMUL" in choice.reason
+    assert not (tmp_path / "cpu-matmul.json").exists()
+
+
+@pytest.mark.parametrize("bf16_gflops, expected", [(1.0, "float32"), (60.0, "bf16")])
+def test_auto_measures_once_and_caches_per_machine(bf16_gflops, expected, monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "auto")
+    calls = []
+
+    def fake_timing(*args):  # bf16 at bf16_gflops, float32 at 63 GFLOP/s
+        calls.append(args)
+        return bf16_gflops if len(calls) % 2 else 63.0
+
+    monkeypatch.setattr(cpu, "_gflops", fake_timing)
+    first = cpu.select_matmul_path(tmp_path)
+    assert first.path == expected and len(calls) == 2
+    assert first.bf16_gflops == bf16_gflops and first.float32_gflops == 63.0
+    again = cpu.select_matmul_path(tmp_path)  # from the cache: nothing measured
+    assert again == first and len(calls) == 2
+    cached = json.loads((tmp_path / "cpu-matmul.json").read_text())
+    (key, value), = cached.items()
+    assert "torch" in key and value["path"] == expected
+
+
+@pytest.mark.parametrize("bias", [False, True])
+# odd sizes; 333 rows cut in blocks below
+@pytest.mark.parametrize("shape", [(5, 64, 48), (17, 96, 333)])
+def test_upcast_linear_is_the_float32_product_rounded_once(shape, bias, monkeypatch):
+    rows, n_in, n_out = shape
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, n_in, generator=g).bfloat16()
+    w = (torch.randn(n_out, n_in, generator=g) * 0.1).bfloat16()
+    b = torch.randn(n_out, generator=g).bfloat16() if bias else None
+    expected = F.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
+    # 50-row blocks: the blocked loop runs
+    monkeypatch.setattr(cpu, "UPCAST_BLOCK_BYTES", 4 * n_in * 50)
+    got = cpu.upcast_linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    # and torch's own bf16 kernel computes the same up to the order of the float32 additions
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=0.05, rtol=0.016)
+
+
+@pytest.mark.parametrize("num_cached", [0, 37])
+def test_blocked_prefill_attention_is_the_same_on_both_paths(num_cached, path_in_use):
+    g = torch.Generator().manual_seed(num_cached)
+    t, hq, hkv, d = 150, 4, 2, 32  # two query blocks, the second one partial
+    q = torch.randn(hq, t, d, generator=g).bfloat16()
+    k = torch.randn(hkv, num_cached + t, d, generator=g).bfloat16()
+    v = torch.randn(hkv, num_cached + t, d, generator=g).bfloat16()
+    outs = {}
+    for path in cpu.PATHS:
+        cpu.use_matmul_path(cpu.MatmulPath(path, "test"))
+        outs[path] = attention.prefill_attention_blocked(q, k, v, num_cached)
+    pos = torch.arange(num_cached, num_cached + t)[:, None]
+    mask = (torch.arange(num_cached + t)[None, :] <= pos)[None, None]
+    ref = attention_reference(q[None], k[None], v[None], mask)[0]
+    for out in outs.values():
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, ref, atol=0.03, rtol=0.02)
+    torch.testing.assert_close(outs["float32"], outs["bf16"], atol=0.02, rtol=0.02)
+
+
+def test_int8_dequantise_path_in_float32_rounds_once(path_in_use):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 96, generator=g).bfloat16()
+    q, scale = quantize_weight((torch.randn(70, 96, generator=g) * 0.05).bfloat16())
+    cpu.use_matmul_path(cpu.MatmulPath("float32", "test"))
+    got = dequantized_linear(x, q, scale)
+    assert torch.equal(got, (F.linear(x.float(), q.float()) * scale.float()).bfloat16())
+    cpu.use_matmul_path(cpu.MatmulPath("bf16", "test"))
+    torch.testing.assert_close(got, dequantized_linear(x, q, scale), atol=0.02, rtol=0.02)
+
+
+def test_both_paths_give_transformers_greedy_tokens_in_bf16(checkpoint, monkeypatch, path_in_use):
+    """The same bf16 checkpoint and an 80-token prompt (prefill through the upcast matmuls and the
+    float32 attention products on the float32 path): the greedy tokens of both paths equal
+    transformers' bf16 ones."""
+    path = checkpoint("gqa2-untied", dtype="bfloat16")
+    ref = hf_greedy(hf_model(path, torch.bfloat16), LONG_PROMPT, 12)
+    for forced in cpu.PATHS:
+        monkeypatch.setenv("NANOQWEN_CPU_MATMUL", forced)
+        llm = LLM(path, dtype="bfloat16", device="cpu", max_model_len=128)
+        assert forced in llm.llm_engine.kernel_path or forced == "bf16"
+        assert cpu.matmul_path().path == forced
+        assert our_greedy(llm, LONG_PROMPT, 12) == ref, forced
+
+
+def test_upcast_runs_only_for_many_rows(checkpoint, monkeypatch, path_in_use):
+    """On the float32 path a prompt of >= UPCAST_MIN_ROWS tokens goes through upcast_linear, a
+    decode row does not (it reads the bf16 weights directly)."""
+    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "float32")
+    rows = []
+    original = cpu.upcast_linear
+    monkeypatch.setattr(cpu, "upcast_linear",
+                        lambda x, *a: rows.append(x.shape[0]) or original(x, *a))
+    llm = LLM(checkpoint("gqa2-untied", dtype="bfloat16"), dtype="bfloat16", device="cpu",
+              max_model_len=128, enforce_eager=True)
+    llm.generate([LONG_PROMPT[:20]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert rows and set(rows) == {20}
