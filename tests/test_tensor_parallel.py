@@ -394,7 +394,16 @@ def test_killed_worker_stops_the_engine_within_seconds(checkpoint):
         llm.llm_engine.block_manager.num_blocks
 
 
-def test_ctrl_c_ends_the_step_then_interrupts_and_the_engine_keeps_working(checkpoint):
+@pytest.fixture
+def default_sigint():
+    """Ctrl-C as in a terminal, even where pytest was started in the background (a shell without job
+    control starts it with SIGINT ignored, and the engine rightly leaves an ignored SIGINT alone)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_ends_the_step_then_interrupts_and_the_engine_keeps_working(checkpoint, default_sigint):
     path = checkpoint("gqa2-untied", dtype="float32")
     with tp_llm(path, max_model_len=4096, kv_cache_memory=16 << 20, **EAGER) as llm:
         timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
