@@ -239,9 +239,7 @@ def pick_kernel(x: torch.Tensor, in_features: int
         return dequantized_linear
     if cpu.gemv_rows(x):
         # CPUs without fast bf16: nanoqwen's own kernel (ops/cpu_gemv.py) reads the int8 rows
-        from nanoqwen.ops.cpu_gemv import int8_gemv
-
-        return int8_gemv
+        return cpu.int8_gemv
     rows = x.numel() // in_features if in_features else 0
     if rows <= INT8PACK_MAX_ROWS and int8pack_supported(x.dtype, in_features):
         return int8pack_linear

@@ -70,9 +70,16 @@ def matmul_path() -> MatmulPath:
     return _in_use
 
 
+_gemv_kernels = None  # nanoqwen/ops/cpu_gemv.py, imported once when a path switches the kernels on
+
+
 def use_matmul_path(path: MatmulPath) -> None:
-    global _in_use
+    global _in_use, _gemv_kernels
     _in_use = path
+    if path.gemv and _gemv_kernels is None:  # (imported here, not on every decode call)
+        from nanoqwen.ops import cpu_gemv
+
+        _gemv_kernels = cpu_gemv
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -82,9 +89,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     F.linear."""
     rows = x.shape[0]
     if _in_use.gemv and rows <= GEMV_MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16:
-        from nanoqwen.ops import cpu_gemv
-
-        return cpu_gemv.bf16_gemv(x, weight, bias)
+        return _gemv_kernels.bf16_gemv(x, weight, bias)
     if rows >= UPCAST_MIN_ROWS and upcast_16bit(x):
         return upcast_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -94,6 +99,11 @@ def gemv_rows(x: torch.Tensor) -> bool:
     """Whether a product over x's rows goes through the gemv kernels (bf16, few rows, the kernels
     on)."""
     return _in_use.gemv and x.dtype == torch.bfloat16 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
+
+
+def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """nanoqwen's int8 matrix-vector kernel (ops/cpu_gemv.py); call where gemv_rows(x) is True."""
+    return _gemv_kernels.int8_gemv(x, q, scale)
 
 
 def upcast_16bit(x: torch.Tensor) -> bool:
