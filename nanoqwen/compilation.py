@@ -11,7 +11,8 @@ compiled ones are tested against.
 A compiled call costs tens of microseconds of guard checks before its kernel runs, more than the
 eager ops cost for the few tokens of a decode step, so the compiled versions are used only for calls
 with at least `MIN_COMPILED_TOKENS` tokens (prompt chunks, big batches); smaller calls run the plain
-functions.
+functions, or, where nanoqwen's own CPU kernels are on (ops/cpu.py, CPUs without fast bf16), their
+one-call C++ versions (ops/cpu_gemv.py) for bf16.
 
 The switch is process-wide (the layers call `models.qwen3.kernels`), compiles once per process with
 dynamic shapes, and falls back to eager with a warning when compilation is not available (no C++
@@ -34,11 +35,13 @@ FUNCTIONS = ("rms_norm", "apply_rope", "swiglu")
 MIN_COMPILED_TOKENS = 64
 # (device, dtype) -> kernels
 _compiled: dict[tuple[str, str], dict[str, Callable[..., torch.Tensor]] | None] = {}
+# (device, dtype, own_kernels) -> the kernels installed
+_by_size_kernels: dict[tuple[str, str, bool], dict[str, Callable[..., torch.Tensor]]] = {}
 
 
-def compile_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+def compile_kernels(device: torch.device, dtype: torch.dtype, own_kernels: bool = False) -> bool:
     """Route the layers' elementwise functions through torch.compile; True if that worked (else the
-    plain ones).
+    plain ones). own_kernels: calls on few bf16 tokens take ops/cpu_gemv.py's C++ versions.
 
     Compiled and warmed up once per (device, dtype) at MIN_COMPILED_TOKENS tokens, the smallest
     calls that use them, so compilation happens at load time, not on a user's request.
@@ -46,9 +49,14 @@ def compile_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     key = (device.type, str(dtype))
     if key not in _compiled:
         _compiled[key] = _compile(device, dtype)
-    kernels = _compiled[key]
-    _install(kernels or {name: getattr(qwen3, name) for name in FUNCTIONS})
-    return kernels is not None
+    compiled = _compiled[key]
+    if (*key, own_kernels) not in _by_size_kernels:  # (made once: an engine reinstalls the same)
+        few = _few_token_kernels(own_kernels)
+        _by_size_kernels[(*key, own_kernels)] = {
+            name: _by_size(few[name], compiled[name]) if compiled else few[name]
+            for name in FUNCTIONS}
+    _install(_by_size_kernels[(*key, own_kernels)])
+    return compiled is not None
 
 
 def _compile(device: torch.device, dtype: torch.dtype
@@ -71,7 +79,24 @@ def _compile(device: torch.device, dtype: torch.dtype
                        "Pass enforce_eager=True (--enforce-eager) to skip this attempt.",
                        type(e).__name__, str(e).splitlines()[0][:200])
         return None
-    return {name: _by_size(getattr(qwen3, name), fn) for name, fn in compiled.items()}
+    return compiled
+
+
+def _few_token_kernels(own_kernels: bool) -> dict[str, Callable[..., torch.Tensor]]:
+    """The plain functions, or (own_kernels) ops/cpu_gemv.py's versions for bf16 CPU tensors."""
+    plain = {name: getattr(qwen3, name) for name in FUNCTIONS}
+    if not own_kernels:
+        return plain
+    from nanoqwen.ops import cpu_gemv
+
+    def own(name: str) -> Callable[..., torch.Tensor]:
+        fast, reference = getattr(cpu_gemv, name), plain[name]
+
+        def kernel(x: torch.Tensor, *args: object) -> torch.Tensor:
+            use = fast if x.dtype == torch.bfloat16 and x.device.type == "cpu" else reference
+            return use(x, *args)
+        return kernel
+    return {name: own(name) for name in FUNCTIONS}
 
 
 def _install(kernels: dict[str, Callable[..., torch.Tensor]]) -> None:
@@ -79,12 +104,12 @@ def _install(kernels: dict[str, Callable[..., torch.Tensor]]) -> None:
         setattr(qwen3.kernels, name, fn)
 
 
-def _by_size(eager: Callable[..., torch.Tensor], compiled: Callable[..., torch.Tensor]
+def _by_size(few: Callable[..., torch.Tensor], compiled: Callable[..., torch.Tensor]
              ) -> Callable[..., torch.Tensor]:
-    """The compiled function for calls on many tokens (x [N, ...] first), the plain one for few."""
+    """The compiled function for calls on many tokens (x [N, ...] first), `few` for the others."""
     def kernel(x: torch.Tensor, *args: object) -> torch.Tensor:
         many = x.shape[0] >= MIN_COMPILED_TOKENS
-        use = kernel.compiled if many else eager  # type: ignore[attr-defined]
+        use = kernel.compiled if many else few  # type: ignore[attr-defined]
         return use(x, *args)
     kernel.compiled = compiled  # type: ignore[attr-defined]
     return kernel
@@ -105,7 +130,9 @@ def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool
     qwen3.kernels.linear = cpu.linear if path.path == "float32" or path.gemv else F.linear
     compiled = False
     if device.type == "cpu" and not enforce_eager:
-        compiled = compile_kernels(device, dtype)
+        compiled = compile_kernels(device, dtype, own_kernels=path.gemv)
+    elif device.type == "cpu" and path.gemv:
+        _install(_few_token_kernels(True))
     else:
         # (a GPU engine after a CPU one in the same process must not keep the CPU's compiled
         # kernels)
@@ -114,6 +141,8 @@ def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool
         return f"{device.type}: torch's kernels"
     name, flags = cpu.cpu_name_and_flags()
     elementwise = "compiled elementwise kernels" if compiled else "eager elementwise ops"
+    if path.gemv and dtype == torch.bfloat16:
+        elementwise += "; decode steps: nanoqwen's C++ RMSNorm/RoPE/SwiGLU and paged attention"
     matmul = path.describe() if dtype != torch.float32 else "float32 matmuls"
     return f"{name} ({cpu.isa_summary(flags)}): {matmul}; {elementwise}"
 
@@ -123,3 +152,4 @@ def use_eager_kernels() -> None:
     compiled."""
     _install({name: getattr(qwen3, name) for name in FUNCTIONS})
     _compiled.clear()
+    _by_size_kernels.clear()

@@ -317,7 +317,7 @@ class EngineConfig:
     on CPU (or half the available memory), 90% of what the weights leave free on GPU
     (engine/memory.py).
     enforce_eager: no torch.compile (CPU) and no CUDA graphs (GPU): faster start, slower steps.
-    quantization: None (the checkpoint's weights) or "int8" (weight-only, made at load:
+    quantization: None (the checkpoint's weights), "int8" or "int4" (weight-only, made at load:
     nanoqwen/quantization.py).
     tensor_parallel_size N > 1 splits the model over N processes (N GPUs, or CPU processes), started
     by the engine or by torchrun.
@@ -413,8 +413,9 @@ def add_parallel_and_quantization_args(p: argparse.ArgumentParser) -> None:
                         "nanoqwen starts them, "
                         "or run under `torchrun --nproc-per-node N` (default 1)")
     p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
-                   help="int8: weight-only int8 made at load time "
-                        "(about half the weight bytes; faster decode on CPU)")
+                   help="weight-only quantisation made at load time: int8 (about half the "
+                        "weight bytes) or int4 (group-wise, about 0.28 of them); faster decode "
+                        "on CPU")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

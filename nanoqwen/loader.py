@@ -271,9 +271,9 @@ def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device:
                show_progress: bool | None = None,
                quantization: str | None = None) -> Qwen3ForCausalLM:
     """Build the model (this rank's shard of it) with uninitialised parameters on `device` in
-    `dtype`, then fill them from disk. quantization="int8": each matrix is quantised as soon as it
-    is filled, so (on CPU) memory peaks near the int8 model, not the model-dtype one; the LM head
-    last (a tied head is settled at the end)."""
+    `dtype`, then fill them from disk. quantization="int8"/"int4": each matrix is quantised as soon
+    as it is filled, so (on CPU) memory peaks near the quantised model, not the model-dtype one; the
+    LM head last (a tied head is settled at the end)."""
     files = safetensors_files(model_dir)
     with _default_dtype(dtype), torch.device(device):
         model = Qwen3ForCausalLM(config, max_model_len, tp_rank, tp_size)
@@ -281,7 +281,7 @@ def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device:
     if check_quantization(quantization) is not None:
         def on_loaded(name: str) -> None:
             if name != "lm_head":
-                quantize_module(model, name)
+                quantize_module(model, name, quantization)
     load_weights(model, files, show_progress, on_loaded)
     quantize_model(model, quantization)  # what is left: the LM head
     return model.eval()

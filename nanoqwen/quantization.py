@@ -1,4 +1,9 @@
-"""Weight-only int8 quantisation: `LLM(..., quantization="int8")`, `--quantization int8`.
+"""Weight-only quantisation: `LLM(..., quantization="int8" | "int4")`, `--quantization int8|int4`.
+
+Two formats, made at load from the checkpoint's bf16/fp16/fp32 weights; the int8 one is described
+first, int4 (group-wise, 4.5 bits a weight) after it ("int4" below).
+
+int8.
 
 What is quantised: every `Linear` of the model, swapped for an `Int8Linear` as soon as the loader
 has filled it (loader.load_model: on CPU loading never holds the whole model-dtype model, memory
@@ -50,11 +55,36 @@ The two CPU kernels round differently (and differently from the bf16 model), so 
 sequence's greedy tokens can depend on the batch it runs in, where a near-tie is flipped: a prompt
 of <= INT8PACK_MAX_ROWS tokens prefilled alone takes int8pack, prefilled beside others the
 dequantise kernel. Decode rows take the same kernel at any batch size up to INT8PACK_MAX_ROWS.
+
+int4 (`Int4Linear`, `Int4Experts`): the same matrices (and, as with int8, the router and the
+embedding stay as they are), asymmetric, one scale and one offset per group of G consecutive inputs
+of a row (G = INT4_GROUP_SIZE = 64, or the largest of 32 and 16 that divides in_features): for group
+g of row o, with lo, hi its smallest and largest weight,
+
+    scale[o, g] = (hi - lo) / 15          in float32, stored in the model dtype rounded up (a
+                                          constant group gets scale 1)
+    offset[o, g] = lo                     stored in the model dtype (round to nearest)
+    q[o, i] = round((W[o, i] - offset) / scale), clamped to 0..15
+    W4[o, i] = offset + scale * q         |W - W4| <= scale / 2, plus offset's own rounding (half a
+                                          model-dtype ulp of lo)
+    y = x @ W4.T + bias                   W4 exact in float32; products accumulate in float32, the
+                                          output rounds to the activation dtype once
+
+Two nibbles per byte: `weight` is uint8 [out, in/2]; in group g (G/2 bytes) byte j holds element j
+in its low and element j + G/2 in its high nibble, so a kernel turns 8 bytes into 16 weights with an
+AND and a shift (nanoqwen/ops/csrc/cpu_gemv.cpp). Bytes read per weight: 0.5 + 4 / G (4.5 bits at G
+= 64, as llama.cpp's q4_0). The group size was chosen by measured quality and speed
+(BENCHMARKS.md). Kernels: up to GEMV_MAX_ROWS bf16 rows on a CPU with AVX2, nanoqwen's own
+`int4_gemv` (whatever the matmul path: torch's int4 CPU kernel reads far below the bandwidth);
+otherwise (prefill, other dtypes, other devices) the weights are unpacked block by block to float32
+(`int4_to_float`, or the plain-torch `dequantize_int4` without the kernels) and multiplied there
+(on a GPU: in the activation dtype).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from collections.abc import Callable
 
@@ -66,7 +96,7 @@ from nanoqwen.errors import ConfigError
 from nanoqwen.models.qwen3 import ColumnParallelLinear, Experts, Linear, RowParallelLinear
 from nanoqwen.ops import cpu
 
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "int4")
 # int8pack's cost grows every 4 rows while a bf16 matmul's barely does, so above this many rows
 # (tokens) the dequantise path is faster on CPU (measured, see BENCHMARKS.md).
 INT8PACK_MAX_ROWS = 16
@@ -74,6 +104,7 @@ INT8PACK_MAX_ROWS = 16
 DEQUANT_BLOCK_BYTES = 16 << 20
 QUANTIZE_BLOCK_ELEMENTS = 1 << 18  # rows quantised at a time: float32 temporaries of 1 MiB
 KEEP_UNQUANTIZED = ("gate",)  # Linears left as they are, by attribute name: Qwen3-MoE's router
+INT4_GROUP_SIZE = 64  # inputs per int4 scale and offset (module docstring)
 
 
 def check_quantization(method: str | None) -> str | None:
@@ -116,51 +147,69 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[:, None]
 
 
-class Int8Linear(Linear):
-    """y = (x @ weight.T) * scale + bias with an int8 `weight` [out, in] and a per-row `scale` [out]
-    (buffers).
+class QuantizedLinear(Linear):
+    """A Linear whose matrix is stored quantised, as buffers: `weight` (int8 [out, in], or int4
+    packed two to a byte [out, in/2]) and its scales (`BUFFERS`), with the bias in the model dtype.
 
-    Named like `Linear` (weight [out, in], bias [out]), so whatever slices a Linear's rows or
-    columns can slice this one's the same way (scale goes with the rows). Only `matmul` differs: a
-    tensor-parallel linear's int8 version (Int8ColumnParallelLinear, Int8RowParallelLinear below)
-    keeps its own forward, all_reduce included.
+    Only `matmul` differs from Linear: a tensor-parallel linear's quantised version (e.g.
+    Int8ColumnParallelLinear, Int8RowParallelLinear below) keeps its class's forward, all_reduce
+    included.
     """
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor,
-                 bias: nn.Parameter | None = None) -> None:
-        """weight [out, in] int8, scale [out] and bias [out] (or None) in the model dtype; see
-        from_linear."""
+    BUFFERS: tuple[str, ...] = ("weight",)
+    # the quantised version of each Linear class (set after the subclasses below)
+    VERSIONS: dict[type[Linear], type[QuantizedLinear]] = {}
+
+    def __init__(self, *buffers: torch.Tensor, bias: nn.Parameter | None = None) -> None:
+        """The BUFFERS in order, then the bias [out] (or None); see from_linear."""
         nn.Module.__init__(self)  # not Linear.__init__: no model-dtype weight to allocate
-        self.register_buffer("weight", weight)
-        self.register_buffer("scale", scale)
+        for name, tensor in zip(self.BUFFERS, buffers, strict=True):
+            self.register_buffer(name, tensor)
         self.bias = bias
 
     @classmethod
-    def from_linear(cls, linear: Linear) -> Int8Linear:
-        """The int8 version of a Linear (its scale and bias in the Linear's dtype); the Linear is
+    def from_linear(cls, linear: Linear) -> QuantizedLinear:
+        """The quantised version of a Linear (scales and bias in the Linear's dtype); the Linear is
         left as it is."""
-        int8 = INT8_VERSIONS[type(linear)](*quantize_weight(linear.weight), linear.bias)
+        version = cls.VERSIONS[type(linear)]
+        quantized = version(*version.quantize(linear.weight), bias=linear.bias)
         for name in ("output_sizes", "tp_size"):  # a tensor-parallel linear's own attributes
             if hasattr(linear, name):
-                setattr(int8, name, getattr(linear, name))
-        return int8
+                setattr(quantized, name, getattr(linear, name))
+        return quantized
 
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+class Int8Linear(QuantizedLinear):
+    """y = (x @ weight.T) * scale + bias with an int8 `weight` [out, in] and a per-row `scale` [out]
+    (model dtype). Named like `Linear` (weight [out, in]), so whatever slices a Linear's rows or
+    columns can slice this one's the same way (scale goes with the rows)."""
+
+    BUFFERS = ("weight", "scale")
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_weight(weight)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernel = pick_kernel(x, self.in_features)
         y = kernel(x, self.weight, self.scale.to(x.dtype))
         return y if bias is None else y + bias
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}")
 
 
 class Int8ColumnParallelLinear(Int8Linear, ColumnParallelLinear):
@@ -171,9 +220,10 @@ class Int8RowParallelLinear(Int8Linear, RowParallelLinear):
     """Int8Linear's matmul in a RowParallelLinear (whose forward adds the ranks' parts)."""
 
 
-INT8_VERSIONS: dict[type[Linear], type[Int8Linear]] = {
+INT8_VERSIONS: dict[type[Linear], type[QuantizedLinear]] = {
     Linear: Int8Linear, ColumnParallelLinear: Int8ColumnParallelLinear,
     RowParallelLinear: Int8RowParallelLinear}
+Int8Linear.VERSIONS = INT8_VERSIONS
 
 
 class Int8Experts(Experts):
@@ -197,6 +247,151 @@ class Int8Experts(Experts):
     def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         q, scale = getattr(self, name)[e], getattr(self, f"{name}_scale")[e]
         return pick_kernel(x, q.shape[1])(x, q, scale.to(x.dtype))
+
+
+# ---- int4: group-wise, asymmetric (module docstring)
+
+
+def int4_group_size(in_features: int, name: str = "a matrix") -> int:
+    """INT4_GROUP_SIZE, or the largest of 32 and 16 that divides in_features; a ConfigError if none
+    does."""
+    group = math.gcd(in_features, INT4_GROUP_SIZE)
+    if group < 16 or group % 16:
+        raise ConfigError(f"quantization='int4' needs in_features divisible by 16; {name} has "
+                          f"{in_features}: use quantization='int8' for this model")
+    return group
+
+
+@torch.no_grad()
+def quantize_int4(weight: torch.Tensor, group_size: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (packed uint8 [out, in/2], scale [out, in/G], offset [out, in/G] in W's
+    dtype); see the module docstring."""
+    out_features, in_features = weight.shape
+    g = group_size or int4_group_size(in_features)
+    groups, dtype, device = in_features // g, weight.dtype, weight.device
+    packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device)
+    scale = torch.empty(out_features, groups, dtype=dtype, device=device)
+    offset = torch.empty(out_features, groups, dtype=dtype, device=device)
+    up = torch.tensor(float("inf"), dtype=dtype, device=device)
+    step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(in_features, 1))
+    for start in range(0, out_features, step):  # row blocks that fit a cache
+        rows = slice(start, start + step)
+        w = weight[rows].float().view(-1, groups, g)  # [r, groups, G]
+        lo, hi = w.amin(-1), w.amax(-1)
+        s32 = torch.where(hi > lo, (hi - lo) / 15, 1.0)
+        s = s32.to(dtype)
+        s = torch.where(s.float() < s32, torch.nextafter(s, up), s)  # round up: 15 steps span hi
+        o = lo.to(dtype)
+        q = ((w - o.float()[..., None]) / s.float()[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+        low, high = q.view(-1, groups, 2, g // 2).unbind(2)  # elements j and j + G/2 of each group
+        packed[rows] = (low | (high << 4)).view(-1, in_features // 2)
+        scale[rows], offset[rows] = s, o
+    return packed, scale, offset
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+                    ) -> torch.Tensor:
+    """offset + scale * q in float32 [out, in]: the weight an Int4Linear computes with (plain
+    torch: the reference for the kernels)."""
+    out_features, groups = scale.shape
+    q = torch.stack([packed & 15, packed >> 4], dim=1)  # [out, 2, in/2]: low nibbles, high nibbles
+    q = q.view(out_features, 2, groups, -1).transpose(1, 2)  # [out, groups, 2, G/2]
+    w = offset.float()[..., None] + scale.float()[..., None] * q.reshape(out_features, groups, -1)
+    return w.view(out_features, -1)
+
+
+class Int4Linear(QuantizedLinear):
+    """y = x @ W4.T + bias with W4 = offset + scale * q per group: `weight` packed uint8
+    [out, in/2], `scale` and `offset` [out, in/G] (model dtype); see the module docstring."""
+
+    BUFFERS = ("weight", "scale", "offset")
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return quantize_int4(weight)
+
+    @property
+    def in_features(self) -> int:
+        return 2 * self.weight.shape[1]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = int4_linear(x, self.weight, self.scale, self.offset)
+        return y if bias is None else y + bias
+
+
+class Int4ColumnParallelLinear(Int4Linear, ColumnParallelLinear):
+    """Int4Linear's matmul in a ColumnParallelLinear."""
+
+
+class Int4RowParallelLinear(Int4Linear, RowParallelLinear):
+    """Int4Linear's matmul in a RowParallelLinear (whose forward adds the ranks' parts)."""
+
+
+INT4_VERSIONS: dict[type[Linear], type[QuantizedLinear]] = {
+    Linear: Int4Linear, ColumnParallelLinear: Int4ColumnParallelLinear,
+    RowParallelLinear: Int4RowParallelLinear}
+Int4Linear.VERSIONS = INT4_VERSIONS
+
+
+class Int4Experts(Experts):
+    """Qwen3-MoE experts in int4: for each of gate_up_proj and down_proj, the packed matrices
+    [E, out, in/2] and `{name}_scale`, `{name}_offset` [E, out, in/G]; expert e's matrix is
+    quantised and multiplied as an Int4Linear of it would be."""
+
+    def __init__(self, experts: Experts) -> None:
+        nn.Module.__init__(self)  # not Experts.__init__: no model-dtype parameters to allocate
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(experts, name)  # [E, out, in]
+            packed, scale, offset = quantize_int4(w.reshape(-1, w.shape[-1]))
+            self.register_buffer(name, packed.view(*w.shape[:2], -1))
+            self.register_buffer(f"{name}_scale", scale.view(*w.shape[:2], -1))
+            self.register_buffer(f"{name}_offset", offset.view(*w.shape[:2], -1))
+
+    def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        return int4_linear(x, getattr(self, name)[e], getattr(self, f"{name}_scale")[e],
+                           getattr(self, f"{name}_offset")[e])
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                offset: torch.Tensor) -> torch.Tensor:
+    """x @ W4.T: nanoqwen's int4 kernel for a few bf16 rows on CPU, else W4 unpacked block by
+    block (module docstring)."""
+    if (x.device.type == "cpu" and x.dtype == scale.dtype == torch.bfloat16
+            and x.numel() <= cpu.GEMV_MAX_ROWS * x.shape[-1] and _int4_kernels() is not None):
+        return _int4_kernels().int4_gemv(x, packed, scale, offset)
+    return int4_dequantized_linear(x, packed, scale, offset)
+
+
+def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                            offset: torch.Tensor) -> torch.Tensor:
+    """x @ W4.T with W4 unpacked in row blocks of at most DEQUANT_BLOCK_BYTES (float32 on CPU: the
+    product rounds once; the activation dtype elsewhere)."""
+    out_features, in_features = packed.shape[0], 2 * packed.shape[1]
+    compute = torch.float32 if x.device.type == "cpu" else x.dtype
+    kernels = _int4_kernels() if x.device.type == "cpu" and scale.dtype == torch.bfloat16 else None
+    unpack = kernels.int4_to_float if kernels is not None else dequantize_int4
+    xc = x.to(compute)
+    step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * 4))
+    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+    for start in range(0, out_features, step):
+        rows = slice(start, min(start + step, out_features))
+        w = unpack(packed[rows], scale[rows], offset[rows]).to(compute)
+        out[..., rows] = F.linear(xc, w)
+    return out
+
+
+_int4_state: list = []  # [cpu_gemv module or None], once looked up
+
+
+def _int4_kernels():
+    """nanoqwen/ops/cpu_gemv.py where its kernels are available (built on first use), else None.
+    Used whatever the CPU's matmul path: torch has no int4 kernel that reads near the bandwidth."""
+    if not _int4_state:
+        from nanoqwen.ops import cpu_gemv
+
+        _int4_state.append(cpu_gemv if cpu_gemv.available() else None)
+    return _int4_state[0]
 
 
 def int8pack_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -247,11 +442,11 @@ def pick_kernel(x: torch.Tensor, in_features: int
 
 
 def quantize_model(model: nn.Module, method: str | None = "int8") -> nn.Module:
-    """Swap every Linear of the model for an Int8Linear and every MoE layer's Experts for
-    Int8Experts, in place; returns the model. (Loading with quantization quantises each module as it
-    is filled: loader.load_model.)
+    """Swap every Linear of the model for its quantised version (Int8Linear, Int4Linear) and every
+    MoE layer's Experts for Int8Experts / Int4Experts, in place; returns the model. (Loading with
+    quantization quantises each module as it is filled: loader.load_model.)
 
-    One module at a time, each freed as soon as its int8 version replaces it and its memory handed
+    One module at a time, each freed as soon as its quantised version replaces it and its memory handed
     back to the OS (release_freed_memory), so memory peaks near the model-dtype weights plus one
     matrix (one layer's stacked experts for MoE; a tied LM head's matrix stays: it is the
     embedding).
@@ -259,26 +454,35 @@ def quantize_model(model: nn.Module, method: str | None = "int8") -> nn.Module:
     if check_quantization(method) is None:
         return model
     for name in [name for name, _ in model.named_modules() if name]:  # (named before any swap)
-        quantize_module(model, name)
+        quantize_module(model, name, method)
     return model
 
 
-def quantize_module(model: nn.Module, name: str) -> None:
-    """Swap module `name` for its int8 version if it is a Linear (other than the router) or Experts;
-    else leave it. The model-dtype weights are freed here, unless something else still holds them (a
-    tied embedding)."""
+LINEARS: dict[str, type[QuantizedLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
+EXPERTS: dict[str, type[Experts]] = {"int8": Int8Experts, "int4": Int4Experts}
+
+
+def quantize_module(model: nn.Module, name: str, method: str = "int8") -> None:
+    """Swap module `name` for its quantised version if it is a Linear (other than the router) or
+    Experts; else leave it. The model-dtype weights are freed here, unless something else still
+    holds them (a tied embedding)."""
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name)
     module = getattr(parent, attr)
     if type(module) in INT8_VERSIONS and attr not in KEEP_UNQUANTIZED:
-        int8 = Int8Linear.from_linear(module)
+        if method == "int4":  # (a clear error naming the matrix, before any work)
+            int4_group_size(module.weight.shape[1], name)
+        quantized = LINEARS[method].from_linear(module)
     elif type(module) is Experts:
-        int8 = Int8Experts(module)
+        if method == "int4":
+            for matrix in ("gate_up_proj", "down_proj"):
+                int4_group_size(getattr(module, matrix).shape[-1], f"{name}.{matrix}")
+        quantized = EXPERTS[method](module)
     else:
         return
-    setattr(parent, attr, int8)
+    setattr(parent, attr, quantized)
     del module  # the model-dtype matrices' last reference
-    if next(int8.buffers()).device.type == "cpu":
+    if next(quantized.buffers()).device.type == "cpu":
         release_freed_memory()  # every time (~10 us): see there
 
 

@@ -188,3 +188,98 @@ def test_no_avx2_is_a_failure(fresh_state, caplog):
     with caplog.at_level(logging.WARNING, logger="nanoqwen"):
         assert not cpu_gemv.available()
     assert "AVX2" in caplog.text
+
+
+# ---- int4 (the format of nanoqwen/quantization.py)
+
+
+def make_int4(m: int, k: int, n: int, group: int, seed: int = 0):
+    from nanoqwen.quantization import quantize_int4
+
+    g = torch.Generator().manual_seed(seed * 1000 + m * 100 + k + n)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    return x, *quantize_int4(w, group)
+
+
+def check_int4(kernels, x, packed, scale, offset) -> torch.Tensor:
+    from nanoqwen.quantization import dequantize_int4
+
+    got = kernels.int4_gemv(x, packed, scale, offset)
+    magnitude = x.float().abs() @ dequantize_int4(packed, scale, offset).abs().T
+    assert_within_one_ulp(got, kernels.int4_gemv_reference(x, packed, scale, offset), magnitude)
+    return got
+
+
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("k, group", [(16, 16), (96, 32), (1024 + 64, 64), (256, 128)])
+@pytest.mark.parametrize("m", MS + (9,))
+def test_int4_gemv_matches_reference(kernels, m, k, group, n):
+    check_int4(kernels, *make_int4(m, k, n, group))
+
+
+def test_int4_gemv_threads_leading_dims_and_unpacking(kernels):
+    from nanoqwen.quantization import dequantize_int4
+
+    x, packed, scale, offset = make_int4(3, 1024, 1001, 64)  # split over threads, odd row count
+    check_int4(kernels, x, packed, scale, offset)
+    y = kernels.int4_gemv(x[:2].reshape(2, 1, 1024), packed, scale, offset)
+    assert y.shape == (2, 1, 1001) and torch.equal(y[:, 0], kernels.int4_gemv(x[:2], packed, scale, offset))
+    assert torch.equal(kernels.int4_to_float(packed, scale, offset), dequantize_int4(packed, scale, offset))
+
+
+def test_int4_wrong_inputs_raise(kernels):
+    x, packed, scale, offset = make_int4(2, 64, 8, 32)
+    with pytest.raises(RuntimeError, match="packed must be uint8"):
+        kernels.int4_gemv(x, packed.view(torch.int8), scale, offset)
+    with pytest.raises(RuntimeError, match="whole multiple of 16"):  # 64 / 8 groups = 8 per group
+        kernels.int4_gemv(x, packed, scale.repeat(1, 4), offset.repeat(1, 4))
+    with pytest.raises(RuntimeError, match="K=32"):
+        kernels.int4_gemv(x[:, :32], packed, scale, offset)
+    with pytest.raises(RuntimeError, match="offset must be bfloat16"):
+        kernels.int4_to_float(packed, scale, offset.float())
+
+
+# ---- the rest of a decode step
+
+
+def test_rms_norm_rope_and_swiglu_round_where_the_reference_rounds(kernels):
+    from nanoqwen.models import qwen3
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 16, 128, generator=g).bfloat16()
+    for shape in ((3, 16, 128), (2, 1024), (1, 8, 24)):
+        x = (4 * torch.randn(*shape, generator=g)).bfloat16()
+        w = torch.randn(shape[-1], generator=g).bfloat16()
+        got, want = kernels.rms_norm(x, w, 1e-6), qwen3.rms_norm(x, w, 1e-6)
+        assert_within_one_ulp(got, want, torch.zeros(()))
+        assert (got == want).float().mean() > 0.99  # only the order of the float32 sum differs
+    x = torch.randn(3, 5, 24, generator=g).bfloat16()
+    cos, sin = torch.randn(2, 3, 24, generator=g).bfloat16()
+    assert torch.equal(kernels.apply_rope(x, cos, sin), qwen3.apply_rope(x, cos, sin))
+    gate_up = (3 * torch.randn(2, 2 * 3072, generator=g)).bfloat16()
+    got, want = kernels.swiglu(gate_up), qwen3.swiglu(gate_up)
+    assert_within_one_ulp(got, want, torch.zeros(()))
+    assert (got == want).float().mean() > 0.99  # (exp may differ from torch's in the last bit)
+    with pytest.raises(RuntimeError, match="weight must have shape"):
+        kernels.rms_norm(x, x[0, 0, :8], 1e-6)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        kernels.apply_rope(x.float(), cos, sin)
+
+
+def test_paged_decode_attention_matches_reference(kernels):
+    from nanoqwen.ops.paged_attention import paged_decode_attention_reference
+
+    g = torch.Generator().manual_seed(1)
+    for hq, hkv, d in ((16, 8, 128), (4, 1, 24), (6, 3, 20)):  # GQA 2, 4, and a width not a multiple of 8
+        k_cache, v_cache = torch.randn(2, 20, 4, hkv, d, generator=g).bfloat16()
+        q = torch.randn(4, hq, d, generator=g).bfloat16()
+        # blocks out of order, a partly filled last block, a row with nothing to attend to (padding)
+        tables = torch.tensor([[3, 7, 1, 0], [5, 0, 0, 0], [2, 4, 6, 8], [0, 0, 0, 0]], dtype=torch.int32)
+        lens = torch.tensor([10, 3, 16, 0], dtype=torch.int32)
+        got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5)
+        want = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, d**-0.5)
+        torch.testing.assert_close(got, want, atol=4e-3, rtol=8e-3)  # 1 bf16 ulp
+        assert torch.equal(got[3], torch.zeros_like(got[3]))
+    with pytest.raises(RuntimeError, match="past its block table"):
+        kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens + 17, d**-0.5)

@@ -131,3 +131,29 @@ def test_upcast_runs_only_for_many_rows(checkpoint, monkeypatch, path_in_use):
               max_model_len=128, enforce_eager=True)
     llm.generate([LONG_PROMPT[:20]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert rows and set(rows) == {20}
+
+
+@pytest.mark.parametrize("own_kernels", ["0", "1"])
+def test_own_decode_kernels_give_transformers_greedy_tokens(own_kernels, checkpoint, monkeypatch,
+                                                            path_in_use):
+    """nanoqwen's C++ decode step (gemv, RMSNorm, RoPE, SwiGLU, paged attention reading the cache in
+    place; ops/cpu_gemv.py) and torch's ops give transformers' bf16 greedy tokens, alone and for
+    three sequences decoding together (rows of different lengths in one attention call)."""
+    from nanoqwen.ops import cpu_gemv
+
+    if own_kernels == "1" and not cpu_gemv.available():
+        pytest.skip("nanoqwen's CPU kernels cannot be built here")
+    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "float32")
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", own_kernels)
+    path = checkpoint("gqa2-untied", dtype="bfloat16")
+    prompts = [LONG_PROMPT[:n] for n in (7, 30, 80)]
+    model = hf_model(path, torch.bfloat16)
+    refs = [hf_greedy(model, p, 12) for p in prompts]
+    llm = LLM(path, dtype="bfloat16", device="cpu", max_model_len=128, block_size=16)
+    runner = llm.llm_engine.runner
+    assert runner.attention_backend == ("cpu" if own_kernels == "1" else None)
+    assert ("C++" in llm.llm_engine.kernel_path) == (own_kernels == "1")
+    assert [our_greedy(llm, p, 12) for p in prompts] == refs
+    together = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)
+    assert [o.token_ids for o in together] == refs

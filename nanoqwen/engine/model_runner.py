@@ -60,14 +60,15 @@ class ModelRunner:
         self.model = model
         self.device = model.embed_tokens.weight.device
         c = model.config
-        # None: the CPU grouped gather path
-        self.attention_backend = attention_backend(self.device, block_size)
+        # None: the CPU grouped gather path; "cpu": nanoqwen's kernel reading the CPU cache in place
+        self.attention_backend = attention_backend(self.device, block_size,
+                                                   model.embed_tokens.weight.dtype)
         # Graphs need the paged kernels; on CPU they are never captured
         # (NANOQWEN_PAGED_ATTENTION=torch runs the same padded static-buffer steps eagerly there,
         # for tests). Not with tensor parallelism (yet): its collectives would have to be captured
         # in the graphs too. Not for MoE models: the expert dispatch reads each expert's token count
         # on the host (models/qwen3.py, Experts), which a graph capture forbids.
-        use_runner = (not enforce_eager and self.attention_backend is not None
+        use_runner = (not enforce_eager and self.attention_backend not in (None, "cpu")
                       and model.tp_size == 1 and not c.is_moe)
         if not enforce_eager and self.device.type == "cuda" and c.is_moe:
             logger.info("CUDA graphs are off for this MoE model: "

@@ -1,4 +1,6 @@
-"""Matrix-vector kernels for CPU decode: bf16 and int8 weights times a few rows of bf16 activations.
+"""Kernels for CPU decode steps: matrix-vector products (bf16, int8 and int4 weights times a few rows of bf16
+activations), and the rest of a decode step in few calls (RMSNorm, RoPE, SwiGLU for few rows; attention
+reading the paged KV cache in place).
 
 Decoding one token (or a handful of sequences) multiplies each weight matrix by 1..8 activation rows. Each
 weight is then used only a few times, so the product is bound by how fast the weights stream from memory, and
@@ -15,12 +17,21 @@ additions (tests/test_cpu_gemv.py checks this; bench/bench_gemv.py measures the 
 
 The extension is compiled on first use with torch.utils.cpp_extension (a C++ compiler is needed; the build
 is cached in torch's extensions folder under a name that hashes the source and flags, so an edit rebuilds).
+The decode-step kernels (`rms_norm`, `apply_rope`, `swiglu`, `paged_decode_attention`) exist because a
+decode step's elementwise work is small: in plain torch each RMSNorm or RoPE is 5-9 ops, each a dispatch and
+an allocation costing microseconds, and attention gathered each sequence's blocks into a new tensor first;
+per step that was more time than the matmuls' of a 4-bit model (BENCHMARKS.md). Each computes what its
+reference in models/qwen3.py or ops/paged_attention.py computes, rounding where it rounds
+(tests/test_cpu_gemv.py).
+
 `available()` says whether the kernels can be used: False where NANOQWEN_CPU_GEMV=0 (read until the kernels
 are loaded), where the CPU lacks AVX2/FMA, or where the build fails (one warning with the reason, then False
 for the rest of the process).
 
 Inputs: x bf16 [..., K] (any leading shape, M = their product; groups of 8 rows re-read the weights, so the
-kernels are meant for M <= 8), weights bf16 / int8 [N, K], bias / scale bf16 [N], all on the CPU.
+kernels are meant for M <= 8), weights bf16 / int8 [N, K], bias / scale bf16 [N], all on the CPU; int4:
+packed uint8 [N, K/2], scale and offset bf16 [N, K/G] (the format of nanoqwen/quantization.py, groups of 4
+rows). `int4_to_float` unpacks int4 weights to float32 in one pass, for products over many rows.
 Non-contiguous inputs are copied to contiguous ones first (correct, but a copied weight costs an extra pass);
 other dtypes, devices or shapes raise RuntimeError with a message naming the argument.
 """
@@ -58,6 +69,15 @@ def int8_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
     return (F.linear(x.float(), q.float()) * scale.float()).to(torch.bfloat16)
 
 
+def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                        offset: torch.Tensor) -> torch.Tensor:
+    """What int4_gemv computes: x @ W.T in float32 with W = offset + scale * q (quantization.py), rounded
+    to bf16 once."""
+    from nanoqwen.quantization import dequantize_int4
+
+    return F.linear(x.float(), dequantize_int4(packed, scale, offset)).to(torch.bfloat16)
+
+
 def bf16_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T + bias for bf16 x [..., K], w [N, K], bias [N]; y bf16 [..., N]. Needs available()."""
     if _ext is None:
@@ -74,6 +94,55 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     if x.dim() == 2:
         return _ext.int8_gemv(x, q, scale)
     return _ext.int8_gemv(x.reshape(-1, x.shape[-1]), q, scale).view(*x.shape[:-1], q.shape[0])
+
+
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """y = x @ W.T for bf16 x [..., K] and int4 W (packed [N, K/2], scale and offset [N, K/G]); y bf16 [..., N]."""
+    if _ext is None:
+        _require()
+    if x.dim() == 2:
+        return _ext.int4_gemv(x, packed, scale, offset)
+    y = _ext.int4_gemv(x.reshape(-1, x.shape[-1]), packed, scale, offset)
+    return y.view(*x.shape[:-1], packed.shape[0])
+
+
+def int4_to_float(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The float32 weights W = offset + scale * q [N, K] of packed int4 rows (quantization.dequantize_int4)."""
+    if _ext is None:
+        _require()
+    return _ext.int4_to_float(packed, scale, offset)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """models.qwen3.rms_norm for bf16 x [..., D] (one call; rounds where the reference rounds)."""
+    if _ext is None:
+        _require()
+    return _ext.rms_norm(x, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """models.qwen3.apply_rope for bf16 x [N, H, D], cos/sin [N, D]."""
+    if _ext is None:
+        _require()
+    return _ext.apply_rope(x, cos, sin)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """models.qwen3.swiglu for bf16 gate_up [N, 2I] -> [N, I]."""
+    if _ext is None:
+        _require()
+    return _ext.swiglu(gate_up)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """ops/paged_attention.py's paged_decode_attention_reference for bf16 on CPU, reading the cache
+    blocks in place."""
+    if _ext is None:
+        _require()
+    result = _ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return result if out is None else out.copy_(result)
 
 
 def _require() -> None:

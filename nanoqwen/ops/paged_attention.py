@@ -1,6 +1,6 @@
 """Decode attention over the paged KV cache: one query per sequence, its keys and values found
-through its block table (the GPU fast path; the CPU path gathers groups of sequences instead, see
-models/qwen3.py).
+through its block table (the GPU fast path, and CPUs where nanoqwen's own kernels are on; otherwise the CPU path gathers
+groups of sequences instead, see ops/attention.py).
 
     paged_decode_attention(q [B, Hq, D], k_cache, v_cache [num_blocks, block_size, Hkv, D],
                            block_tables [B, max_blocks] int32, context_lens [B] int32, scale,
@@ -16,10 +16,12 @@ can be captured in a graph:
   in fp32);
 - "triton": nanoqwen/ops/triton_paged_attention.py, reading the blocks in place;
 - "flash": flash-attn's flash_attn_with_kvcache (needs block_size a multiple of 256, flash-attn 2's
-  limit).
+  limit);
+- "cpu": nanoqwen's C++ kernel (ops/cpu_gemv.py), reading the blocks in place, bf16 on CPU.
 
-`attention_backend(device, block_size)` picks one: flash when flash_attn is importable and the block
-size allows, else triton, on CUDA; None on CPU, where the model keeps its grouped gather path. The
+`attention_backend(device, block_size, dtype)` picks one: flash when flash_attn is importable and the
+block size allows, else triton, on CUDA; on CPU "cpu" where nanoqwen's own decode kernels are on
+(ops/cpu.py: CPUs without fast bf16) and the model is bf16, else None: the grouped gather path. The
 environment variable NANOQWEN_PAGED_ATTENTION=auto|flash|triton|torch|off overrides the choice (off:
 the CPU path).
 """
@@ -33,7 +35,7 @@ import os
 import torch
 
 logger = logging.getLogger("nanoqwen")
-BACKENDS = ("flash", "triton", "torch")
+BACKENDS = ("flash", "triton", "torch", "cpu")
 
 
 def paged_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -88,6 +90,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if backend == "flash":
         return paged_decode_attention_flash(q, k_cache, v_cache, block_tables, context_lens,
                                             scale, out)
+    if backend == "cpu":
+        from nanoqwen.ops import cpu_gemv
+        return cpu_gemv.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                               scale, out)
     if backend == "torch":
         return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens,
                                                 scale, out)
@@ -99,9 +105,10 @@ def has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def attention_backend(device: torch.device, block_size: int) -> str | None:
+def attention_backend(device: torch.device, block_size: int,
+                      dtype: torch.dtype = torch.bfloat16) -> str | None:
     """The paged decode backend for this device, or None for the grouped gather path of
-    models/qwen3.py."""
+    ops/attention.py."""
     choice = os.environ.get("NANOQWEN_PAGED_ATTENTION", "auto")
     if choice == "off":
         return None
@@ -110,6 +117,9 @@ def attention_backend(device: torch.device, block_size: int) -> str | None:
     if choice != "auto":
         raise ValueError(f"NANOQWEN_PAGED_ATTENTION={choice!r}: "
                          f"use auto, off or one of {', '.join(BACKENDS)}")
+    if device.type == "cpu":
+        from nanoqwen.ops import cpu
+        return "cpu" if cpu.matmul_path().gemv and dtype == torch.bfloat16 else None
     if device.type != "cuda":
         return None
     if has_module("flash_attn") and block_size % 256 == 0:

@@ -2,6 +2,9 @@
 //
 //   bf16_gemv(x [M,K] bf16, w [N,K] bf16, bias [N] bf16 or None) -> y [M,N] bf16,  y = x @ w.T + bias
 //   int8_gemv(x [M,K] bf16, q [N,K] int8, scale [N] bf16)        -> y [M,N] bf16,  y = (x @ q.T) * scale
+//   int4_gemv(x [M,K] bf16, packed [N,K/2] uint8, scale, offset [N,K/G] bf16) -> y [M,N] bf16,
+//                                                                  y = x @ (offset + scale * q).T per group
+//   int4_to_float(packed, scale, offset) -> w [N,K] float32 (the same weights, for products over many rows)
 //
 // With few rows of x, every weight element is used M times, so the product is bound by how fast the weights
 // stream from memory. The kernels therefore read each weight row exactly once, use it for all M rows of x,
@@ -14,11 +17,16 @@
 // the weight matrix as two sequential streams (its first and second half) for more requests in flight.
 //
 // More than 8 rows of x are processed in groups of 8 (each group reads the weights again).
+//
+// int4 layout (nanoqwen/quantization.py): row n is cut into groups of G consecutive elements (G % 16 == 0);
+// group g has G/2 bytes, byte j holding element j in its low nibble and element j + G/2 in its high nibble,
+// each a q in 0..15, and the weight is offset[n, g] + scale[n, g] * q.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -171,6 +179,97 @@ void rows_any_m(int m_rows, const float* x, const W* w, const uint16_t* scale, c
   }
 }
 
+
+constexpr int kMaxRowsInt4 = 8;
+
+// dots[r][m] = sum_k x[m, k] * W_r[k] for R packed int4 rows (layout above), W = offset + scale * q.
+// Each weight is rebuilt in float32 exactly as the reference does, offset + scale * q with one FMA (exact:
+// scale * q has at most 12 significant bits), then used for all M rows of x. Per 8 bytes (16 weights): one
+// widening load, an AND and a shift for the two nibbles, two int->float conversions, two FMAs to rebuild the
+// weights and 2M FMAs for the products.
+template <int M, int R>
+inline void dot_rows_int4(const float* x, int64_t K, int64_t G, const uint8_t* const* w,
+                          const uint16_t* const* scale, const uint16_t* const* offset, float (*dots)[M]) {
+  const int64_t groups = K / G, half = G / 2;
+#ifdef NANOQWEN_AVX2
+  constexpr int U = R * M <= 2 ? 2 : 1;  // accumulators per output: the low and high nibbles' products
+  const __m256i nibble = _mm256_set1_epi32(0xF);
+  __m256 acc[R][M][U];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) acc[r][m][u] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * G;
+    __m256 s[R], o[R];
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + g * half) + kPrefetchBytes, _MM_HINT_T0);
+      s[r] = _mm256_set1_ps(bf16_to_float(scale[r][g]));
+      o[r] = _mm256_set1_ps(bf16_to_float(offset[r][g]));
+    }
+    for (int64_t j = 0; j < half; j += 8)
+      for (int r = 0; r < R; ++r) {
+        // 8 bytes -> 8 int32 lanes; low nibbles: elements j..j+7, high nibbles: j+G/2..j+G/2+7
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r] + g * half + j)));
+        __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, nibble)), s[r], o[r]);
+        __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s[r], o[r]);
+        for (int m = 0; m < M; ++m) {
+          acc[r][m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + m * K + j), lo, acc[r][m][0]);
+          acc[r][m][U - 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + m * K + half + j), hi, acc[r][m][U - 1]);
+        }
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      if (U > 1) acc[r][m][0] = _mm256_add_ps(acc[r][m][0], acc[r][m][U - 1]);
+      dots[r][m] = hsum(acc[r][m][0]);
+    }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float total = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float sg = bf16_to_float(scale[r][g]), og = bf16_to_float(offset[r][g]);
+        for (int64_t j = 0; j < half; ++j) {
+          uint8_t b = w[r][g * half + j];
+          total += x[m * K + g * G + j] * (og + sg * float(b & 0xF));
+          total += x[m * K + g * G + half + j] * (og + sg * float(b >> 4));
+        }
+      }
+      dots[r][m] = total;
+    }
+#endif
+}
+
+// y[m, n] for n in [begin, end): the int4 counterpart of rows() above (two streams for M <= 2).
+template <int M>
+__attribute__((noinline)) void rows_int4(const float* x, const uint8_t* w, const uint16_t* scale,
+                                         const uint16_t* offset, int64_t K, int64_t G, int64_t N, int64_t begin,
+                                         int64_t end, at::BFloat16* y) {
+  constexpr int R = M <= 2 ? 2 : 1;
+  const int64_t groups = K / G;
+  float dots[R][M];
+  auto run = [&](auto r_count, const int64_t* n) {
+    constexpr int RR = decltype(r_count)::value;
+    const uint8_t* wr[RR];
+    const uint16_t *sr[RR], *orr[RR];
+    for (int r = 0; r < RR; ++r) {
+      wr[r] = w + n[r] * (K / 2);
+      sr[r] = scale + n[r] * groups;
+      orr[r] = offset + n[r] * groups;
+    }
+    dot_rows_int4<M, RR>(x, K, G, wr, sr, orr, dots);
+    for (int r = 0; r < RR; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n[r]] = at::BFloat16(dots[r][m]);  // one rounding, RNE
+  };
+  const int64_t part = (end - begin) / R;
+  for (int64_t i = 0; i < part; ++i) {
+    int64_t n[R];
+    for (int r = 0; r < R; ++r) n[r] = begin + r * part + i;
+    run(std::integral_constant<int, R>{}, n);
+  }
+  for (int64_t n = begin + R * part; n < end; ++n) run(std::integral_constant<int, 1>{}, &n);
+}
+
 void check_vector(const torch::Tensor& t, const char* name, int64_t N) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
@@ -230,6 +329,266 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const to
   return gemv<int8_t>(x, q, at::kChar, "q", scale, std::nullopt);
 }
 
+// Checks shared by int4_gemv and int4_to_float; returns G (the group size).
+int64_t check_int4(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& offset) {
+  TORCH_CHECK(packed.device().is_cpu() && scale.device().is_cpu() && offset.device().is_cpu(),
+              "packed, scale and offset must be CPU tensors");
+  TORCH_CHECK(packed.scalar_type() == at::kByte, "packed must be uint8, got ", packed.scalar_type());
+  TORCH_CHECK(packed.dim() == 2, "packed must be 2-D [N, K/2], got ", packed.sizes());
+  for (const auto* t : {&scale, &offset}) {
+    const char* name = t == &scale ? "scale" : "offset";
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t->scalar_type());
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == packed.size(0) && t->size(1) > 0, name, " must be [N, K/G] with N=",
+                packed.size(0), ", got ", t->sizes());
+  }
+  TORCH_CHECK(scale.sizes() == offset.sizes(), "scale and offset must have the same shape");
+  const int64_t K = 2 * packed.size(1), groups = scale.size(1);
+  TORCH_CHECK(K % groups == 0 && (K / groups) % 16 == 0, "K=", K, " and ", groups,
+              " groups per row: the group size K/groups must be a whole multiple of 16");
+  return K / groups;
+}
+
+torch::Tensor int4_gemv(const torch::Tensor& x_in, const torch::Tensor& packed_in, const torch::Tensor& scale_in,
+                        const torch::Tensor& offset_in) {
+  TORCH_CHECK(x_in.device().is_cpu(), "x must be a CPU tensor");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", x_in.scalar_type());
+  TORCH_CHECK(x_in.dim() == 2, "x must be 2-D [M, K], got ", x_in.sizes());
+  const int64_t G = check_int4(packed_in, scale_in, offset_in);
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = packed_in.size(0), groups = K / G;
+  TORCH_CHECK(2 * packed_in.size(1) == K, "x has K=", K, " but packed holds K=", 2 * packed_in.size(1));
+  torch::Tensor x = x_in.contiguous(), packed = packed_in.contiguous();
+  torch::Tensor scale = scale_in.contiguous(), offset = offset_in.contiguous();
+  torch::Tensor y = torch::empty({M, N}, x_in.options().dtype(at::kBFloat16));
+  if (M == 0 || N == 0) return y;
+
+  // x in float32, once
+  std::vector<float> xf(M * K);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xb[i]);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const uint16_t* op = reinterpret_cast<const uint16_t*>(offset.data_ptr());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, K / 2));
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsInt4) {
+    const int m_rows = static_cast<int>(std::min<int64_t>(kMaxRowsInt4, M - m0));
+    const float* xp = xf.data() + m0 * K;
+    at::BFloat16* yo = yp + m0 * N;
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+      switch (m_rows) {
+        case 1: return rows_int4<1>(xp, wp, sp, op, K, G, N, begin, end, yo);
+        case 2: return rows_int4<2>(xp, wp, sp, op, K, G, N, begin, end, yo);
+        case 3: return rows_int4<3>(xp, wp, sp, op, K, G, N, begin, end, yo);
+        case 4: return rows_int4<4>(xp, wp, sp, op, K, G, N, begin, end, yo);
+        case 5: return rows_int4<5>(xp, wp, sp, op, K, G, N, begin, end, yo);
+        case 6: return rows_int4<6>(xp, wp, sp, op, K, G, N, begin, end, yo);
+        case 7: return rows_int4<7>(xp, wp, sp, op, K, G, N, begin, end, yo);
+        default: return rows_int4<8>(xp, wp, sp, op, K, G, N, begin, end, yo);
+      }
+    });
+  }
+  return y;
+}
+
+// The float32 weights offset + scale * q [N, K] (for a product over many rows, computed in float32 by torch).
+torch::Tensor int4_to_float(const torch::Tensor& packed_in, const torch::Tensor& scale_in,
+                            const torch::Tensor& offset_in) {
+  const int64_t G = check_int4(packed_in, scale_in, offset_in);
+  torch::Tensor packed = packed_in.contiguous(), scale = scale_in.contiguous(), offset = offset_in.contiguous();
+  const int64_t N = packed.size(0), K = 2 * packed.size(1), groups = K / G, half = G / 2;
+  torch::Tensor w = torch::empty({N, K}, packed.options().dtype(at::kFloat));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const uint16_t* op = reinterpret_cast<const uint16_t*>(offset.data_ptr());
+  float* out = w.data_ptr<float>();
+  at::parallel_for(0, N * groups, std::max<int64_t>(1, 4096 / G), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // group i % groups of row i / groups
+      const float s = bf16_to_float(sp[i]), o = bf16_to_float(op[i]);
+      const uint8_t* b = wp + i * half;
+      float* dst = out + i * G;
+      for (int64_t j = 0; j < half; ++j) {
+        dst[j] = o + s * float(b[j] & 0xF);
+        dst[half + j] = o + s * float(b[j] >> 4);
+      }
+    }
+  });
+  return w;
+}
+
+// ---- The rest of a decode step: elementwise ops for few rows, and attention over the paged KV cache.
+//
+// Each replaces several torch ops (each a dispatch, an allocation and a pass over memory) with one, and
+// rounds where the plain-torch reference (nanoqwen/models/qwen3.py) rounds: intermediate bf16 results are
+// rounded to bf16 exactly where torch would round them, the rest is float32.
+
+inline uint16_t float_to_bf16(float f) { return at::BFloat16(f).x; }  // round to nearest even
+inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+inline const uint16_t* bf16_ptr(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+inline uint16_t* bf16_ptr_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+// sum_i a[i] * b[i] for float32 a and bf16 b
+inline float dot_bf16(const float* a, const uint16_t* b, int64_t D) {
+  int64_t i = 0;
+  float total = 0.0f;
+#ifdef NANOQWEN_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8_bf16(b + i), acc);
+  total = hsum(acc);
+#endif
+  for (; i < D; ++i) total += a[i] * bf16_to_float(b[i]);
+  return total;
+}
+
+// acc[i] += w * v[i] for bf16 v
+inline void axpy_bf16(float w, const uint16_t* v, float* acc, int64_t D) {
+  int64_t i = 0;
+#ifdef NANOQWEN_AVX2
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; i + 8 <= D; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, load8_bf16(v + i), _mm256_loadu_ps(acc + i)));
+#endif
+  for (; i < D; ++i) acc[i] += w * bf16_to_float(v[i]);
+}
+
+void check_bf16(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// rms_norm: weight * bf16(x / sqrt(mean(x^2) + eps)) over the last dimension D, for x [..., D].
+torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight, double eps) {
+  torch::Tensor x = x_in.contiguous();
+  check_bf16(x, "x");
+  check_bf16(weight, "weight");
+  const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D, "weight must have shape [", D, "], got ", weight.sizes());
+  torch::Tensor y = torch::empty_like(x);
+  const uint16_t *xp = bf16_ptr(x), *wp = bf16_ptr(weight);
+  uint16_t* yp = bf16_ptr_mut(y);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* xr = xp + r * D;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < D; ++i) sum += bf16_to_float(xr[i]) * bf16_to_float(xr[i]);
+    const float inv = 1.0f / std::sqrt(sum / float(D) + float(eps));
+    for (int64_t i = 0; i < D; ++i)
+      yp[r * D + i] = float_to_bf16(bf16_to_float(wp[i]) * round_bf16(bf16_to_float(xr[i]) * inv));
+  }
+  return y;
+}
+
+// apply_rope: x * cos + rotate_half(x) * sin for x [N, H, D], cos/sin [N, D] (each product rounded to bf16,
+// then the sum, as torch computes it in bf16).
+torch::Tensor apply_rope(const torch::Tensor& x_in, const torch::Tensor& cos, const torch::Tensor& sin) {
+  torch::Tensor x = x_in.contiguous();
+  check_bf16(x, "x");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  TORCH_CHECK(x.dim() == 3, "x must be [N, heads, D], got ", x.sizes());
+  const int64_t N = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "head_dim must be even, got ", D);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == N && cos.size(1) == D,
+              "cos and sin must be [", N, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
+  torch::Tensor y = torch::empty_like(x);
+  const uint16_t *xp = bf16_ptr(x), *cp = bf16_ptr(cos), *sp = bf16_ptr(sin);
+  uint16_t* yp = bf16_ptr_mut(y);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) {
+      const uint16_t* xr = xp + (n * H + h) * D;
+      uint16_t* yr = yp + (n * H + h) * D;
+      for (int64_t i = 0; i < D; ++i) {
+        const float rotated = i < half ? -bf16_to_float(xr[i + half]) : bf16_to_float(xr[i - half]);
+        const float a = round_bf16(bf16_to_float(xr[i]) * bf16_to_float(cp[n * D + i]));
+        const float b = round_bf16(rotated * bf16_to_float(sp[n * D + i]));
+        yr[i] = float_to_bf16(a + b);
+      }
+    }
+  return y;
+}
+
+// swiglu: bf16(silu(gate)) * up for gate_up [N, 2I] (gate, then up) -> [N, I].
+torch::Tensor swiglu(const torch::Tensor& gate_up_in) {
+  torch::Tensor gate_up = gate_up_in.contiguous();
+  check_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [N, 2I], got ", gate_up.sizes());
+  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
+  torch::Tensor y = torch::empty({N, I}, gate_up.options());
+  const uint16_t* gp = bf16_ptr(gate_up);
+  uint16_t* yp = bf16_ptr_mut(y);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = bf16_to_float(gp[n * 2 * I + i]), u = bf16_to_float(gp[n * 2 * I + I + i]);
+      yp[n * I + i] = float_to_bf16(round_bf16(g / (1.0f + std::exp(-g))) * u);
+    }
+  return y;
+}
+
+// Decode attention over the paged KV cache, in place (no gather): q [B, Hq, D]; k_cache, v_cache
+// [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; context_lens [B] int32 -> [B, Hq, D].
+// Row b's query attends to positions 0 .. context_lens[b] - 1 (position p: slot p % block_size of block
+// block_tables[b, p / block_size]); the G = Hq / Hkv query heads of a kv head share its keys. Scores,
+// softmax and the weighted sum are float32, the output rounded to bf16 once (as
+// paged_decode_attention_reference). A row with context_len 0 gets zeros.
+torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables_in,
+                                     const torch::Tensor& context_lens_in, double scale) {
+  torch::Tensor q = q_in.contiguous();
+  check_bf16(q, "q");
+  check_bf16(k_cache, "k_cache");
+  check_bf16(v_cache, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "q must be [B, Hq, D] and k_cache, v_cache [blocks, block_size, Hkv, D]");
+  torch::Tensor block_tables = block_tables_in.to(at::kInt).contiguous();
+  torch::Tensor context_lens = context_lens_in.to(at::kInt).contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0, "q has ", Hq, " heads of ", D,
+              " but the cache holds ", Hkv, " kv heads of ", k_cache.size(3));
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && context_lens.numel() == B,
+              "block_tables must be [B, W] and context_lens [B] with B=", B);
+  const int64_t G = Hq / Hkv, num_blocks = k_cache.size(0);
+  const int* tables = block_tables.data_ptr<int>();
+  const int* lens = context_lens.data_ptr<int>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= W * bs, "context_lens[", b, "]=", lens[b], " is past its block table");
+  torch::Tensor out = torch::empty_like(q);
+  const uint16_t *qp = bf16_ptr(q), *kp = bf16_ptr(k_cache), *vp = bf16_ptr(v_cache);
+  uint16_t* op = bf16_ptr_mut(out);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), scores, acc(G * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv, len = lens[b];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < D; ++i) qf[g * D + i] = bf16_to_float(qp[(b * Hq + h * G + g) * D + i]);
+      scores.assign(G * len, 0.0f);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      auto slot = [&](int64_t p) {  // offset of position p's (kv head h) vector in the cache
+        const int64_t block = tables[b * W + p / bs];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", b, "] names block ", block);
+        return ((block * bs + p % bs) * Hkv + h) * D;
+      };
+      for (int64_t p = 0; p < len; ++p) {
+        const uint16_t* k = kp + slot(p);
+        for (int64_t g = 0; g < G; ++g) scores[g * len + p] = dot_bf16(qf.data() + g * D, k, D) * float(scale);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * len;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t p = 0; p < len; ++p) mx = std::max(mx, s[p]);
+        for (int64_t p = 0; p < len; ++p) sum += (s[p] = std::exp(s[p] - mx));
+        for (int64_t p = 0; p < len; ++p) s[p] /= sum;
+      }
+      for (int64_t p = 0; p < len; ++p) {
+        const uint16_t* v = vp + slot(p);
+        for (int64_t g = 0; g < G; ++g) axpy_bf16(scores[g * len + p], v, acc.data() + g * D, D);
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < D; ++i) op[(b * Hq + h * G + g) * D + i] = float_to_bf16(acc[g * D + i]);
+    }
+  });
+  return out;
+}
+
 bool has_avx2() {
 #ifdef NANOQWEN_AVX2
   return true;
@@ -244,5 +603,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemv", &int8_gemv, "y = (x @ q.T) * scale for few rows of x (int8 weights, float32 accumulation)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("int4_gemv", &int4_gemv, "y = x @ (offset + scale * q).T for few rows of x (group-wise int4 weights)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
+  m.def("int4_to_float", &int4_to_float, "the float32 weights offset + scale * q of packed int4 rows",
+        py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "models.qwen3.rms_norm for bf16 rows", py::arg("x"), py::arg("weight"),
+        py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("apply_rope", &apply_rope, "models.qwen3.apply_rope for bf16 x [N, H, D]", py::arg("x"), py::arg("cos"),
+        py::arg("sin"), py::call_guard<py::gil_scoped_release>());
+  m.def("swiglu", &swiglu, "models.qwen3.swiglu for bf16 gate_up [N, 2I]", py::arg("gate_up"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention reading the paged KV cache in place",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
 }
