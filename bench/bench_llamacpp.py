@@ -1,5 +1,5 @@
 """nanoqwen vs llama.cpp on one CPU, in one run, on the same weights: prompt processing (512 tokens) and
-batch-1 decode, at 16 and 8 bits (and llama.cpp's 4-bit q4_0 beside them), each as a fraction of its bound.
+batch-1 decode, at 16, 8 and 4 bits (bf16, int8 / q8_0, int4 / q4_0), each as a fraction of its bound.
 
     python bench/bench_llamacpp.py            # random checkpoint with the exact Qwen3-0.6B shape
     python bench/bench_llamacpp.py --write    # also record the table in BENCHMARKS.md
@@ -179,7 +179,7 @@ def main() -> None:
     jobs = [("ceilings", lambda: bench_model.run_child("ceilings", model_dir, "cpu", args.repeats))]
     for fmt in FORMATS:
         jobs.append((f"llama-{fmt}", lambda f=fmt: run_child(f"llama-{f}", str(files[f]), args.repeats)))
-    for system in ("nanoqwen", "nanoqwen-int8"):
+    for system in ("nanoqwen", "nanoqwen-int8", "nanoqwen-int4"):
         jobs.append((system, lambda s=system: run_child(s, str(model_dir), args.repeats)))
     for system, run in jobs:
         print(f"running {system} ...", file=sys.stderr)
@@ -194,8 +194,8 @@ def main() -> None:
     body = (f"### nanoqwen vs llama.cpp (llama-cpp-python {llama_cpp.__version__}, GGML_NATIVE), CPU\n\n"
             f"`python bench/bench_llamacpp.py` on "
             f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}, "
-            f"converted to GGUF bf16 and quantised to q8_0 / q4_0; nanoqwen int8 is made at load from the "
-            f"same bf16 checkpoint. {os.cpu_count()} threads for both.\n\n"
+            f"converted to GGUF bf16 and quantised to q8_0 / q4_0; nanoqwen int8 and int4 are made at load "
+            f"from the same bf16 checkpoint. {os.cpu_count()} threads for both.\n\n"
             f"{bench_model.machine_line('cpu')}\n\n" + table(results, results["ceilings"]))
     print(body)
     if args.write:

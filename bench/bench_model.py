@@ -1,5 +1,6 @@
 """nanoqwen vs transformers on one machine, in one run: prefill, decode at batch 1 and 16, peak memory.
-nanoqwen runs twice: with the checkpoint's bf16 weights and with `quantization="int8"` (weight-only int8).
+nanoqwen runs three times: with the checkpoint's bf16 weights and with `quantization="int8"` and `"int4"`
+(weight-only, made at load).
 
     python bench/bench_model.py                 # random checkpoint with the exact Qwen3-0.6B shape
     python bench/bench_model.py --write         # also record the table in BENCHMARKS.md
@@ -48,7 +49,7 @@ def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | 
                  enforce_eager: bool = False, batches: tuple[int, ...] = (1, 16)) -> dict:
     from nanoqwen import LLM, SamplingParams
     from nanoqwen.models.qwen3 import Experts, Linear
-    from nanoqwen.quantization import Int8Linear, weight_bytes
+    from nanoqwen.quantization import Int4Experts, weight_bytes
 
     # No prefix caching: the timed repeats send the same prompts, and transformers has nothing like it.
     # On GPU, decode steps replay CUDA graphs unless enforce_eager.
@@ -63,7 +64,7 @@ def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | 
     # What a decode step reads in full: every projection and the LM head (of the embedding, one row a token);
     # of a MoE layer's experts, the K of E that the token is routed to.
     model = llm.llm_engine.model
-    matrices = [m for m in model.modules() if isinstance(m, Linear | Int8Linear)]
+    matrices = [m for m in model.modules() if isinstance(m, Linear)]  # (quantised ones too)
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     active = model.config.num_experts_per_tok / model.config.num_experts if experts else 0.0
     # 16 tokens routed uniformly (as random weights route) reach 1 - (1 - K/E)^16 of the experts, not 16 K/E
@@ -74,9 +75,15 @@ def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | 
             "decode_read_bytes": dense_bytes + active * expert_bytes,
             "decode_b16_read_bytes": dense_bytes + active16 * expert_bytes,
             # multiply-adds per token in the projections (a prompt's LM head runs for its last token only)
-            "layer_params": sum(m.weight.numel() for m in matrices if m is not model.lm_head)
-            + active * sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in experts),  # (int8: buffers)
-            "head_params": model.lm_head.weight.numel()}
+            "layer_params": sum(map(params, (m for m in matrices if m is not model.lm_head)))
+            + active * sum((m.gate_up_proj.numel() + m.down_proj.numel()) * (2 if isinstance(m, Int4Experts) else 1)
+                           for m in experts),  # (int4 holds two weights a byte)
+            "head_params": params(model.lm_head)}
+
+
+def params(linear) -> int:
+    """Weights of a Linear (or its quantised version: int4 packs two a byte)."""
+    return linear.weight.shape[0] * getattr(linear, "in_features", linear.weight.shape[1])
 
 
 def run_transformers(model_dir: str, device: str, repeats: int) -> dict:
@@ -155,8 +162,9 @@ def child(system: str, model_dir: str, device: str, repeats: int) -> None:
     if system == "ceilings":
         result = ceilings(device)
     elif system.startswith("nanoqwen"):
-        result = run_nanoqwen(model_dir, device, repeats, quantization="int8" if system == "nanoqwen-int8" else None,
-                              enforce_eager=system == "nanoqwen-eager")
+        method = system.partition("-")[2]
+        result = run_nanoqwen(model_dir, device, repeats, quantization=method if method in ("int8", "int4") else None,
+                              enforce_eager=method == "eager")
     else:
         result = run_transformers(model_dir, device, repeats)
     print("RESULT " + json.dumps(result))
@@ -202,8 +210,9 @@ def bounds(ours: dict, ceil: dict) -> dict:
                                     flops / (per_token + 2 * ours["head_params"]))}
 
 
-def table(ours: dict, theirs: dict, ceil: dict, int8: dict, eager: dict | None = None) -> str:
-    """eager: nanoqwen with enforce_eager (GPU runs), an extra column when given."""
+def table(ours: dict, theirs: dict, ceil: dict, quantized: dict[str, dict], eager: dict | None = None) -> str:
+    """quantized: nanoqwen's results per quantisation method ("int8", "int4"), three columns each; eager: nanoqwen
+    with enforce_eager (GPU runs), an extra column when given."""
     rows = [  # (label, key, unit, digits)
         ("Prefill, 512-token prompt (tok/s)", "prefill_tok_s", 1, 1),
         ("Decode, batch 1 (tok/s)", "decode_b1_tok_s", 1, 1),
@@ -211,28 +220,30 @@ def table(ours: dict, theirs: dict, ceil: dict, int8: dict, eager: dict | None =
         ("Peak memory (process max RSS, GiB)", "peak_rss_gib", 1, 1),
         ("Weights in memory (GB)", "weight_bytes", 1e9, 2),
     ]
-    limit, limit_int8 = bounds(ours, ceil), bounds(int8, ceil)
+    limit = bounds(ours, ceil)
+    limits = {method: bounds(r, ceil) for method, r in quantized.items()}
     eager_head = " nanoqwen (--enforce-eager) |" if eager else ""
     lines = [f"| | nanoqwen |{eager_head} transformers | nanoqwen / transformers | ceiling | nanoqwen / ceiling | "
-             "transformers / ceiling | nanoqwen int8 | int8 / nanoqwen | int8 / its ceiling |",
-             "|---|---:|" + ("---:|" if eager else "") + "---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "transformers / ceiling |" + "".join(f" nanoqwen {m} | {m} / nanoqwen | {m} / its ceiling |"
+                                                  for m in quantized),
+             "|---|---:|" + "---:|" * (bool(eager) + 5 + 3 * len(quantized))]
     for label, key, unit, d in rows:
-        a, b, c = ours[key] / unit, theirs[key] / unit, int8[key] / unit
+        a, b = ours[key] / unit, theirs[key] / unit
         e = f" {eager[key] / unit:.{d}f} |" if eager else ""
-        if key in limit:
-            bound = f"{limit[key]:.1f} | {a / limit[key]:.0%} | {b / limit[key]:.0%}"
-            bound8 = f"{c / limit_int8[key]:.0%}"
-        else:
-            bound, bound8 = " | | ", ""
-        lines.append(f"| {label} | {a:.{d}f} |{e} {b:.{d}f} | {a / b:.2f}× | {bound} | {c:.{d}f} | {c / a:.2f}× | "
-                     f"{bound8} |")
+        bound = f"{limit[key]:.1f} | {a / limit[key]:.0%} | {b / limit[key]:.0%}" if key in limit else " | | "
+        line = f"| {label} | {a:.{d}f} |{e} {b:.{d}f} | {a / b:.2f}× | {bound} |"
+        for method, r in quantized.items():
+            c = r[key] / unit
+            line += f" {c:.{d}f} | {c / a:.2f}× | {f'{c / limits[method][key]:.0%}' if key in limit else ''} |"
+        lines.append(line)
+    quantized_reads = ", ".join(f"{m} {r['decode_read_bytes'] / 1e9:.2f} GB" for m, r in quantized.items())
     moe_note = (" (a MoE model: the experts that 16 uniformly routed tokens are expected to reach; batch 1 reads "
                 "the K experts of its token)" if ours["decode_b16_read_bytes"] != ours["decode_read_bytes"] else "")
     lines += ["", f"Ceilings measured in the same run: read bandwidth {ceil['read_gb_s']:.1f} GB/s (sum of 1 GiB), "
               f"copy {ceil['copy_gb_s']:.1f} GB/s (1 GiB, bytes read + written), torch's bf16 matrix-vector product "
               f"{ceil['gemv_gb_s']:.1f} GB/s of weights, bf16 matmul {ceil['bf16_tflop_s']:.2f} TFLOP/s. "
               f"The ceiling column: batch-1 decode reads {ours['decode_read_bytes'] / 1e9:.2f} GB of weights a step "
-              f"(bf16; int8 {int8['decode_read_bytes'] / 1e9:.2f} GB) at the read bandwidth; prefill does "
+              f"(bf16; {quantized_reads}) at the read bandwidth; prefill does "
               f"{2 * ours['layer_params'] / 1e9:.2f} GFLOP a token at the matmul rate; batch-16 decode is the "
               f"lower of the matmul bound (LM head included) and reading "
               f"{ours['decode_b16_read_bytes'] / 1e9:.2f} GB a step{moe_note}. At torch's own bf16 "
@@ -289,7 +300,7 @@ def main() -> None:
     model_dir = Path(args.model) if args.model else DEFAULT_DIR
     ensure_checkpoint(model_dir)
     results = {}
-    systems = ["ceilings", "nanoqwen", "nanoqwen-int8", "transformers"]
+    systems = ["ceilings", "nanoqwen", "nanoqwen-int8", "nanoqwen-int4", "transformers"]
     if args.device == "cuda":
         systems.insert(2, "nanoqwen-eager")
     for system in systems:  # a failing system does not stop the others: their results are printed as they come
@@ -308,11 +319,11 @@ def main() -> None:
             f"`python bench/bench_model.py{' --device cuda' if args.device == 'cuda' else ''}"
             f"{f' --model {args.model}' if args.model else ''}` on "
             f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}; "
-            f"transformers with sdpa attention, same token ids, greedy, EOS ignored; nanoqwen int8: "
-            f"`quantization=\"int8\"` (weight-only int8 made at load from the same checkpoint).\n\n"
+            f"transformers with sdpa attention, same token ids, greedy, EOS ignored; nanoqwen int8 / int4: "
+            f"`quantization=\"int8\"` / `\"int4\"` (weight-only, made at load from the same checkpoint).\n\n"
             f"{machine_line(args.device)}\n\n"
-            + table(results["nanoqwen"], results["transformers"], results["ceilings"], results["nanoqwen-int8"],
-                    results.get("nanoqwen-eager")))
+            + table(results["nanoqwen"], results["transformers"], results["ceilings"],
+                    {m: results[f"nanoqwen-{m}"] for m in ("int8", "int4")}, results.get("nanoqwen-eager")))
     print(body)
     if args.write:  # one section per CPU class; a --model gets its own section (the default one is the 0.6B)
         write_benchmarks(section_name("bench_model", args.device) + (f"-{model_dir.name}" if args.model else ""),

@@ -142,7 +142,8 @@ def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool
     name, flags = cpu.cpu_name_and_flags()
     elementwise = "compiled elementwise kernels" if compiled else "eager elementwise ops"
     if path.gemv and dtype == torch.bfloat16:
-        elementwise += "; decode steps: nanoqwen's C++ RMSNorm/RoPE/SwiGLU and paged attention"
+        elementwise += ("; decode steps: nanoqwen's C++ RMSNorm/RoPE/SwiGLU and paged attention, "
+                        "one call per decoder layer where the model allows")
     matmul = path.describe() if dtype != torch.float32 else "float32 matmuls"
     return f"{name} ({cpu.isa_summary(flags)}): {matmul}; {elementwise}"
 

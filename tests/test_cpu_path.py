@@ -157,3 +157,36 @@ def test_own_decode_kernels_give_transformers_greedy_tokens(own_kernels, checkpo
     together = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                             use_tqdm=False)
     assert [o.token_ids for o in together] == refs
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_fused_decode_step_is_the_module_path_bit_for_bit(quantization, checkpoint, monkeypatch,
+                                                          path_in_use):
+    """ops/decode_step.py runs each decoder layer in one C++ call with the same kernels in the same
+    order as the modules: the same tokens and the same logprobs (to the last bit), for three
+    sequences decoding together."""
+    from nanoqwen.ops import cpu_gemv
+
+    if not cpu_gemv.available():
+        pytest.skip("nanoqwen's CPU kernels cannot be built here")
+    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "float32")
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "1")
+    path = checkpoint("gqa2-untied", dtype="bfloat16")
+    prompts = [LONG_PROMPT[:n] for n in (5, 17, 30)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    outputs = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("NANOQWEN_FUSED_DECODE", fused)
+        llm = LLM(path, dtype="bfloat16", device="cpu", max_model_len=128,
+                  quantization=quantization)
+        runner = llm.llm_engine.runner
+        assert (runner.fused_decoder is not None) == (fused == "1")
+        calls = []
+        if runner.fused_decoder is not None:
+            original = runner.fused_decoder.__call__
+            monkeypatch.setattr(type(runner.fused_decoder), "__call__",
+                                lambda self, *a, seen=calls, run=original: seen.append(1) or run(*a))
+        outputs[fused] = [(o.token_ids, repr(o.logprobs))
+                          for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert bool(calls) == (fused == "1")
+    assert outputs["1"] == outputs["0"]

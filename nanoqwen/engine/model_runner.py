@@ -22,6 +22,8 @@ from nanoqwen.engine.kv_cache import KVCache
 from nanoqwen.engine.scheduler import ScheduledBatch
 from nanoqwen.engine.sequence import Sequence
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
+from nanoqwen.ops import cpu
+from nanoqwen.ops.decode_step import FusedDecoder
 from nanoqwen.ops.paged_attention import attention_backend
 from nanoqwen.sampler import TokenLogprobs, sample
 
@@ -81,6 +83,9 @@ class ModelRunner:
         # made since the last step, for the other ranks
         self._block_copies: list[tuple[int, int]] = []
         self.graph_runner: CUDAGraphRunner | None = None
+        # CPU decode steps in one C++ call per layer, where the model allows (ops/decode_step.py)
+        self.fused_decoder = (FusedDecoder(model) if FusedDecoder.supports(model, self.attention_backend)
+                              else None)
         if use_runner:
             max_blocks = -(-(max_model_len or c.max_position_embeddings) // block_size)
             self.graph_runner = CUDAGraphRunner(model, self.kv_cache, num_blocks * block_size,
@@ -167,7 +172,11 @@ class ModelRunner:
         meta = AttentionMetadata.build(step.decode, step.prefill, self.kv_cache.block_size,
                                        self.device, paged_backend=self.attention_backend)
         input_ids = torch.tensor(step.input_ids, device=self.device)
-        hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)
+        if (self.fused_decoder is not None and not step.prefill
+                and len(step.decode) <= cpu.GEMV_MAX_ROWS):
+            hidden = self.fused_decoder(input_ids, self.kv_cache, meta)
+        else:
+            hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)
         if not step.sample_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])

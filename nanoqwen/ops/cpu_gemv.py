@@ -145,6 +145,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return result if out is None else out.copy_(result)
 
 
+def decode_layer(x: torch.Tensor, **arguments: object) -> torch.Tensor:
+    """One decoder layer for decode rows x [M, H] bf16 in one call (ops/decode_step.py gives the arguments)."""
+    if _ext is None:
+        _require()
+    return _ext.decode_layer(x, **arguments)
+
+
 def _require() -> None:
     if not available():
         reason = f"{ENV}=0" if os.environ.get(ENV, "1") == "0" else _failure

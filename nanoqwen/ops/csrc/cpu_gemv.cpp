@@ -180,69 +180,81 @@ void rows_any_m(int m_rows, const float* x, const W* w, const uint16_t* scale, c
 }
 
 
-constexpr int kMaxRowsInt4 = 8;
+constexpr int kMaxRowsInt4 = 4;
 
-// dots[r][m] = sum_k x[m, k] * W_r[k] for R packed int4 rows (layout above), W = offset + scale * q.
-// Each weight is rebuilt in float32 exactly as the reference does, offset + scale * q with one FMA (exact:
-// scale * q has at most 12 significant bits), then used for all M rows of x. Per 8 bytes (16 weights): one
-// widening load, an AND and a shift for the two nibbles, two int->float conversions, two FMAs to rebuild the
-// weights and 2M FMAs for the products.
+// dots[r][m] = sum_k x[m, k] * W_r[k] for R packed int4 rows (layout above), W = offset + scale * q, as
+//     sum_g scale[g] * (sum_{k in g} x[m, k] q[k])  +  sum_g offset[g] * xsum[m, g]
+// with xsum[m, g] = sum_{k in g} x[m, k] computed once per call. Per 8 bytes (16 weights) the inner loop does
+// one widening load, an AND and a shift for the two nibbles, two int->float conversions and 2M FMAs; each
+// group then adds its sum times its scale (one FMA), and the offsets are a dot product of groups/8 vectors.
 template <int M, int R>
-inline void dot_rows_int4(const float* x, int64_t K, int64_t G, const uint8_t* const* w,
+inline void dot_rows_int4(const float* x, const float* xsum, int64_t K, int64_t G, const uint8_t* const* w,
                           const uint16_t* const* scale, const uint16_t* const* offset, float (*dots)[M]) {
   const int64_t groups = K / G, half = G / 2;
+  int64_t g0 = 0;  // groups whose offsets the vector loop covered
 #ifdef NANOQWEN_AVX2
-  constexpr int U = R * M <= 2 ? 2 : 1;  // accumulators per output: the low and high nibbles' products
+  constexpr int U = R * M <= 2 ? 2 : 1;  // accumulators per output and group: the low and high nibbles'
   const __m256i nibble = _mm256_set1_epi32(0xF);
-  __m256 acc[R][M][U];
+  __m256 acc[R][M];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m)
-      for (int u = 0; u < U; ++u) acc[r][m][u] = _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const float* xg = x + g * G;
-    __m256 s[R], o[R];
+    __m256 part[R][M][U];
     for (int r = 0; r < R; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + g * half) + kPrefetchBytes, _MM_HINT_T0);
-      s[r] = _mm256_set1_ps(bf16_to_float(scale[r][g]));
-      o[r] = _mm256_set1_ps(bf16_to_float(offset[r][g]));
+      for (int m = 0; m < M; ++m)
+        for (int u = 0; u < U; ++u) part[r][m][u] = _mm256_setzero_ps();
     }
     for (int64_t j = 0; j < half; j += 8)
       for (int r = 0; r < R; ++r) {
         // 8 bytes -> 8 int32 lanes; low nibbles: elements j..j+7, high nibbles: j+G/2..j+G/2+7
         __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r] + g * half + j)));
-        __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, nibble)), s[r], o[r]);
-        __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s[r], o[r]);
+        __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
+        __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
         for (int m = 0; m < M; ++m) {
-          acc[r][m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + m * K + j), lo, acc[r][m][0]);
-          acc[r][m][U - 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + m * K + half + j), hi, acc[r][m][U - 1]);
+          part[r][m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + m * K + j), lo, part[r][m][0]);
+          part[r][m][U - 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + m * K + half + j), hi, part[r][m][U - 1]);
         }
       }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) {
-      if (U > 1) acc[r][m][0] = _mm256_add_ps(acc[r][m][0], acc[r][m][U - 1]);
-      dots[r][m] = hsum(acc[r][m][0]);
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_set1_ps(bf16_to_float(scale[r][g]));
+      for (int m = 0; m < M; ++m) {
+        __m256 sum = U > 1 ? _mm256_add_ps(part[r][m][0], part[r][m][U - 1]) : part[r][m][0];
+        acc[r][m] = _mm256_fmadd_ps(sum, s, acc[r][m]);
+      }
     }
+  }
+  for (; g0 + 8 <= groups; g0 += 8)  // the offsets, 8 groups at a time
+    for (int r = 0; r < R; ++r) {
+      const __m256 o = load8_bf16(offset[r] + g0);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xsum + m * groups + g0), acc[r][m]);
+    }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) dots[r][m] = hsum(acc[r][m]);
 #else
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
       float total = 0.0f;
       for (int64_t g = 0; g < groups; ++g) {
-        const float sg = bf16_to_float(scale[r][g]), og = bf16_to_float(offset[r][g]);
+        float sum = 0.0f;
         for (int64_t j = 0; j < half; ++j) {
           uint8_t b = w[r][g * half + j];
-          total += x[m * K + g * G + j] * (og + sg * float(b & 0xF));
-          total += x[m * K + g * G + half + j] * (og + sg * float(b >> 4));
+          sum += x[m * K + g * G + j] * float(b & 0xF) + x[m * K + g * G + half + j] * float(b >> 4);
         }
+        total += bf16_to_float(scale[r][g]) * sum;
       }
       dots[r][m] = total;
     }
 #endif
+  for (int r = 0; r < R; ++r)  // offsets of the groups left (all of them without AVX2)
+    for (int m = 0; m < M; ++m)
+      for (int64_t g = g0; g < groups; ++g) dots[r][m] += bf16_to_float(offset[r][g]) * xsum[m * groups + g];
 }
 
 // y[m, n] for n in [begin, end): the int4 counterpart of rows() above (two streams for M <= 2).
 template <int M>
-__attribute__((noinline)) void rows_int4(const float* x, const uint8_t* w, const uint16_t* scale,
+__attribute__((noinline)) void rows_int4(const float* x, const float* xsum, const uint8_t* w, const uint16_t* scale,
                                          const uint16_t* offset, int64_t K, int64_t G, int64_t N, int64_t begin,
                                          int64_t end, at::BFloat16* y) {
   constexpr int R = M <= 2 ? 2 : 1;
@@ -257,7 +269,7 @@ __attribute__((noinline)) void rows_int4(const float* x, const uint8_t* w, const
       sr[r] = scale + n[r] * groups;
       orr[r] = offset + n[r] * groups;
     }
-    dot_rows_int4<M, RR>(x, K, G, wr, sr, orr, dots);
+    dot_rows_int4<M, RR>(x, xsum, K, G, wr, sr, orr, dots);
     for (int r = 0; r < RR; ++r)
       for (int m = 0; m < M; ++m) y[m * N + n[r]] = at::BFloat16(dots[r][m]);  // one rounding, RNE
   };
@@ -361,10 +373,13 @@ torch::Tensor int4_gemv(const torch::Tensor& x_in, const torch::Tensor& packed_i
   torch::Tensor y = torch::empty({M, N}, x_in.options().dtype(at::kBFloat16));
   if (M == 0 || N == 0) return y;
 
-  // x in float32, once
-  std::vector<float> xf(M * K);
+  // x in float32 and its sums over each group, once
+  std::vector<float> xf(M * K), xsum(M * groups, 0.0f);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xb[i]);
+  for (int64_t i = 0; i < M * K; ++i) {
+    xf[i] = bf16_to_float(xb[i]);
+    xsum[(i / K) * groups + (i % K) / G] += xf[i];
+  }
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
   const uint16_t* op = reinterpret_cast<const uint16_t*>(offset.data_ptr());
@@ -373,17 +388,14 @@ torch::Tensor int4_gemv(const torch::Tensor& x_in, const torch::Tensor& packed_i
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsInt4) {
     const int m_rows = static_cast<int>(std::min<int64_t>(kMaxRowsInt4, M - m0));
     const float* xp = xf.data() + m0 * K;
+    const float* sums = xsum.data() + m0 * groups;
     at::BFloat16* yo = yp + m0 * N;
     at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
       switch (m_rows) {
-        case 1: return rows_int4<1>(xp, wp, sp, op, K, G, N, begin, end, yo);
-        case 2: return rows_int4<2>(xp, wp, sp, op, K, G, N, begin, end, yo);
-        case 3: return rows_int4<3>(xp, wp, sp, op, K, G, N, begin, end, yo);
-        case 4: return rows_int4<4>(xp, wp, sp, op, K, G, N, begin, end, yo);
-        case 5: return rows_int4<5>(xp, wp, sp, op, K, G, N, begin, end, yo);
-        case 6: return rows_int4<6>(xp, wp, sp, op, K, G, N, begin, end, yo);
-        case 7: return rows_int4<7>(xp, wp, sp, op, K, G, N, begin, end, yo);
-        default: return rows_int4<8>(xp, wp, sp, op, K, G, N, begin, end, yo);
+        case 1: return rows_int4<1>(xp, sums, wp, sp, op, K, G, N, begin, end, yo);
+        case 2: return rows_int4<2>(xp, sums, wp, sp, op, K, G, N, begin, end, yo);
+        case 3: return rows_int4<3>(xp, sums, wp, sp, op, K, G, N, begin, end, yo);
+        default: return rows_int4<4>(xp, sums, wp, sp, op, K, G, N, begin, end, yo);
       }
     });
   }
@@ -406,7 +418,16 @@ torch::Tensor int4_to_float(const torch::Tensor& packed_in, const torch::Tensor&
       const float s = bf16_to_float(sp[i]), o = bf16_to_float(op[i]);
       const uint8_t* b = wp + i * half;
       float* dst = out + i * G;
-      for (int64_t j = 0; j < half; ++j) {
+      int64_t j = 0;
+#ifdef NANOQWEN_AVX2
+      const __m256 sv = _mm256_set1_ps(s), ov = _mm256_set1_ps(o);
+      for (; j + 8 <= half; j += 8) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j)));
+        _mm256_storeu_ps(dst + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF))), sv, ov));
+        _mm256_storeu_ps(dst + half + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), sv, ov));
+      }
+#endif
+      for (; j < half; ++j) {
         dst[j] = o + s * float(b[j] & 0xF);
         dst[half + j] = o + s * float(b[j] >> 4);
       }
@@ -425,6 +446,36 @@ inline uint16_t float_to_bf16(float f) { return at::BFloat16(f).x; }  // round t
 inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 inline const uint16_t* bf16_ptr(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 inline uint16_t* bf16_ptr_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+#ifdef NANOQWEN_AVX2
+// float32 -> bf16 bits (round to nearest even) in the low half of each int32 lane, as at::BFloat16 rounds
+// finite values.
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+}
+inline __m256 round_bf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+inline void store8_bf16(uint16_t* p, __m256 v) {
+  const __m256i r = bf16_bits(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+// e^x for 8 floats (Cephes' expf: a degree-5 polynomial after range reduction, within 2 float32 ulps).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
 
 // sum_i a[i] * b[i] for float32 a and bf16 b
 inline float dot_bf16(const float* a, const uint16_t* b, int64_t D) {
@@ -468,11 +519,26 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight, d
   uint16_t* yp = bf16_ptr_mut(y);
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* xr = xp + r * D;
+    uint16_t* yr = yp + r * D;
+    int64_t i = 0;
     float sum = 0.0f;
-    for (int64_t i = 0; i < D; ++i) sum += bf16_to_float(xr[i]) * bf16_to_float(xr[i]);
+#ifdef NANOQWEN_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= D; i += 8) {
+      const __m256 v = load8_bf16(xr + i);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    sum = hsum(acc);
+#endif
+    for (; i < D; ++i) sum += bf16_to_float(xr[i]) * bf16_to_float(xr[i]);
     const float inv = 1.0f / std::sqrt(sum / float(D) + float(eps));
-    for (int64_t i = 0; i < D; ++i)
-      yp[r * D + i] = float_to_bf16(bf16_to_float(wp[i]) * round_bf16(bf16_to_float(xr[i]) * inv));
+    i = 0;
+#ifdef NANOQWEN_AVX2
+    for (; i + 8 <= D; i += 8)
+      store8_bf16(yr + i, _mm256_mul_ps(load8_bf16(wp + i),
+                                        round_bf16(_mm256_mul_ps(load8_bf16(xr + i), _mm256_set1_ps(inv)))));
+#endif
+    for (; i < D; ++i) yr[i] = float_to_bf16(bf16_to_float(wp[i]) * round_bf16(bf16_to_float(xr[i]) * inv));
   }
   return y;
 }
@@ -515,11 +581,21 @@ torch::Tensor swiglu(const torch::Tensor& gate_up_in) {
   torch::Tensor y = torch::empty({N, I}, gate_up.options());
   const uint16_t* gp = bf16_ptr(gate_up);
   uint16_t* yp = bf16_ptr_mut(y);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t i = 0; i < I; ++i) {
-      const float g = bf16_to_float(gp[n * 2 * I + i]), u = bf16_to_float(gp[n * 2 * I + I + i]);
+  for (int64_t n = 0; n < N; ++n) {
+    const uint16_t *gate = gp + n * 2 * I, *up = gate + I;
+    int64_t i = 0;
+#ifdef NANOQWEN_AVX2
+    for (; i + 8 <= I; i += 8) {
+      const __m256 g = load8_bf16(gate + i);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+      store8_bf16(yp + n * I + i, _mm256_mul_ps(round_bf16(silu), load8_bf16(up + i)));
+    }
+#endif
+    for (; i < I; ++i) {
+      const float g = bf16_to_float(gate[i]), u = bf16_to_float(up[i]);
       yp[n * I + i] = float_to_bf16(round_bf16(g / (1.0f + std::exp(-g))) * u);
     }
+  }
   return y;
 }
 
@@ -554,7 +630,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Ten
   torch::Tensor out = torch::empty_like(q);
   const uint16_t *qp = bf16_ptr(q), *kp = bf16_ptr(k_cache), *vp = bf16_ptr(v_cache);
   uint16_t* op = bf16_ptr_mut(out);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // Threads only when there is enough to share: waking a sleeping OpenMP thread costs more than a short
+  // context's attention (tasks of at least 2048 key positions).
+  int64_t max_len = 1;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+  at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 2048 / max_len), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores, acc(G * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv, len = lens[b];
@@ -575,8 +655,18 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Ten
         float* s = scores.data() + g * len;
         float mx = -INFINITY, sum = 0.0f;
         for (int64_t p = 0; p < len; ++p) mx = std::max(mx, s[p]);
-        for (int64_t p = 0; p < len; ++p) sum += (s[p] = std::exp(s[p] - mx));
-        for (int64_t p = 0; p < len; ++p) s[p] /= sum;
+        int64_t p = 0;
+#ifdef NANOQWEN_AVX2
+        __m256 total = _mm256_setzero_ps();
+        for (; p + 8 <= len; p += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), _mm256_set1_ps(mx)));
+          _mm256_storeu_ps(s + p, e);
+          total = _mm256_add_ps(total, e);
+        }
+        sum = hsum(total);
+#endif
+        for (; p < len; ++p) sum += (s[p] = std::exp(s[p] - mx));
+        for (p = 0; p < len; ++p) s[p] /= sum;
       }
       for (int64_t p = 0; p < len; ++p) {
         const uint16_t* v = vp + slot(p);
@@ -587,6 +677,42 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Ten
     }
   });
   return out;
+}
+
+// ---- A whole decoder layer for decode rows, in one call (nanoqwen/ops/decode_step.py drives it).
+//
+// The same kernels in the same order as DecoderLayer.forward takes on this path (so the same bits), without
+// a return to Python between them: x + attention(norm(x)), then h + mlp(norm(h)). Each linear is given as
+// its tensors: (w) bf16, (q, scale) int8, (packed, scale, offset) int4.
+torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& t) {
+  switch (t.size()) {
+    case 1: return bf16_gemv(x, t[0], std::nullopt);
+    case 2: return int8_gemv(x, t[0], t[1]);
+    case 3: return int4_gemv(x, t[0], t[1], t[2]);
+    default: TORCH_CHECK(false, "a linear is 1 (bf16), 2 (int8) or 3 (int4) tensors, got ", t.size());
+  }
+}
+
+torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& input_norm, const torch::Tensor& post_norm,
+                           double eps, const std::vector<torch::Tensor>& qkv_proj, const torch::Tensor& q_norm,
+                           const torch::Tensor& k_norm, const std::vector<torch::Tensor>& o_proj,
+                           const std::vector<torch::Tensor>& gate_up_proj, const std::vector<torch::Tensor>& down_proj,
+                           int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos, const torch::Tensor& sin,
+                           const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
+                           const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
+  const int64_t M = x.size(0), D = k_cache.size(3);
+  const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
+  torch::Tensor qkv = linear(rms_norm(x, input_norm, eps), qkv_proj);  // [M, q_size + 2 kv_size]
+  torch::Tensor q = rms_norm(qkv.narrow(1, 0, q_size).reshape({M, num_heads, D}), q_norm, eps);
+  torch::Tensor k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({M, num_kv_heads, D}), k_norm, eps);
+  torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).reshape({M, num_kv_heads, D});
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
+  k_cache.view({-1, num_kv_heads, D}).index_copy_(0, slot_mapping, k);
+  v_cache.view({-1, num_kv_heads, D}).index_copy_(0, slot_mapping, v);
+  torch::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0 / std::sqrt(double(D)));
+  torch::Tensor h = x + linear(attn.view({M, q_size}), o_proj);
+  return h + linear(swiglu(linear(rms_norm(h, post_norm, eps), gate_up_proj)), down_proj);
 }
 
 bool has_avx2() {
@@ -616,5 +742,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention reading the paged KV cache in place",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("decode_layer", &decode_layer, "one decoder layer for decode rows (see ops/decode_step.py)", py::arg("x"),
+        py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_proj"), py::arg("q_norm"),
+        py::arg("k_norm"), py::arg("o_proj"), py::arg("gate_up_proj"), py::arg("down_proj"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
 }

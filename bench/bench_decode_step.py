@@ -1,0 +1,98 @@
+"""What each of nanoqwen's own CPU decode kernels buys: the batch-1 decode step with each of them switched back
+to torch's ops, one at a time, in one process and one run (nanoqwen/ops/cpu_gemv.py).
+
+    python bench/bench_decode_step.py            # random Qwen3-0.6B-shaped checkpoint, bf16 and int4
+    python bench/bench_decode_step.py --write    # also record the table in BENCHMARKS.md
+
+Configurations (each a decode step of one sequence, 32-token prompt, 32 steps, best of --repeats):
+- all own kernels: what the engine chooses on a CPU without fast bf16;
+- torch attention: decode attention gathers each sequence's blocks and calls SDPA (the grouped path);
+- torch elementwise: RMSNorm, RoPE and SwiGLU as the plain functions of models/qwen3.py (5-9 ops each);
+- torch gemv (bf16 only): the projections through torch's F.linear instead of bf16_gemv;
+- no matmuls: every projection and the LM head replaced by an empty output, the rest as chosen: what the
+  step costs besides reading the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_model  # noqa: E402  (its checkpoint, machine line and BENCHMARKS.md sections)
+
+PROMPT_LEN, STEPS = 32, 32
+
+
+def step_ms(llm, repeats: int) -> float:
+    from nanoqwen import SamplingParams
+
+    prompt = bench_model.prompts(1, PROMPT_LEN)
+
+    def gen(n: int) -> float:
+        start = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - start
+
+    gen(4)
+    return min(gen(1 + STEPS) - gen(1) for _ in range(repeats)) / STEPS * 1e3
+
+
+def measure(model_dir: Path, quantization: str | None, repeats: int) -> dict[str, float]:
+    from nanoqwen import LLM
+    from nanoqwen.models import qwen3
+    from nanoqwen.ops import cpu
+
+    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256, enable_prefix_caching=False,
+              quantization=quantization)
+    runner, kernels = llm.llm_engine.runner, qwen3.kernels
+    if runner.attention_backend != "cpu":
+        sys.exit(f"nanoqwen's own decode kernels are not on here ({llm.llm_engine.kernel_path})")
+    own = {name: getattr(kernels, name) for name in ("rms_norm", "apply_rope", "swiglu", "linear")}
+    results = {"all own kernels": step_ms(llm, repeats)}
+    runner.attention_backend = None
+    results["torch attention"] = step_ms(llm, repeats)
+    runner.attention_backend = "cpu"
+    for name in ("rms_norm", "apply_rope", "swiglu"):
+        setattr(kernels, name, getattr(qwen3, name))
+    results["torch elementwise"] = step_ms(llm, repeats)
+    for name in ("rms_norm", "apply_rope", "swiglu"):
+        setattr(kernels, name, own[name])
+    if quantization is None:
+        path = cpu.matmul_path()
+        cpu.use_matmul_path(cpu.MatmulPath(path.path, path.reason, gemv=False))
+        results["torch gemv"] = step_ms(llm, repeats)
+        cpu.use_matmul_path(path)
+    for module in llm.llm_engine.model.modules():
+        if isinstance(module, qwen3.Linear):
+            module.matmul = (lambda m: lambda x, bias: x.new_empty(*x.shape[:-1], m.weight.shape[0]))(module)
+    results["no matmuls"] = step_ms(llm, repeats)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
+    args = parser.parse_args()
+    model_dir = bench_model.DEFAULT_DIR
+    bench_model.ensure_checkpoint(model_dir)
+    columns = {"bf16": measure(model_dir, None, args.repeats), "int4": measure(model_dir, "int4", args.repeats)}
+    rows = list(columns["bf16"])
+    lines = ["| batch-1 decode step (ms) | bf16 | int4 |", "|---|---:|---:|"]
+    for row in rows:
+        cells = [f"{c[row]:.1f}" if row in c else "–" for c in columns.values()]
+        lines.append(f"| {row} | {' | '.join(cells)} |")
+    body = ("### What nanoqwen's own CPU decode kernels buy\n\n`python bench/bench_decode_step.py`: the decode step "
+            f"of one sequence (Qwen3-0.6B shape, random weights, {PROMPT_LEN}-token prompt, {STEPS} steps, best of "
+            f"{args.repeats}), each kernel switched back to torch's ops in turn, in one process.\n\n"
+            f"{bench_model.machine_line('cpu')}\n\n" + "\n".join(lines))
+    print(body)
+    if args.write:
+        bench_model.write_benchmarks(bench_model.section_name("bench_decode_step", "cpu"), body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The CPU decode step with one C++ call per decoder layer: a fast path beside the model's forward.
+
+On a CPU without fast bf16 (ops/cpu.py), a decode step of a few sequences already runs every part of a layer
+through nanoqwen's own kernels (ops/cpu_gemv.py): RMSNorm, the projections (bf16, int8 or int4), QK-norm,
+RoPE, the KV store, paged attention, SwiGLU. Called from Python one by one they leave gaps: about 20 module
+calls a layer, each some microseconds of Python and dispatch, and the kernels' threads fall asleep between
+them (BENCHMARKS.md measures what this buys). `decode_layer` in csrc/cpu_gemv.cpp calls the same kernels in
+the same order as `DecoderLayer.forward` does on this path, so the result is the same bits
+(tests/test_cpu_path.py compares them); only the embedding, the final norm and the LM head stay in Python.
+
+Used by ModelRunner for steps of decode rows only (no prompt chunk), up to cpu.GEMV_MAX_ROWS of them, when
+`FusedDecoder.supports(model)`: bf16 activations, the "cpu" paged attention backend, dense layers (not MoE),
+no attention bias, one rank. NANOQWEN_FUSED_DECODE=0 turns it off (the per-module path).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanoqwen.ops import cpu_gemv
+
+if TYPE_CHECKING:
+    from nanoqwen.engine.attention_metadata import AttentionMetadata
+    from nanoqwen.engine.kv_cache import KVCache
+    from nanoqwen.models.qwen3 import DecoderLayer, Linear, Qwen3ForCausalLM
+
+
+def linear_tensors(linear: Linear) -> list[torch.Tensor]:
+    """What decode_layer takes for a linear: (weight) bf16, (weight, scale) int8, (weight, scale, offset)
+    int4."""
+    from nanoqwen.quantization import Int4Linear, Int8Linear
+
+    if isinstance(linear, Int4Linear):
+        return [linear.weight, linear.scale, linear.offset]
+    if isinstance(linear, Int8Linear):
+        return [linear.weight, linear.scale]
+    return [linear.weight]
+
+
+class FusedDecoder:
+    """Runs a model's decode steps through decode_layer; the model's modules keep their tensors (nothing
+    copied)."""
+
+    def __init__(self, model: Qwen3ForCausalLM) -> None:
+        self.model = model
+        self.layers = [self._layer_arguments(layer) for layer in model.layers]
+
+    @staticmethod
+    def supports(model: Qwen3ForCausalLM, attention_backend: str | None) -> bool:
+        from nanoqwen.models.qwen3 import MLP
+
+        c = model.config
+        return (os.environ.get("NANOQWEN_FUSED_DECODE", "1") != "0" and attention_backend == "cpu"
+                and model.tp_size == 1 and model.embed_tokens.weight.dtype == torch.bfloat16
+                and not c.attention_bias and all(isinstance(layer.mlp, MLP) for layer in model.layers)
+                and all(linear.bias is None for layer in model.layers
+                        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                       layer.mlp.gate_up_proj, layer.mlp.down_proj))
+                and cpu_gemv.available())
+
+    @staticmethod
+    def _layer_arguments(layer: DecoderLayer) -> dict:
+        attn, mlp = layer.self_attn, layer.mlp
+        return {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "eps": layer.input_layernorm.eps, "qkv_proj": linear_tensors(attn.qkv_proj),
+                "q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "o_proj": linear_tensors(attn.o_proj),
+                "gate_up_proj": linear_tensors(mlp.gate_up_proj), "down_proj": linear_tensors(mlp.down_proj),
+                "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads}
+
+    def __call__(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids [B] (one decode token per sequence) -> final hidden states [B, H]: the model's forward."""
+        model, paged = self.model, meta.paged_decode
+        x = model.embed_tokens(input_ids)
+        cos, sin = model.rotary(meta.positions, x.dtype)
+        for i, arguments in enumerate(self.layers):
+            x = cpu_gemv.decode_layer(x, **arguments, cos=cos, sin=sin, k_cache=kv_cache.k[i], v_cache=kv_cache.v[i],
+                                      slot_mapping=meta.slot_mapping, block_tables=paged.block_tables,
+                                      context_lens=paged.context_lens)
+        return model.norm(x)
