@@ -86,12 +86,12 @@ def params(linear) -> int:
     return linear.weight.shape[0] * getattr(linear, "in_features", linear.weight.shape[1])
 
 
-def run_transformers(model_dir: str, device: str, repeats: int) -> dict:
+def run_transformers(model_dir: str, device: str, repeats: int, dtype: str = "bfloat16") -> dict:
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(device).eval()
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa").to(device).eval()
 
     def gen(batch: list[list[int]], n: int):
         ids = torch.tensor(batch, device=device)  # equal lengths: no padding needed
@@ -155,7 +155,7 @@ def ceilings(device: str) -> dict:
             "f32_tflop_s": f32_flops}
 
 
-def child(system: str, model_dir: str, device: str, repeats: int) -> None:
+def child(system: str, model_dir: str, device: str, repeats: int, transformers_dtype: str = "bfloat16") -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -166,13 +166,13 @@ def child(system: str, model_dir: str, device: str, repeats: int) -> None:
         result = run_nanoqwen(model_dir, device, repeats, quantization=method if method in ("int8", "int4") else None,
                               enforce_eager=method == "eager")
     else:
-        result = run_transformers(model_dir, device, repeats)
+        result = run_transformers(model_dir, device, repeats, transformers_dtype)
     print("RESULT " + json.dumps(result))
 
 
-def run_child(system: str, model_dir: Path, device: str, repeats: int) -> dict:
+def run_child(system: str, model_dir: Path, device: str, repeats: int, transformers_dtype: str = "bfloat16") -> dict:
     cmd = [sys.executable, __file__, "--child", system, "--model", str(model_dir), "--device", device,
-           "--repeats", str(repeats)]
+           "--repeats", str(repeats), "--transformers-dtype", transformers_dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -293,10 +293,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=3, help="best of N timings")
     parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
+    parser.add_argument("--transformers-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="transformers' dtype (float32: its faster choice on a CPU without fast bf16, where "
+                             "its bf16 matmuls run at about 1 GFLOP/s)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.model, args.device, args.repeats)
+        return child(args.child, args.model, args.device, args.repeats, args.transformers_dtype)
     model_dir = Path(args.model) if args.model else DEFAULT_DIR
     ensure_checkpoint(model_dir)
     results = {}
@@ -306,7 +309,7 @@ def main() -> None:
     for system in systems:  # a failing system does not stop the others: their results are printed as they come
         print(f"running {system} ...", file=sys.stderr)
         try:
-            results[system] = run_child(system, model_dir, args.device, args.repeats)
+            results[system] = run_child(system, model_dir, args.device, args.repeats, args.transformers_dtype)
         except SystemExit as e:
             print(e, file=sys.stderr)
             continue
@@ -319,7 +322,9 @@ def main() -> None:
             f"`python bench/bench_model.py{' --device cuda' if args.device == 'cuda' else ''}"
             f"{f' --model {args.model}' if args.model else ''}` on "
             f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}; "
-            f"transformers with sdpa attention, same token ids, greedy, EOS ignored; nanoqwen int8 / int4: "
+            f"transformers with sdpa attention"
+            f"{' in float32 (its faster choice on this CPU)' if args.transformers_dtype == 'float32' else ''}, "
+            f"same token ids, greedy, EOS ignored; nanoqwen int8 / int4: "
             f"`quantization=\"int8\"` / `\"int4\"` (weight-only, made at load from the same checkpoint).\n\n"
             f"{machine_line(args.device)}\n\n"
             + table(results["nanoqwen"], results["transformers"], results["ceilings"],

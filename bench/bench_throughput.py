@@ -91,7 +91,7 @@ def child(system: str, args: argparse.Namespace) -> None:
         result = benchmark.run_nanoqwen(args.model, workload, args.device, args.dtype,
                                         **benchmark.engine_kwargs_from_args(args))
     else:
-        result = run_transformers(args.model, workload, args.device, args.dtype, args.hf_batch_size,
+        result = run_transformers(args.model, workload, args.device, args.hf_dtype or args.dtype, args.hf_batch_size,
                                   args.hf_time_budget)
     print("RESULT " + json.dumps(result, default=str))
 
@@ -99,6 +99,8 @@ def child(system: str, args: argparse.Namespace) -> None:
 def run_child(system: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", system, "--model", str(args.model), "--device", args.device,
            "--dtype", args.dtype, "--seed", str(args.seed), "--hf-batch-size", str(args.hf_batch_size)]
+    if args.hf_dtype:
+        cmd += ["--hf-dtype", args.hf_dtype]
     for key in ("num_requests", "min_input", "max_input", "min_output", "max_output", "max_num_seqs",
                 "max_num_batched_tokens"):
         cmd += ["--" + key.replace("_", "-"), str(getattr(args, key))]
@@ -157,6 +159,9 @@ def main() -> None:
     parser.add_argument("--hf-time-budget", type=float, default=None, metavar="SECONDS",
                         help="stop transformers after the batch that passes this many seconds; its rates are then "
                              "over the requests it ran (the text says so)")
+    parser.add_argument("--hf-dtype", default=None, choices=["bfloat16", "float32"],
+                        help="transformers' dtype (default: --dtype; float32 is its faster choice on a CPU "
+                             "without fast bf16)")
     parser.add_argument("--write", action="store_true", help="record the section in BENCHMARKS.md")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = benchmark.resolve_bench_args(parser.parse_args())
@@ -179,6 +184,7 @@ def main() -> None:
     ours, theirs = results["nanoqwen"], results["transformers"]
     engine = benchmark.describe_engine(ours["engine_kwargs"])
     kv = benchmark.describe_kv(ours["kv_cache"])
+    hf_dtype = f", {args.hf_dtype}" if args.hf_dtype and args.hf_dtype != args.dtype else ""
     name = "a random checkpoint with the exact Qwen3-0.6B shape" if model_dir == bench_model.DEFAULT_DIR \
         else model_dir.name
     body = (f"### Throughput: {args.num_requests} requests, prompts {args.min_input}–{args.max_input} tokens, "
@@ -187,7 +193,7 @@ def main() -> None:
             f"prompt and output lengths uniformly random "
             f"(seed {args.seed}; {ours['input_tokens']:,} prompt and {ours['output_tokens']:,} output tokens in all), "
             f"sampling at temperature 0.6, top-p 0.95, top-k 20, EOS ignored. nanoqwen: one `generate` call, "
-            f"{engine}. transformers (sdpa): no continuous batching, so `generate` on the requests in their "
+            f"{engine}. transformers (sdpa{hf_dtype}): no continuous batching, so `generate` on the requests in their "
             f"given order in batches of {args.hf_batch_size}, left-padded; each batch runs to its longest output and "
             f"only each request's own output length counts.\n\n"
             f"{bench_model.machine_line(args.device)}\n\n"
@@ -201,7 +207,7 @@ def main() -> None:
                if args.device == "cuda" else ""))
     print(body)
     if args.write:
-        bench_model.write_benchmarks(f"bench_throughput-{args.device}", body)
+        bench_model.write_benchmarks(bench_model.section_name("bench_throughput", args.device), body)
 
 
 if __name__ == "__main__":
