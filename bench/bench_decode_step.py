@@ -5,12 +5,14 @@ to torch's ops, one at a time, in one process and one run (nanoqwen/ops/cpu_gemv
     python bench/bench_decode_step.py --write    # also record the table in BENCHMARKS.md
 
 Configurations (each a decode step of one sequence, 32-token prompt, 32 steps, best of --repeats):
-- all own kernels: what the engine chooses on a CPU without fast bf16;
-- torch attention: decode attention gathers each sequence's blocks and calls SDPA (the grouped path);
-- torch elementwise: RMSNorm, RoPE and SwiGLU as the plain functions of models/qwen3.py (5-9 ops each);
-- torch gemv (bf16 only): the projections through torch's F.linear instead of bf16_gemv;
-- no matmuls: every projection and the LM head replaced by an empty output, the rest as chosen: what the
-  step costs besides reading the weights.
+- all own kernels: what the engine chooses on a CPU without fast bf16 (one C++ call per decoder layer,
+  ops/decode_step.py);
+- per-module calls: the same kernels called from the model's modules, one by one (NANOQWEN_FUSED_DECODE=0);
+- then, per module, one kind of kernel switched back to torch's: attention (gathers each sequence's blocks
+  and calls SDPA), elementwise (RMSNorm, RoPE and SwiGLU as the plain functions of models/qwen3.py, 5-9 ops
+  each), gemv (bf16 only: the projections through torch's F.linear instead of bf16_gemv);
+- per-module calls, no matmuls: every projection and the LM head replaced by an empty output: what the step
+  costs besides the matrix products.
 """
 
 from __future__ import annotations
@@ -52,23 +54,25 @@ def measure(model_dir: Path, quantization: str | None, repeats: int) -> dict[str
         sys.exit(f"nanoqwen's own decode kernels are not on here ({llm.llm_engine.kernel_path})")
     own = {name: getattr(kernels, name) for name in ("rms_norm", "apply_rope", "swiglu", "linear")}
     results = {"all own kernels": step_ms(llm, repeats)}
+    runner.fused_decoder = None
+    results["per-module calls"] = step_ms(llm, repeats)
     runner.attention_backend = None
-    results["torch attention"] = step_ms(llm, repeats)
+    results["per module, torch attention"] = step_ms(llm, repeats)
     runner.attention_backend = "cpu"
     for name in ("rms_norm", "apply_rope", "swiglu"):
         setattr(kernels, name, getattr(qwen3, name))
-    results["torch elementwise"] = step_ms(llm, repeats)
+    results["per module, torch elementwise"] = step_ms(llm, repeats)
     for name in ("rms_norm", "apply_rope", "swiglu"):
         setattr(kernels, name, own[name])
     if quantization is None:
         path = cpu.matmul_path()
         cpu.use_matmul_path(cpu.MatmulPath(path.path, path.reason, gemv=False))
-        results["torch gemv"] = step_ms(llm, repeats)
+        results["per module, torch gemv"] = step_ms(llm, repeats)
         cpu.use_matmul_path(path)
     for module in llm.llm_engine.model.modules():
         if isinstance(module, qwen3.Linear):
             module.matmul = (lambda m: lambda x, bias: x.new_empty(*x.shape[:-1], m.weight.shape[0]))(module)
-    results["no matmuls"] = step_ms(llm, repeats)
+    results["per-module calls, no matmuls"] = step_ms(llm, repeats)
     return results
 
 

@@ -241,7 +241,8 @@ def table(ours: dict, theirs: dict, ceil: dict, quantized: dict[str, dict], eage
                 "the K experts of its token)" if ours["decode_b16_read_bytes"] != ours["decode_read_bytes"] else "")
     lines += ["", f"Ceilings measured in the same run: read bandwidth {ceil['read_gb_s']:.1f} GB/s (sum of 1 GiB), "
               f"copy {ceil['copy_gb_s']:.1f} GB/s (1 GiB, bytes read + written), torch's bf16 matrix-vector product "
-              f"{ceil['gemv_gb_s']:.1f} GB/s of weights, bf16 matmul {ceil['bf16_tflop_s']:.2f} TFLOP/s. "
+              f"{ceil['gemv_gb_s']:.1f} GB/s of weights, matmul {ceil['bf16_tflop_s'] * 1e3:.0f} GFLOP/s in bf16, "
+              f"{ceil.get('f32_tflop_s', 0) * 1e3:.0f} in float32. "
               f"The ceiling column: batch-1 decode reads {ours['decode_read_bytes'] / 1e9:.2f} GB of weights a step "
               f"(bf16; {quantized_reads}) at the read bandwidth; prefill does "
               f"{2 * ours['layer_params'] / 1e9:.2f} GFLOP a token at the matmul rate; batch-16 decode is the "

@@ -172,7 +172,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(step.decode, step.prefill, self.kv_cache.block_size,
                                        self.device, paged_backend=self.attention_backend)
         input_ids = torch.tensor(step.input_ids, device=self.device)
-        if (self.fused_decoder is not None and not step.prefill
+        if (self.fused_decoder is not None and not step.prefill and meta.paged_decode is not None
                 and len(step.decode) <= cpu.GEMV_MAX_ROWS):
             hidden = self.fused_decoder(input_ids, self.kv_cache, meta)
         else:
