@@ -9,11 +9,19 @@ from nanoqwen.errors import (
     WeightsError,
 )
 from nanoqwen.llm import LLM
-from nanoqwen.outputs import CompletionOutput, RequestOutput
+from nanoqwen.outputs import (
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.sampling_params import SamplingParams
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "NanoQwenError", "ConfigError",
+    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "PoolingParams",
+    "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "NanoQwenError", "ConfigError",
     "ModelNotFoundError", "WeightsError", "InvalidRequestError", "EngineDeadError",
 ]
 __version__ = "0.1.0"

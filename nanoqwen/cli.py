@@ -1,13 +1,27 @@
-"""The `nanoqwen` command: chat, generate, init-random."""
+"""The `nanoqwen` command: chat, generate, embed, rerank, init-random, bench, serve."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nanoqwen.config import add_engine_args, engine_config_from_args
-from nanoqwen.errors import NanoQwenError
+from nanoqwen.errors import ConfigError, InvalidRequestError, NanoQwenError
+
+if TYPE_CHECKING:
+    from nanoqwen.llm import LLM
+
+# The default models of `nanoqwen embed` and `nanoqwen rerank` (hub ids; --model overrides).
+DEFAULT_EMBEDDING_MODEL = "Qwen/Qwen3-Embedding-0.6B"
+DEFAULT_RERANKER_MODEL = "Qwen/Qwen3-Reranker-0.6B"
+# Lines handed to the engine per call: far more than a step batches (max_num_seqs), so batching is
+# unaffected, while the embeddings of a long input are written as they come, never all held at once.
+POOLING_CHUNK = 1024
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -65,6 +79,170 @@ def speed_line(llm, output) -> str:
     return f"[{speed} · {weights} weights, {size:.2f} GiB · kernels: {engine.kernel_path}]"
 
 
+# ------------------------------------------------------------------ embed and rerank
+
+TASK_KINDS = {"generate": "a generative model", "embed": "an embedding model",
+              "score": "a reranker"}
+TASK_COMMANDS = {"generate": "`nanoqwen generate` or `nanoqwen chat`", "embed": "`nanoqwen embed`",
+                 "score": "`nanoqwen rerank`"}
+TASK_DEFAULTS = {"embed": DEFAULT_EMBEDDING_MODEL, "score": DEFAULT_RERANKER_MODEL}
+
+
+def read_input_lines(path: str, what: str) -> list[tuple[int, str]]:
+    """(line index from 0, text) of each non-blank line of `path` ("-": stdin), read as UTF-8.
+
+    Only each line's own ending (\\n or \\r\\n) is removed. Blank lines (empty or only whitespace)
+    have nothing to embed or score: they are skipped, and every other line keeps its own index, so
+    results can be matched back to the input.
+    """
+    if path == "-" and sys.stdin.isatty():
+        print(f"reading {what} from stdin, one per line (Ctrl-D to end)", file=sys.stderr)
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as e:
+        raise InvalidRequestError(f"cannot read --input {path}: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8-sig")  # (a byte-order mark, as some editors write, is dropped)
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise InvalidRequestError(f"{'stdin' if path == '-' else path} is not UTF-8 text "
+                                  f"(line {line})") from None
+    # split("\n"), not splitlines(): the latter also splits at \x0b, \x1c, U+2028..., which would
+    # shift the indexes away from the line numbers every other tool shows
+    lines = [(i, line.removesuffix("\r")) for i, line in enumerate(text.split("\n"))]
+    lines = [(i, line) for i, line in lines if line.strip()]
+    if not lines:
+        source = "stdin" if path == "-" else path
+        raise InvalidRequestError(f"no {what} in {source}: give one per line, on stdin or in "
+                                  "--input FILE (blank lines are skipped)")
+    return lines
+
+
+def build_pooling_llm(args: argparse.Namespace, task: str) -> LLM:
+    """The LLM of --model for `task` ("embed" or "score").
+
+    With --task auto the checkpoint's files must say it is for that task, checked before any weight
+    is loaded (a generative model would otherwise be loaded only to fail); --task embed / score
+    uses any Qwen3 checkpoint that way on purpose (as LLM(task=...) does).
+    """
+    from dataclasses import replace
+
+    from nanoqwen.hub import resolve_model_path
+    from nanoqwen.llm import LLM
+    from nanoqwen.pooling import resolve_task
+
+    command = TASK_COMMANDS[task]
+    if args.task not in ("auto", task):
+        raise ConfigError(f"--task {args.task} does not go with {command}: leave --task out, or "
+                          f"give --task {task}")
+    if args.task == "auto":
+        found = resolve_task(resolve_model_path(str(args.model)), "auto")
+        if found != task:
+            raise ConfigError(
+                f"--model {args.model} is {TASK_KINDS[found]} (read from its files), not "
+                f"{TASK_KINDS[task]}: use it with {TASK_COMMANDS[found]}; {command} needs "
+                f"{TASK_KINDS[task]} such as {TASK_DEFAULTS[task]} (or pass --task {task} to "
+                f"{command.strip('`').split()[1]} with it anyway)")
+    return LLM.from_config(replace(engine_config_from_args(args), task=task))
+
+
+def checked_inputs(lines: list[tuple[int, str]], tokenize: Callable[[str], list[int]]
+                   ) -> list[list[int]]:
+    """Every line's input ids, tokenised and checked before anything runs, so a bad line (too long
+    for the context) stops the command with its line number before any output is written."""
+    ids = []
+    for index, text in lines:
+        try:
+            ids.append(tokenize(text))
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"input line {index + 1}: {e}") from None
+    return ids
+
+
+def in_chunks(items: list, size: int = POOLING_CHUNK) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield items[start: start + size]
+
+
+def write_json_line(obj: dict) -> None:
+    # compact, ASCII-only JSON: one object a line on any terminal encoding (embeddings are long)
+    sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+
+def pooling_summary(llm: LLM, verb: str, count: int, tokens: int, seconds: float) -> str:
+    """One stderr line: how many inputs and tokens, the rates, the weights and kernel path."""
+    engine = llm.llm_engine
+    weights = engine.quantization or str(engine.dtype).removeprefix("torch.")
+    size = sum(engine.rank_weight_bytes) / 2**30
+    seconds = max(seconds, 1e-9)
+    return (f"[{verb} {count} inputs, {tokens} tokens in {seconds:.2f}s · {count / seconds:.1f} "
+            f"inputs/s, {tokens / seconds:.0f} tok/s · {weights} weights, {size:.2f} GiB · "
+            f"kernels: {engine.kernel_path}]")
+
+
+def cmd_embed(args: argparse.Namespace) -> None:
+    """One JSON line per non-blank input line, in input order: {"index": i, "embedding": [...]}
+    (i: the line's index from 0; the embedding L2-normalised, its first --dimensions values)."""
+    from nanoqwen.pooling_params import PoolingParams
+
+    if args.dimensions is not None and args.dimensions < 1:  # (fails before loading the model)
+        raise InvalidRequestError(f"--dimensions {args.dimensions} must be at least 1")
+    params = PoolingParams(dimensions=args.dimensions)
+    lines = read_input_lines(args.input, "texts")
+    llm = build_pooling_llm(args, "embed")
+    engine = llm.llm_engine
+    prompt = engine.sentence_transformers.prompt(args.prompt_name, args.prompt)  # checks the name
+    # the prompt goes before each text here; the token ids are then embedded as they are
+    ids = checked_inputs(lines, lambda text: engine.embedding_input(text, prompt=prompt,
+                                                                    params=params))
+    start, tokens = time.perf_counter(), 0
+    for chunk, chunk_ids in zip(in_chunks(lines), in_chunks(ids), strict=True):
+        outputs = llm.embed(chunk_ids, params, use_tqdm=False)  # token ids: tokenised above
+        for (index, _), out in zip(chunk, outputs, strict=True):
+            write_json_line({"index": index, "embedding": out.outputs.embedding})
+            tokens += len(out.prompt_token_ids)
+        sys.stdout.flush()
+    if not args.quiet:
+        print(pooling_summary(llm, "embedded", len(lines), tokens, time.perf_counter() - start),
+              file=sys.stderr)
+
+
+def cmd_rerank(args: argparse.Namespace) -> None:
+    """One JSON line per non-blank document line, most relevant first (ties in input order), the
+    best --top-n only if given: {"index": i, "score": s, "document": text} (s in [0, 1])."""
+    if args.top_n is not None and args.top_n < 1:
+        raise InvalidRequestError(f"--top-n {args.top_n} must be at least 1")
+    lines = read_input_lines(args.input, "documents")
+    llm = build_pooling_llm(args, "score")
+    engine = llm.llm_engine
+    # checked up front for the line numbers; llm.score tokenises the same way again (cheap next
+    # to the model)
+    inputs = checked_inputs(lines, lambda doc: engine.score_input(args.query, doc,
+                                                                  args.instruction))
+    start, results = time.perf_counter(), []
+    for chunk in in_chunks(lines):
+        outputs = llm.score(args.query, [doc for _, doc in chunk], instruction=args.instruction,
+                            use_tqdm=False)
+        results += [(out.outputs.score, index, doc)
+                    for (index, doc), out in zip(chunk, outputs, strict=True)]
+    seconds = time.perf_counter() - start
+    results.sort(key=lambda r: (-r[0], r[1]))  # highest score first, as rerank APIs answer
+    for score, index, doc in results[: args.top_n]:
+        write_json_line({"index": index, "score": score, "document": doc})
+    sys.stdout.flush()
+    if not args.quiet:
+        tokens = sum(map(len, inputs))
+        print(pooling_summary(llm, "scored", len(lines), tokens, seconds), file=sys.stderr)
+
+
+def add_pooling_input_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--input", "-i", default="-", metavar="FILE",
+                   help=f"{what}, one per line, UTF-8 (default: stdin); blank lines are skipped "
+                        "and each result's index is its line's index from 0")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no summary line on stderr at the end (inputs, tokens, speed)")
+
+
 def cmd_chat(args: argparse.Namespace) -> None:
     from nanoqwen.chat import chat_loop
 
@@ -114,8 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     from nanoqwen.benchmark import add_bench_args
     from nanoqwen.init_random import PRESETS
 
-    parser = argparse.ArgumentParser(prog="nanoqwen",
-                                     description="Run Qwen3 models: chat, generate, serve.")
+    parser = argparse.ArgumentParser(
+        prog="nanoqwen", description="Run Qwen3 models: chat, generate, embed, rerank, serve.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
@@ -138,6 +316,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no speed line on stderr at the end "
                         "(prefill and decode speed, weights, kernels)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("embed", help="embed texts, one per line, with an embedding model "
+                                     "(Qwen3-Embedding): JSON lines out")
+    add_engine_args(p)
+    p.set_defaults(model=DEFAULT_EMBEDDING_MODEL)
+    add_pooling_input_args(p, "texts to embed")
+    p.add_argument("--dimensions", type=int, default=None, metavar="D",
+                   help="keep the first D values of each embedding, renormalised "
+                        "(Matryoshka; default: all)")
+    p.add_argument("--prompt-name", default=None, metavar="NAME",
+                   help="put the model's prompt NAME (config_sentence_transformers.json, e.g. "
+                        "query) before each text, as sentence-transformers' encode does")
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="put TEXT before each text (instead of a named prompt)")
+    p.set_defaults(func=cmd_embed)
+
+    p = sub.add_parser("rerank", help="score documents, one per line, against a query with a "
+                                      "reranker (Qwen3-Reranker): JSON lines out, best first")
+    add_engine_args(p)
+    p.set_defaults(model=DEFAULT_RERANKER_MODEL)
+    add_pooling_input_args(p, "documents to score")
+    p.add_argument("--query", required=True, help="the query the documents are scored against")
+    p.add_argument("--instruction", default=None,
+                   help="the task, in the reranker's prompt (default: web search)")
+    p.add_argument("--top-n", type=int, default=None, metavar="N",
+                   help="print only the N best documents (default: all)")
+    p.set_defaults(func=cmd_rerank)
 
     p = sub.add_parser("init-random",
                        help="write a model folder with random weights (for offline use)")

@@ -20,7 +20,9 @@ from nanoqwen.errors import ConfigError
 from nanoqwen.hub import DEFAULT_MODEL
 
 MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", MOE_ARCHITECTURE)
+# Qwen3Model: the bare decoder (no LM head), as an embedding model may be saved
+BARE_ARCHITECTURE = "Qwen3Model"
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", MOE_ARCHITECTURE, BARE_ARCHITECTURE)
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
               "decoder_sparse_step", "mlp_only_layers")
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -321,6 +323,7 @@ class EngineConfig:
     nanoqwen/quantization.py).
     tensor_parallel_size N > 1 splits the model over N processes (N GPUs, or CPU processes), started
     by the engine or by torchrun.
+    task: "generate", "embed" or "score"; "auto" reads it from the checkpoint (nanoqwen/pooling.py).
     """
 
     model: str | Path = DEFAULT_MODEL
@@ -339,6 +342,8 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    # "auto" (from the checkpoint's files: nanoqwen/pooling.py), "generate", "embed" or "score"
+    task: str = "auto"
 
     def __post_init__(self) -> None:
         # (it imports the model, which imports this file)
@@ -354,6 +359,9 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory={m!r} must be a byte count (int > 0) "
                               "or a fraction of free memory (float in (0, 1])")
         check_quantization(self.quantization)
+        tasks = ("auto", "generate", "embed", "score")
+        if self.task not in tasks:
+            raise ConfigError(f"task={self.task!r} is not a task; choose one of {', '.join(tasks)}")
 
     @classmethod
     def from_kwargs(cls, model: str | Path, options: dict[str, Any]) -> EngineConfig:
@@ -400,6 +408,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="no torch.compile (CPU) and no CUDA graphs (GPU): "
                         "faster start-up, slower steps")
+    p.add_argument("--task", choices=["auto", "generate", "embed", "score"], default="auto",
+                   help="what the model is for: generate text, embed (Qwen3-Embedding) or score "
+                        "(Qwen3-Reranker); auto reads it from the checkpoint's files")
     add_parallel_and_quantization_args(p)
 
 

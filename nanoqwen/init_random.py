@@ -6,6 +6,12 @@ official tensor names in model.safetensors, or in shards with model.safetensors.
 MoE experts are written one tensor per expert matrix, as the official Qwen3-MoE checkpoints
 (and transformers' save_pretrained) store them, or, on request, stacked as
 transformers 5 holds them.
+
+The embedding and reranker presets are laid out as Qwen3-Embedding and Qwen3-Reranker are
+published (their files are not byte copies: they are written here from the published layout, see
+`_write_task_files`): an embedding model's weights are saved from the bare decoder (no "model."
+prefix, no LM head) beside sentence-transformers' files, and its tokenizer appends an end-of-text
+token; a reranker is a causal LM whose model card says `pipeline_tag: text-ranking`.
 """
 
 from __future__ import annotations
@@ -51,8 +57,18 @@ def _moe_tiny() -> dict:
             "moe_intermediate_size": 32, "mlp_only_layers": [1], "max_window_layers": 3}
 
 
+def _pooling(base: dict) -> dict:
+    """Qwen3-Embedding / Qwen3-Reranker: the Qwen3 decoder with the vocabulary cut to the tokenizer's
+    151669 tokens (the generative models pad it to 151936) and a 32K context."""
+    return {**base, "vocab_size": 151669, "max_position_embeddings": 32768}
+
+
 PRESETS = {
     "tiny": _tiny,
+    "embedding-tiny": lambda: _pooling(_tiny()),
+    "reranker-tiny": lambda: _pooling(_tiny()),
+    "qwen3-embedding-0.6b": lambda: _pooling(_official("Qwen3-0.6B")),
+    "qwen3-reranker-0.6b": lambda: _pooling(_official("Qwen3-0.6B")),
     "qwen3-moe-tiny": _moe_tiny,
     "qwen3-0.6b": lambda: _official("Qwen3-0.6B"),
     "qwen3-1.7b": lambda: _official("Qwen3-1.7B"),
@@ -64,19 +80,30 @@ PRESETS = {
 }
 
 
+# what each preset's folder is for (nanoqwen/pooling.py reads it back from the files)
+PRESET_TASKS = {"embedding-tiny": "embed", "qwen3-embedding-0.6b": "embed",
+                "reranker-tiny": "score", "qwen3-reranker-0.6b": "score"}
+
+
 def preset_config(preset: str) -> dict:
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[preset]()
 
 
-def checkpoint_shapes(config: Qwen3Config,
-                      fused_experts: bool = False) -> Iterator[tuple[str, tuple[int, ...]]]:
+def checkpoint_shapes(config: Qwen3Config, fused_experts: bool = False,
+                      bare: bool = False) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(official tensor name, shape) of every tensor a Qwen3 checkpoint with this config holds.
 
     fused_experts: MoE experts under transformers 5's stacked names instead of one tensor per
-    expert matrix.
+    expert matrix. bare: the bare decoder's tensors (transformers' Qwen3Model, as Qwen3-Embedding
+    is saved): no "model." prefix, no LM head.
     """
+    if bare:
+        for name, shape in checkpoint_shapes(config, fused_experts):
+            if name != "lm_head.weight":
+                yield name.removeprefix("model."), shape
+        return
     h, d = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     inter = config.intermediate_size
@@ -130,11 +157,15 @@ def random_tensor(name: str, shape: tuple[int, ...], std: float,
 
 def write_random_model(out_dir: str | Path, config: dict | str = "tiny", dtype: str = "bfloat16",
                        std: float = 0.02, seed: int = 0, max_shard_bytes: int = 2 << 30,
-                       fused_experts: bool = False) -> Path:
+                       fused_experts: bool = False, task: str | None = None) -> Path:
     """Write a model folder with config (a preset name or a config.json dict) and N(0, std) weights.
 
     fused_experts: write MoE experts stacked, as transformers 5 names them (see checkpoint_shapes).
+    task: "embed" or "score" lays the folder out as Qwen3-Embedding or Qwen3-Reranker is published
+    (default: the preset's, else a generative model).
     """
+    if task is None and isinstance(config, str):
+        task = PRESET_TASKS.get(config)
     raw = preset_config(config) if isinstance(config, str) else dict(config)
     raw["torch_dtype"] = dtype
     cfg = Qwen3Config.from_dict(raw, where="config")  # validates before anything is written
@@ -143,11 +174,13 @@ def write_random_model(out_dir: str | Path, config: dict | str = "tiny", dtype: 
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     for name in TOKENIZER_FILES + ("generation_config.json",):
         shutil.copyfile(QWEN3_0_6B / name, out / name)
+    if task in ("embed", "score"):
+        _write_task_files(out, task)
     generator = torch.Generator().manual_seed(seed)
     torch_dtype = getattr(torch, dtype)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
-    for name, shape in checkpoint_shapes(cfg, fused_experts):
+    for name, shape in checkpoint_shapes(cfg, fused_experts, bare=task == "embed"):
         t = random_tensor(name, shape, std, generator).to(torch_dtype)
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
@@ -158,6 +191,62 @@ def write_random_model(out_dir: str | Path, config: dict | str = "tiny", dtype: 
         size, total = size + nbytes, total + nbytes
     _flush(out, shards, final=True, total_size=total)
     return out
+
+
+# The sentence-transformers files of Qwen3-Embedding, written from their published layout: a
+# Transformer module, last-token pooling, normalisation, and the model card's query prompt.
+EMBEDDING_QUERY_PROMPT = ("Instruct: Given a web search query, retrieve relevant passages that "
+                          "answer the query\nQuery:")
+SENTENCE_TRANSFORMERS_FILES = {
+    "modules.json": [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}],
+    "config_sentence_transformers.json": {
+        "prompts": {"query": EMBEDDING_QUERY_PROMPT, "document": ""},
+        "default_prompt_name": None, "similarity_fn_name": "cosine"},
+    "sentence_bert_config.json": {"max_seq_length": 8192, "do_lower_case": False},
+    "1_Pooling/config.json": {
+        "word_embedding_dimension": None, "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": True, "include_prompt": True},
+}
+MODEL_CARDS = {"embed": "---\nlicense: apache-2.0\npipeline_tag: feature-extraction\n"
+                        "library_name: sentence-transformers\n---\n\n# Qwen3-Embedding (random weights)\n",
+               "score": "---\nlicense: apache-2.0\npipeline_tag: text-ranking\n---\n\n"
+                        "# Qwen3-Reranker (random weights)\n"}
+
+
+def _write_task_files(out: Path, task: str) -> None:
+    """An embedding model's sentence-transformers files and end-of-text-appending tokenizer, or a
+    reranker's model card."""
+    (out / "README.md").write_text(MODEL_CARDS[task])
+    if task != "embed":
+        return
+    config = read_json(out / "config.json")
+    for name, content in SENTENCE_TRANSFORMERS_FILES.items():
+        if name == "1_Pooling/config.json":
+            content = {**content, "word_embedding_dimension": config["hidden_size"]}
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(json.dumps(content, indent=2) + "\n")
+    # The published embedding tokenizer's post-processor appends <|endoftext|> to every input (the
+    # token whose hidden state is the embedding); inputs are padded on the left.
+    tokenizer = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
+    eos = "<|endoftext|>"
+    eos_id = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == eos)
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": eos, "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": eos, "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}}, {"SpecialToken": {"id": eos, "type_id": 1}}],
+        "special_tokens": {eos: {"id": eos, "ids": [eos_id], "tokens": [eos]}}}
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    tokenizer_config = read_json(out / "tokenizer_config.json")
+    tokenizer_config["padding_side"] = "left"
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2,
+                                                          ensure_ascii=False))
 
 
 def _flush(out: Path, shards: list[dict[str, torch.Tensor]], final: bool,

@@ -1,4 +1,5 @@
-"""LLM: the offline Python API, shaped like vLLM's (`LLM(model).generate(prompts, params)`)."""
+"""LLM: the offline Python API, shaped like vLLM's (`LLM(model).generate(prompts, params)`; for
+embedding and reranker models `LLM(model).embed(texts)` and `.score(query, documents)`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from nanoqwen.config import EngineConfig
 from nanoqwen.engine.llm_engine import LLMEngine
 from nanoqwen.errors import InvalidRequestError
 from nanoqwen.hub import DEFAULT_MODEL
-from nanoqwen.outputs import RequestOutput
+from nanoqwen.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import Tokenizer
 
@@ -28,7 +30,11 @@ class LLM:
     def __init__(self, model: str | Path = DEFAULT_MODEL, **options: Any) -> None:
         """options: the engine options, EngineConfig's fields (nanoqwen/config.py): dtype, device,
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
-        enable_prefix_caching, seed, enforce_eager, tensor_parallel_size, quantization.
+        enable_prefix_caching, seed, enforce_eager, tensor_parallel_size, quantization, task.
+
+        task: "generate", "embed" (Qwen3-Embedding) or "score" (Qwen3-Reranker); by default read
+        from the checkpoint (sentence-transformers' files mean "embed", the model card's
+        pipeline_tag "text-ranking" means "score").
 
         tensor_parallel_size N > 1 splits the model over N processes (N GPUs, or CPU processes),
         started here or by torchrun; `llm.llm_engine.shutdown()` stops them (as does garbage
@@ -58,10 +64,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for strings (tokenized as is, no chat template) or token-id lists; outputs keep
         input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._as_list(prompts)
         if not prompts:
             return []
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -71,7 +74,61 @@ class LLM:
             if len(params) != len(prompts):
                 raise InvalidRequestError(f"got {len(params)} sampling_params "
                                           f"for {len(prompts)} prompts")
-        return self._run(prompts, params, use_tqdm)
+        token_ids = [self.llm_engine.tokenize(prompt) for prompt in prompts]
+        return self._run(prompts, token_ids, params, use_tqdm, "Generating")
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None, *, dimensions: int | None = None,
+              prompt_name: str | None = None, prompt: str | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per text (or token-id list), in input order: `out.outputs.embedding`.
+
+        dimensions: keep the first d values, renormalised. prompt_name: one of the checkpoint's
+        prompts (config_sentence_transformers.json, e.g. "query"), put before each text as
+        sentence-transformers' encode does; prompt: that text given directly.
+        """
+        engine = self.llm_engine
+        prompts = self._as_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams(dimensions=dimensions)
+        elif dimensions is not None:
+            pooling_params = PoolingParams(dimensions, pooling_params.normalize,
+                                           pooling_params.truncate_prompt_tokens)
+        engine.check_task(pooling_params)
+        if engine.task != "embed":
+            raise InvalidRequestError(f"this model's task is {engine.task!r}: embed needs an "
+                                      "embedding model (or task='embed')")
+        token_ids = [engine.embedding_input(p, prompt_name, prompt, pooling_params)
+                     for p in prompts]
+        return self._run(prompts, token_ids, [pooling_params] * len(prompts), use_tqdm,
+                         "Embedding")
+
+    def score(self, query: str, documents: str | Sequence[str], *,
+              instruction: str | None = None,
+              pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """The relevance of each document to the query, in [0, 1], in input order:
+        `out.outputs.score` (a Qwen3-Reranker; instruction: the task, default web search)."""
+        engine = self.llm_engine
+        pooling_params = pooling_params or PoolingParams()
+        engine.check_task(pooling_params)
+        if engine.task != "score":
+            raise InvalidRequestError(f"this model's task is {engine.task!r}: score needs a "
+                                      "reranker model (or task='score')")
+        documents = [documents] if isinstance(documents, str) else list(documents)
+        for name, text in [("query", query), *(("documents", d) for d in documents)]:
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"{name} must be strings, got {type(text).__name__}")
+        token_ids = [engine.score_input(query, d, instruction, pooling_params) for d in documents]
+        return self._run([None] * len(documents), token_ids, [pooling_params] * len(documents),
+                         use_tqdm, "Scoring")
+
+    @staticmethod
+    def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -88,17 +145,18 @@ class LLM:
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt | None], token_ids: list[list[int]],
+             params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
+             desc: str) -> list[Any]:
+        """Queue every request (tokenized and validated by the caller before anything is queued:
+        a bad prompt leaves the engine untouched), step until all finish, return their outputs in
+        order."""
         engine = self.llm_engine
         ids = [f"llm-{next(self._request_counter)}" for _ in prompts]
-        # Tokenize and validate everything before queueing anything: a bad prompt leaves the engine
-        # untouched.
-        token_ids = [engine.tokenize(prompt) for prompt in prompts]
         for request_id, prompt, tokens, p in zip(ids, prompts, token_ids, params, strict=True):
             engine.add_request(request_id, prompt, p, prompt_token_ids=tokens)
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(prompts), desc="Generating", unit="req",
+        finished: dict[str, Any] = {}
+        bar = tqdm(total=len(prompts), desc=desc, unit="req",
                    disable=not use_tqdm or len(prompts) < 8, dynamic_ncols=True)
         start, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
         with bar:
@@ -108,7 +166,8 @@ class LLM:
                         if out.finished:
                             finished[out.request_id] = out
                             prompt_tokens += len(out.prompt_token_ids)
-                            output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                            if isinstance(out, RequestOutput):
+                                output_tokens += sum(len(c.token_ids) for c in out.outputs)
                             elapsed = time.perf_counter() - start
                             rates = (f"in {prompt_tokens / elapsed:.0f} tok/s, "
                                      f"out {output_tokens / elapsed:.0f} tok/s")

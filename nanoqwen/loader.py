@@ -49,6 +49,9 @@ STACKED_PARAMS = {
 EXPERT_TENSOR = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 EXPERT_PARAMS = {"gate": ("mlp.experts.gate_up_proj", 0), "up": ("mlp.experts.gate_up_proj", 1),
                  "down": ("mlp.experts.down_proj", None)}
+# A checkpoint saved from the bare decoder (transformers' Qwen3Model, as Qwen3-Embedding is) names
+# its tensors without the "model." prefix.
+BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 # a slice of a stacked q/k/v or gate/up matrix, or of the experts
 Shard = int | tuple[int, int | None] | None
 
@@ -71,9 +74,10 @@ def checkpoint_to_param(name: str) -> tuple[str, Shard] | None:
     None if it has no place."""
     if name == "lm_head.weight":
         return name, None
-    if not name.startswith("model."):
+    if name.startswith("model."):
+        name = name[len("model."):]
+    elif not name.startswith(BARE_PREFIXES):
         return None
-    name = name[len("model."):]
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "layers" and parts[2] in STACKED_PARAMS:
         param, shard = STACKED_PARAMS[parts[2]]
@@ -124,6 +128,8 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
 
     def plan(ckpt_name: str, shape: tuple[int, ...]) -> Part | None:
         """Check a checkpoint tensor against its parameter and pick this rank's part of it."""
+        if ckpt_name == "lm_head.weight" and model.lm_head is None:
+            return None  # loaded without a head (an embedding model): a stored one is not needed
         if ckpt_name == "lm_head.weight" and model.is_tied:
             # A tied config whose file also stores the head: load it, and share the embedding
             # again below if the two are equal (transformers unties them when they differ).
@@ -196,7 +202,7 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
                    if isinstance(missing[0][1], tuple) else "")
         raise WeightsError(f"tensor {names[0]!r}{stacked} is missing from the checkpoint "
                            f"(missing: {', '.join(names[:5])}{more})")
-    if (model.config.tie_word_embeddings and not model.is_tied
+    if (model.config.tie_word_embeddings and model.lm_head is not None and not model.is_tied
             and torch.equal(model.lm_head.weight, model.embed_tokens.weight)):
         model.lm_head.weight = model.embed_tokens.weight
 
@@ -268,20 +274,24 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None = None, tp_rank: int = 0, tp_size: int = 1,
-               show_progress: bool | None = None,
-               quantization: str | None = None) -> Qwen3ForCausalLM:
+               show_progress: bool | None = None, quantization: str | None = None,
+               task: str = "generate") -> Qwen3ForCausalLM:
     """Build the model (this rank's shard of it) with uninitialised parameters on `device` in
     `dtype`, then fill them from disk. quantization="int8"/"int4": each matrix is quantised as soon
     as it is filled, so (on CPU) memory peaks near the quantised model, not the model-dtype one; the
-    LM head last (a tied head is settled at the end)."""
+    LM head last (a tied head is settled at the end).
+
+    task="embed": no LM head; "score": the head stays unquantised (a reranker reads two of its rows:
+    nanoqwen/pooling.py)."""
     files = safetensors_files(model_dir)
     with _default_dtype(dtype), torch.device(device):
-        model = Qwen3ForCausalLM(config, max_model_len, tp_rank, tp_size)
+        model = Qwen3ForCausalLM(config, max_model_len, tp_rank, tp_size, lm_head=task != "embed")
     on_loaded = None
     if check_quantization(quantization) is not None:
         def on_loaded(name: str) -> None:
             if name != "lm_head":
                 quantize_module(model, name, quantization)
     load_weights(model, files, show_progress, on_loaded)
-    quantize_model(model, quantization)  # what is left: the LM head
+    if task == "generate":
+        quantize_model(model, quantization)  # what is left: the LM head
     return model.eval()

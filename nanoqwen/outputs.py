@@ -91,3 +91,35 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[dict[int, Logprob]] | None:
         return self.outputs[0].logprobs
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # [dimensions], L2-normalised unless the request said otherwise
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # relevance in [0, 1]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """An embedding or scoring request's result, shaped like vLLM's (EmbeddingRequestOutput,
+    ScoringRequestOutput): `outputs.embedding` or `outputs.score`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | ScoringOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+EmbeddingRequestOutput = PoolingRequestOutput
+ScoringRequestOutput = PoolingRequestOutput

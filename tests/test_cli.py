@@ -307,3 +307,163 @@ def test_chat_loop_exit_command():
     out = io.StringIO()
     chat_loop(llm, GREEDY8, inp=io.StringIO("/exit\nhello\n"), out=out)
     assert llm.tokenizer.calls == []  # nothing after /exit was read
+
+
+# ------------------------------------------------------------------ embed and rerank
+
+TEXTS = ["The capital of France is Paris.", "", "  ", "Bananas are yellow.\r",
+         "def f(x):\treturn x * 2", "日本語のテキスト", "Paris is in France."]
+# The non-blank lines above, with their indexes (blank lines are skipped; "\r\n" endings removed)
+KEPT = [(0, TEXTS[0]), (3, "Bananas are yellow."), (4, TEXTS[4]), (5, TEXTS[5]), (6, TEXTS[6])]
+QUERY = "What is the capital of France?"
+
+
+def json_lines(text: str) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def embedding_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli-embed") / "embedding"
+    r = run_cli("init-random", str(path), "--preset", "embedding-tiny", "--std", "0.05",
+                "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    return path
+
+
+@pytest.fixture(scope="module")
+def reranker_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli-rerank") / "reranker"
+    r = run_cli("init-random", str(path), "--preset", "reranker-tiny", "--std", "0.05",
+                "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    return path
+
+
+@pytest.fixture(scope="module")
+def embedder(embedding_dir) -> LLM:
+    return LLM(embedding_dir, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reranker(reranker_dir) -> LLM:
+    return LLM(reranker_dir, dtype="float32", device="cpu")
+
+
+def assert_embeddings_equal(got: list[list[float]], expected: list[list[float]]) -> None:
+    assert len(got) == len(expected)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=0, atol=1e-6)
+
+
+def test_embed_cli_equals_llm_embed(embedding_dir, embedder):
+    r = run_cli("embed", "--model", str(embedding_dir), "--dtype", "float32", "--device", "cpu",
+                "--dimensions", "16", stdin="\n".join(TEXTS) + "\n")
+    assert r.returncode == 0, r.stderr
+    rows = json_lines(r.stdout)
+    assert [row["index"] for row in rows] == [i for i, _ in KEPT]  # input order, blank lines skipped
+    assert all(set(row) == {"index", "embedding"} for row in rows)
+    expected = embedder.embed([t for _, t in KEPT], dimensions=16, use_tqdm=False)
+    assert all(len(row["embedding"]) == 16 for row in rows)
+    assert_embeddings_equal([row["embedding"] for row in rows],
+                            [o.outputs.embedding for o in expected])
+    norms = torch.tensor([row["embedding"] for row in rows]).norm(dim=1)
+    torch.testing.assert_close(norms, torch.ones(len(rows)))
+    # the summary line on stderr, nothing else
+    assert re.fullmatch(r"\[embedded 5 inputs, \d+ tokens in .*\]\n", r.stderr), r.stderr
+
+
+def test_embed_cli_prompt_name_input_file_and_all_dimensions(embedding_dir, embedder, tmp_path):
+    path = tmp_path / "texts.txt"
+    path.write_text("\n".join(TEXTS), encoding="utf-8")  # (no final newline)
+    r = run_cli("embed", "--model", str(embedding_dir), "--dtype", "float32", "--input", str(path),
+                "--prompt-name", "query", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""  # --quiet: no summary line
+    rows = json_lines(r.stdout)
+    texts = [t for _, t in KEPT]
+    expected = embedder.embed(texts, prompt_name="query", use_tqdm=False)
+    assert all(len(row["embedding"]) == 64 for row in rows)  # the tiny model's hidden size
+    assert_embeddings_equal([row["embedding"] for row in rows],
+                            [o.outputs.embedding for o in expected])
+    plain = embedder.embed(texts, use_tqdm=False)  # the prompt made a difference
+    assert (torch.tensor([o.outputs.embedding for o in plain])
+            - torch.tensor([row["embedding"] for row in rows])).abs().max() > 1e-3
+
+
+def test_rerank_cli_equals_llm_score_sorted(reranker_dir, reranker):
+    instruction = "Find the passage that answers the question"
+    r = run_cli("rerank", "--model", str(reranker_dir), "--dtype", "float32", "--query", QUERY,
+                "--instruction", instruction, stdin="\n".join(TEXTS) + "\n")
+    assert r.returncode == 0, r.stderr
+    rows = json_lines(r.stdout)
+    docs = [t for _, t in KEPT]
+    scores = [o.outputs.score for o in reranker.score(QUERY, docs, instruction=instruction,
+                                                      use_tqdm=False)]
+    expected = sorted(((s, i, d) for s, (i, d) in zip(scores, KEPT, strict=True)),
+                      key=lambda x: (-x[0], x[1]))
+    assert [row["index"] for row in rows] == [i for _, i, _ in expected]
+    assert [row["document"] for row in rows] == [d for _, _, d in expected]
+    torch.testing.assert_close(torch.tensor([row["score"] for row in rows]),
+                               torch.tensor([s for s, _, _ in expected]), rtol=0, atol=1e-6)
+    got = [row["score"] for row in rows]
+    assert got == sorted(got, reverse=True) and all(0 <= s <= 1 for s in got)
+    assert len(set(got)) > 1  # the documents were scored apart
+    default = reranker.score(QUERY, docs, use_tqdm=False)  # the instruction made a difference
+    assert max(abs(a - o.outputs.score) for a, o in zip(scores, default, strict=True)) > 1e-6
+
+
+def test_rerank_cli_top_n(reranker_dir, tmp_path):
+    path = tmp_path / "docs.txt"
+    path.write_text("\n".join(TEXTS) + "\n", encoding="utf-8")
+    full = run_cli("rerank", "--model", str(reranker_dir), "--dtype", "float32", "--query", QUERY,
+                   "--input", str(path), "-q")
+    top = run_cli("rerank", "--model", str(reranker_dir), "--dtype", "float32", "--query", QUERY,
+                  "--input", str(path), "--top-n", "2", "-q")
+    assert full.returncode == 0 and top.returncode == 0, full.stderr + top.stderr
+    assert len(json_lines(full.stdout)) == len(KEPT)
+    assert json_lines(top.stdout) == json_lines(full.stdout)[:2]
+
+
+def assert_one_line_error(r: SimpleNamespace, *fragments: str) -> None:
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.stdout == ""
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nanoqwen: error: "), r.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_embed_with_a_generative_model_is_a_clear_error(model_dir):
+    r = run_cli("embed", "--model", str(model_dir), stdin="hello\n")
+    assert_one_line_error(r, "is a generative model", "not an embedding model", "--task embed")
+
+
+def test_rerank_with_an_embedding_model_is_a_clear_error(embedding_dir):
+    r = run_cli("rerank", "--model", str(embedding_dir), "--query", QUERY, stdin="hello\n")
+    assert_one_line_error(r, "is an embedding model", "not a reranker", "nanoqwen embed")
+
+
+@pytest.mark.parametrize("args, stdin, fragments", [
+    ([], "\n  \n", ["no texts in stdin", "blank lines are skipped"]),
+    (["--dimensions", "0"], "hello\n", ["--dimensions 0 must be at least 1"]),
+    (["--dimensions", "65"], "hello\n", ["dimensions=65", "64"]),
+    (["--prompt-name", "bogus"], "hello\n", ["'bogus'", "'query'"]),
+    (["--max-model-len", "16"], "a\n" + "word " * 40 + "\n", ["input line 2", "max_model_len"]),
+], ids=["no-input", "dimensions-0", "dimensions-too-many", "unknown-prompt", "line-too-long"])
+def test_embed_bad_input_is_a_clear_error(embedding_dir, args, stdin, fragments):
+    r = run_cli("embed", "--model", str(embedding_dir), "--dtype", "float32", *args, stdin=stdin)
+    assert_one_line_error(r, *fragments)
+
+
+def test_embed_and_rerank_missing_model_or_input_file(tmp_path, reranker_dir):
+    r = run_cli("embed", "--model", str(tmp_path / "nothing"), stdin="hello\n")
+    assert_one_line_error(r, "does not exist")
+    r = run_cli("rerank", "--model", str(reranker_dir), "--query", QUERY,
+                "--input", str(tmp_path / "missing.txt"))
+    assert_one_line_error(r, "cannot read --input", "missing.txt")
+    r = run_cli("rerank", "--model", str(reranker_dir), "--query", QUERY, "--top-n", "0",
+                stdin="doc\n")
+    assert_one_line_error(r, "--top-n 0 must be at least 1")

@@ -525,7 +525,8 @@ def test_engine_with_int8_never_holds_the_bf16_model(wide_bf16_dir):
     assert engine["peak"] < min(engine["weights"] + 0.3e9, 0.8 * bf16_bytes), engine
     assert after_loading["peak"] > 0.95 * bf16_bytes, after_loading  # the other order, for contrast
     # and the freed bf16 memory went back to the OS (glibc keeps it without malloc_trim)
-    assert engine["after"] < engine["weights"] + 0.1e9, engine
+    # (the margin is the runtime's own allocations: 75-105 MB seen, by CPU and build state)
+    assert engine["after"] < engine["weights"] + 0.15e9, engine
 
 
 def proc_status(key: str) -> int:

@@ -27,7 +27,7 @@ from nanoqwen.distributed import check_tensor_parallel_size
 from nanoqwen.engine.block_manager import BlockManager
 from nanoqwen.engine.kv_cache import KVCache
 from nanoqwen.engine.memory import kv_cache_budget
-from nanoqwen.engine.model_runner import ModelRunner, SampledToken
+from nanoqwen.engine.model_runner import ModelRunner, PooledOutput, SampledToken
 from nanoqwen.engine.output_processor import OutputProcessor, RequestState
 from nanoqwen.engine.scheduler import ScheduledBatch, Scheduler
 from nanoqwen.engine.sequence import Sequence, SequenceStatus
@@ -35,7 +35,16 @@ from nanoqwen.engine.tp_worker import KVCacheSize, LoadModel, TPGroup
 from nanoqwen.errors import ConfigError, InvalidRequestError
 from nanoqwen.hub import resolve_model_path
 from nanoqwen.loader import load_config, load_model
-from nanoqwen.outputs import RequestMetrics, RequestOutput
+from nanoqwen.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
+from nanoqwen.pooling import (
+    EmbeddingPooler,
+    ScorePooler,
+    SentenceTransformersConfig,
+    embedding_input_ids,
+    rerank_prompt_ids,
+    resolve_task,
+)
+from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.quantization import weight_bytes
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -58,6 +67,12 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.config.torch_dtype, self.device)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        # "generate", or a pooling task ("embed", "score": nanoqwen/pooling.py)
+        self.task = resolve_task(self.model_dir, config.task)
+        self.sentence_transformers = SentenceTransformersConfig.from_dir(self.model_dir)
+        if self.task != "generate" and config.tensor_parallel_size > 1:
+            raise ConfigError(f"task {self.task!r} runs on one device: set tensor_parallel_size=1 "
+                              "(the Qwen3 embedding and reranker models fit one)")
         self.eos_token_ids = set(self.generation_config.eos_token_id or self.config.eos_token_id)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
@@ -97,7 +112,10 @@ class LLMEngine:
                               config.enforce_eager, self.quantization))
         model_ = load_model(self.model_dir, c, self.dtype, self.device,
                             config.max_model_len or limit, tp_rank=0, tp_size=tp.size if tp else 1,
-                            quantization=self.quantization)
+                            quantization=self.quantization, task=self.task)
+        pooler = {"generate": None, "embed": EmbeddingPooler,
+                  "score": lambda: ScorePooler.for_tokenizer(model_, self.tokenizer)}[self.task]
+        pooler = pooler() if pooler is not None else None
         self.weight_bytes = weight_bytes(model_)  # this rank's
         # every rank's (filled in below under tensor parallelism)
         self.rank_weight_bytes = [self.weight_bytes]
@@ -125,7 +143,7 @@ class LLMEngine:
                         self.max_model_len)
         self.runner = ModelRunner(model_, num_blocks, block_size, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager)
+                                  enforce_eager=config.enforce_eager, pooler=pooler)
         if tp is not None:
             tp.send(KVCacheSize(num_blocks, block_size))  # every rank gets the same blocks
             self.rank_weight_bytes = tp.wait_ready(self.weight_bytes)
@@ -150,16 +168,74 @@ class LLMEngine:
         self.validate_prompt(token_ids)
         return token_ids
 
+    def embedding_input(self, text: str | list[int], prompt_name: str | None = None,
+                        prompt: str | None = None,
+                        params: PoolingParams | None = None) -> list[int]:
+        """An embedding model's input ids for a text (after its prompt: `prompt`, or the checkpoint's
+        prompt called prompt_name), tokenised as sentence-transformers does, then truncated as
+        params ask and checked."""
+        prefix = self.sentence_transformers.prompt(prompt_name, prompt)
+        return self._pooling_input(embedding_input_ids(self.tokenizer, text, prefix), params)
+
+    def score_input(self, query: str, document: str, instruction: str | None = None,
+                    params: PoolingParams | None = None) -> list[int]:
+        """A reranker's input ids for one (query, document) pair (the model card's prompt)."""
+        ids = rerank_prompt_ids(self.tokenizer, query, document, instruction)
+        return self._pooling_input(ids, params)
+
+    def _pooling_input(self, token_ids: list[int], params: PoolingParams | None) -> list[int]:
+        k = params.truncate_prompt_tokens if params is not None else None
+        if k is not None:
+            token_ids = token_ids[-k:]  # the last k, as vLLM truncates
+        self.validate_prompt(token_ids, pooling=True)
+        return token_ids
+
+    def check_task(self, params: SamplingParams | PoolingParams) -> None:
+        if isinstance(params, PoolingParams) and self.task == "generate":
+            raise InvalidRequestError("this is a generative model (task 'generate'): it does not "
+                                      "embed or score; use generate/chat, or load an embedding or "
+                                      "reranker model (or pass task='embed'/'score')")
+        if isinstance(params, SamplingParams) and self.task != "generate":
+            use = "embed" if self.task == "embed" else "score"
+            raise InvalidRequestError(f"this is {'an embedding' if use == 'embed' else 'a reranker'}"
+                                      f" model (task {self.task!r}): it does not generate; use "
+                                      f"{use}, or load it with task='generate'")
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams (or PoolingParams "
+                                      f"for embed/score), got {type(params).__name__}")
+
     def add_request(self, request_id: str, prompt: str | list[int],
-                    sampling_params: SamplingParams | None = None,
+                    sampling_params: SamplingParams | PoolingParams | None = None,
                     prompt_token_ids: list[int] | None = None) -> None:
-        """Queue a request (prompt_token_ids, when given, are the already tokenized prompt)."""
+        """Queue a request (prompt_token_ids, when given, are the already tokenized prompt).
+
+        With PoolingParams (an embedding or reranker model) the request is only prefilled: its one
+        output is the embedding or score (give prompt_token_ids from embedding_input or
+        score_input)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        params = sampling_params or self.default_sampling_params()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling_params must be a SamplingParams, "
-                                      f"got {type(params).__name__}")
+        params = sampling_params or (self.default_sampling_params() if self.task == "generate"
+                                     else PoolingParams())
+        self.check_task(params)
+        if isinstance(params, PoolingParams):
+            dims = params.dimensions
+            if dims is not None and self.task == "embed" and dims > self.config.hidden_size:
+                raise InvalidRequestError(f"dimensions={dims} is more than this model's "
+                                          f"{self.config.hidden_size}")
+            if prompt_token_ids is not None:
+                token_ids = self._pooling_input(prompt_token_ids, None)
+            elif self.task == "embed":
+                token_ids = self.embedding_input(prompt, params=params)
+            else:  # a reranker prompt written out already
+                token_ids = self._pooling_input(self.tokenizer.encode(prompt) if isinstance(
+                    prompt, str) else list(prompt), params)
+            seq = Sequence(request_id, 0, token_ids, None, pooling_params=params)
+            text = prompt if isinstance(prompt, str) else None
+            metrics = RequestMetrics(arrival_time=time.perf_counter())
+            self.requests[request_id] = RequestState(request_id, text, token_ids, params, [seq],
+                                                     metrics)
+            self.scheduler.add(seq)
+            return
         token_ids = self.tokenize(prompt) if prompt_token_ids is None else prompt_token_ids
         seqs = [Sequence(request_id, i, token_ids, params) for i in range(params.n)]
         for seq in seqs:
@@ -175,7 +251,9 @@ class LLMEngine:
         self.requests[request_id] = RequestState(request_id, text, token_ids, params, seqs, metrics)
         self.scheduler.add(seqs[0])
 
-    def validate_prompt(self, token_ids: list[int]) -> None:
+    def validate_prompt(self, token_ids: list[int], pooling: bool = False) -> None:
+        """pooling: an input to embed or score, which may fill the whole context (no token is
+        generated after it)."""
         if not token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
         vocab = self.config.vocab_size
@@ -184,11 +262,14 @@ class LLMEngine:
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]!r} is not in the vocabulary "
                                       f"[0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens "
-                f"but max_model_len is {self.max_model_len}: "
-                "shorten the prompt or raise max_model_len (--max-model-len)")
+        if len(token_ids) > self.max_model_len or (len(token_ids) == self.max_model_len
+                                                   and not pooling):
+            fix = ("shorten the input, raise max_model_len (--max-model-len) or truncate it "
+                   "(truncate_prompt_tokens)" if pooling else
+                   "shorten the prompt or raise max_model_len (--max-model-len)")
+            raise InvalidRequestError(f"the {'input' if pooling else 'prompt'} has "
+                                      f"{len(token_ids)} tokens but max_model_len is "
+                                      f"{self.max_model_len}: {fix}")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its cache blocks (a no-op for unknown or finished ids)."""
@@ -200,7 +281,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one batch; return an output for every request that got a new token."""
         batch = self.scheduler.schedule()
         if batch.empty:
@@ -213,12 +294,12 @@ class LLMEngine:
                 sampled = self.runner.execute(batch, self.eos_token_ids)
         return self._postprocess(batch, sampled)
 
-    def _postprocess(self, batch: ScheduledBatch, sampled: list[SampledToken]
-                     ) -> list[RequestOutput]:
+    def _postprocess(self, batch: ScheduledBatch, sampled: list[SampledToken] | list[PooledOutput]
+                     ) -> list[RequestOutput | PoolingRequestOutput]:
         """Everything that happens to sequences after a step, in order: their computed tokens
         advance, newly filled blocks join the prefix cache, siblings waiting for a prompt start from
         its cache, each sampled token is appended (text, stop checks) and finished sequences free
-        their blocks."""
+        their blocks. A pooled result (embedding, score) finishes its sequence."""
         for seq in batch.decode:
             seq.num_computed_tokens += 1
         for seq, n in batch.prefill:
@@ -226,6 +307,8 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.register_full_blocks(seq)
+        if self.task != "generate":
+            return [self._finish_pooled(seq, data) for seq, data in sampled]
         for s in sampled:  # siblings take the prompt's cache before anything can finish
             if s.seq.status == SequenceStatus.FORK_PENDING:
                 self._start_fork(s.seq)
@@ -240,6 +323,12 @@ class LLMEngine:
             if state.finished:
                 del self.requests[state.request_id]
         return outputs
+
+    def _finish_pooled(self, seq: Sequence, data: torch.Tensor) -> PoolingRequestOutput:
+        self.output_processor.pooled(seq, data)
+        self.scheduler.finish(seq)
+        state = self.requests.pop(seq.request_id)
+        return self.output_processor.make_pooling_output(state, self.task)
 
     def _start_fork(self, seq: Sequence) -> None:
         parent = self.requests[seq.request_id].seqs[0]

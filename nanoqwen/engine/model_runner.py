@@ -25,6 +25,7 @@ from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.ops import cpu
 from nanoqwen.ops.decode_step import FusedDecoder
 from nanoqwen.ops.paged_attention import attention_backend
+from nanoqwen.pooling import EmbeddingPooler, ScorePooler
 from nanoqwen.sampler import TokenLogprobs, sample
 
 logger = logging.getLogger("nanoqwen")
@@ -50,16 +51,31 @@ class SampledToken(NamedTuple):
     logprobs: TokenLogprobs | None
 
 
+class PooledOutput(NamedTuple):
+    """An embedding or scoring sequence's result, read at its last prompt token: the float32
+    hidden state [H] or the score []."""
+
+    seq: Sequence
+    data: torch.Tensor
+
+
+Pooler = EmbeddingPooler | ScorePooler
+
+
 class ModelRunner:
     """Owns the model and its KV cache. On CUDA, decode attention reads the cache in place
     (ops/paged_attention.py) and, unless enforce_eager, pure decode steps replay CUDA graphs
     (engine/cuda_graph.py).
+
+    pooler: an embedding or scoring model's (nanoqwen/pooling.py): the rows read at each prompt's
+    last token go through it instead of the LM head and the sampler; such models never decode.
     """
 
     def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int, *,
                  max_num_seqs: int = 64, max_model_len: int | None = None,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, pooler: Pooler | None = None) -> None:
         self.model = model
+        self.pooler = pooler
         self.device = model.embed_tokens.weight.device
         c = model.config
         # None: the CPU grouped gather path; "cpu": nanoqwen's kernel reading the CPU cache in place
@@ -71,7 +87,7 @@ class ModelRunner:
         # in the graphs too. Not for MoE models: the expert dispatch reads each expert's token count
         # on the host (models/qwen3.py, Experts), which a graph capture forbids.
         use_runner = (not enforce_eager and self.attention_backend not in (None, "cpu")
-                      and model.tp_size == 1 and not c.is_moe)
+                      and model.tp_size == 1 and not c.is_moe and pooler is None)
         if not enforce_eager and self.device.type == "cuda" and c.is_moe:
             logger.info("CUDA graphs are off for this MoE model: "
                         "its expert dispatch syncs with the host")
@@ -84,8 +100,8 @@ class ModelRunner:
         self._block_copies: list[tuple[int, int]] = []
         self.graph_runner: CUDAGraphRunner | None = None
         # CPU decode steps in one C++ call per layer, where the model allows (ops/decode_step.py)
-        self.fused_decoder = (FusedDecoder(model) if FusedDecoder.supports(model, self.attention_backend)
-                              else None)
+        self.fused_decoder = (FusedDecoder(model) if pooler is None and FusedDecoder.supports(
+            model, self.attention_backend) else None)
         if use_runner:
             max_blocks = -(-(max_model_len or c.max_position_embeddings) // block_size)
             self.graph_runner = CUDAGraphRunner(model, self.kv_cache, num_blocks * block_size,
@@ -106,8 +122,10 @@ class ModelRunner:
             self._block_copies.append((src, dst))
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, eos_token_ids: set[int]) -> list[SampledToken]:
-        """Pack -> forward -> sample: the next token of every sequence that reached its next token.
+    def execute(self, batch: ScheduledBatch, eos_token_ids: set[int]
+                ) -> list[SampledToken] | list[PooledOutput]:
+        """Pack -> forward -> sample: the next token of every sequence that reached its next token
+        (with a pooler: the pooled result of every sequence whose prompt finished).
 
         A prompt chunk that does not finish its prompt produces no token: only its K/V are cached. A
         sequence whose prompt finishes here also samples the first token of each sibling waiting to
@@ -117,6 +135,8 @@ class ModelRunner:
         logits = self.forward(step)
         if logits is None:
             return []
+        if self.pooler is not None:
+            return [PooledOutput(seq, row) for seq, row in zip(seqs, logits, strict=True)]
         out = sample(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs],
                      [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
                      [self._stop_ids(s, eos_token_ids) for s in seqs])
@@ -149,9 +169,9 @@ class ModelRunner:
         return step, seqs
 
     def forward(self, step: StepInput) -> torch.Tensor | None:
-        """Float32 logits [len(step.sample_rows), V] (None when nothing is sampled): a CUDA graph's
-        replay for a decode-only step that has one, else the eager forward (with the other ranks,
-        under tensor parallelism)."""
+        """Float32 logits [len(step.sample_rows), V] (None when nothing is sampled; the pooler's
+        rows with a pooler): a CUDA graph's replay for a decode-only step that has one, else the
+        eager forward (with the other ranks, under tensor parallelism)."""
         if (not step.prefill and self.graph_runner is not None
                 and self.graph_runner.can_run(step.decode)):
             logits = self.graph_runner.run(step.input_ids, step.decode)  # [b, V], padded inside
@@ -179,7 +199,8 @@ class ModelRunner:
             hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)
         if not step.sample_rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(step.sample_rows, device=self.device)])
+        hidden = hidden[torch.tensor(step.sample_rows, device=self.device)]  # [M, H]
+        return self.model.compute_logits(hidden) if self.pooler is None else self.pooler(hidden)
 
     @staticmethod
     def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:

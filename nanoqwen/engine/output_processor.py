@@ -10,8 +10,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from nanoqwen.engine.sequence import Sequence
-from nanoqwen.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoqwen.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    Logprob,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    ScoringOutput,
+)
+from nanoqwen.pooling import EmbeddingPooler, ScorePooler
+from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.sampler import TokenLogprobs
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import Tokenizer
@@ -22,7 +34,7 @@ class RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    params: SamplingParams | PoolingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
 
@@ -83,6 +95,26 @@ class OutputProcessor:
         for rank, (token_id, logprob) in enumerate(lp.top, start=1):
             out.setdefault(token_id, Logprob(logprob, rank, self.tokenizer.decode([token_id])))
         return out
+
+    @staticmethod
+    def pooled(seq: Sequence, data: torch.Tensor) -> None:
+        """An embedding or scoring sequence got its result: it is finished."""
+        seq.pooled = data
+        seq.first_token_time = seq.last_token_time = time.perf_counter()
+        seq.finish_reason = "stop"
+
+    @staticmethod
+    def make_pooling_output(state: RequestState, task: str) -> PoolingRequestOutput:
+        """The embedding (cut to the request's dimensions, normalised) or the score."""
+        seq, params = state.seqs[0], state.params
+        if task == "embed":
+            result = EmbeddingOutput(EmbeddingPooler.finish(seq.pooled, params))
+        else:
+            result = ScoringOutput(ScorePooler.finish(seq.pooled, params))
+        m = state.metrics
+        m.first_token_time = m.last_token_time = m.finished_time = seq.last_token_time
+        return PoolingRequestOutput(state.request_id, state.prompt, state.prompt_token_ids, result,
+                                    True, seq.num_cached_tokens, m)
 
     @staticmethod
     def make_output(state: RequestState) -> RequestOutput:

@@ -1,6 +1,8 @@
 """One answer being generated, as the engine sees it: its tokens, its KV-cache blocks, its state.
 
-A request with n > 1 samples has n sequences; they share the prompt's cache blocks.
+A request with n > 1 samples has n sequences; they share the prompt's cache blocks. An embedding or
+scoring request is one sequence that is only prefilled: its pooling_params are set, its
+sampling_params are None.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 
 import torch
 
+from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.sampling_params import SamplingParams
 
 
@@ -26,7 +29,7 @@ class Sequence:
     request_id: str
     index: int  # which of the request's n answers
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
@@ -46,6 +49,8 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    pooling_params: PoolingParams | None = None
+    pooled: Any = None  # what the pooler read at the last prompt token (a tensor), once prefilled
 
     @property
     def num_tokens(self) -> int:

@@ -398,10 +398,11 @@ class Qwen3ForCausalLM(nn.Module):
     """Embedding -> decoder layers -> final norm; `compute_logits` applies the LM head.
 
     tp_rank/tp_size: build only this rank's shard of every weight (see the module docstring).
+    lm_head=False: no LM head (an embedding model reads the final hidden states only).
     """
 
     def __init__(self, config: Qwen3Config, max_model_len: int | None = None, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, lm_head: bool = True) -> None:
         super().__init__()
         check_tensor_parallel_size(config, tp_size)
         self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
@@ -410,16 +411,18 @@ class Qwen3ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp_rank, tp_size)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = ColumnParallelLinear(config.hidden_size, [config.vocab_size],
-                                            tp_size=tp_size)  # [V/tp, H]
-        if config.tie_word_embeddings:
+        self.lm_head: Linear | None = None
+        if lm_head:
+            self.lm_head = ColumnParallelLinear(config.hidden_size, [config.vocab_size],
+                                                tp_size=tp_size)  # [V/tp, H]
+        if lm_head and config.tie_word_embeddings:
             # a tied head is the embedding matrix itself: one tensor, not a copy
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_model_len or config.max_position_embeddings)
 
     @property
     def is_tied(self) -> bool:
-        return self.lm_head.weight is self.embed_tokens.weight
+        return self.lm_head is not None and self.lm_head.weight is self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The FastAPI app: OpenAI-compatible endpoints over one AsyncEngine, with API-key checks, body
-limits, OpenAI-shaped errors, Prometheus metrics and one log line per request."""
+"""The FastAPI app: OpenAI-compatible endpoints over one AsyncEngine (chat and completions for a
+generative model; embeddings, or rerank and score, for an embedding or reranker model), with API-key
+checks, body limits, OpenAI-shaped errors, Prometheus metrics and one log line per request."""
 
 from __future__ import annotations
 
@@ -21,7 +22,21 @@ from nanoqwen.server.async_engine import AsyncEngine
 from nanoqwen.server.chat import create_chat_completion
 from nanoqwen.server.completions import create_completion
 from nanoqwen.server.metrics import ServerMetrics
-from nanoqwen.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from nanoqwen.server.pooling import (
+    create_embedding,
+    create_rerank,
+    create_score,
+    require_task,
+    served_task,
+)
+from nanoqwen.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from nanoqwen.server.serving import ServerState
 
 logger = logging.getLogger("nanoqwen.server")
@@ -90,17 +105,37 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
         _check_api_key(state, request)
         return JSONResponse({"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": state.created,
-            "owned_by": "nanoqwen", "max_model_len": engine.max_model_len}]})
+            "owned_by": "nanoqwen", "max_model_len": engine.max_model_len,
+            "task": served_task(state)}]})  # task: nanoqwen's (generate, embed or score)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        req = await _parse(state, request, ChatCompletionRequest)
+        req = await _parse(state, request, ChatCompletionRequest, "generate")
         return await create_chat_completion(state, request, req)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        req = await _parse(state, request, CompletionRequest)
+        req = await _parse(state, request, CompletionRequest, "generate")
         return await create_completion(state, request, req)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Any:
+        req = await _parse(state, request, EmbeddingRequest, "embed")
+        return await create_embedding(state, request, req)
+
+    # vLLM serves the rerank API under all three paths
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    @app.post("/rerank")
+    async def rerank(request: Request) -> Any:
+        req = await _parse(state, request, RerankRequest, "score")
+        return await create_rerank(state, request, req)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(request: Request) -> Any:
+        req = await _parse(state, request, ScoreRequest, "score")
+        return await create_score(state, request, req)
 
     return app
 
@@ -115,9 +150,11 @@ def _check_api_key(state: ServerState, request: Request) -> None:
                        type="authentication_error", code="invalid_api_key")
 
 
-async def _parse(state: ServerState, request: Request, model: type[M]) -> M:
-    """Auth, then the body (size-capped while it streams in), then the model name."""
+async def _parse(state: ServerState, request: Request, model: type[M], task: str) -> M:
+    """Auth, then the task the endpoint needs (a 400 that names the right endpoint), then the body
+    (size-capped while it streams in), then the model name."""
     _check_api_key(state, request)
+    require_task(state, task)
     limit = state.max_body_bytes
     too_big = APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
     declared = request.headers.get("content-length", "")

@@ -5,7 +5,8 @@ talk to it through a thread-safe queue of commands (AddRequest / AbortRequest / 
 the loop drains the queue, runs step() while there is work, blocks on the queue when idle (no
 busy-wait), and hands each step's outputs back to the event loop with one call_soon_threadsafe.
 Each request's RequestStream keeps only its latest output: outputs are cumulative, so a slow client
-skips intermediate states instead of queueing them.
+skips intermediate states instead of queueing them. A pooling request (embed, score: PoolingParams)
+has one output, its result.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ from dataclasses import dataclass
 from typing import Any, assert_never
 
 from nanoqwen.errors import EngineDeadError, InvalidRequestError
-from nanoqwen.outputs import RequestOutput
+from nanoqwen.outputs import PoolingRequestOutput, RequestOutput
+from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.server.protocol import APIError
 
 logger = logging.getLogger("nanoqwen.server")
 # an idle loop still looks this often whether the engine died (a worker crashed)
 HEALTH_CHECK_SECONDS = 1.0
+# what a step gives a request: text so far (generate) or its embedding / score (embed, score)
+Output = RequestOutput | PoolingRequestOutput
 
 
 class RequestStream:
@@ -36,13 +40,13 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.latest: RequestOutput | None = None
+        self.latest: Output | None = None
         self.error: APIError | None = None
         self.finished = False
         self.first_output_time: float | None = None
         self._event = asyncio.Event()
 
-    def _put(self, item: RequestOutput | APIError | None) -> None:
+    def _put(self, item: Output | APIError | None) -> None:
         if isinstance(item, APIError):
             self.finished = True
             if not self.accepted.done():
@@ -61,7 +65,7 @@ class RequestStream:
                 self.first_output_time = time.perf_counter()
         self._event.set()
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    async def __aiter__(self) -> AsyncIterator[Output]:
         """The request's outputs until it finishes (an engine failure raises its APIError)."""
         while True:
             await self._event.wait()
@@ -81,7 +85,7 @@ class AddRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     stream: RequestStream
 
 
@@ -104,7 +108,7 @@ class Stop:
 
 Command = AddRequest | AbortRequest | CancelAll | Stop
 # what the event loop gets, in order: an output, an error, or None (the engine took the request)
-Delivery = tuple[RequestStream, RequestOutput | APIError | None]
+Delivery = tuple[RequestStream, Output | APIError | None]
 
 
 class AsyncEngine:
@@ -147,17 +151,26 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.streams) - self.num_waiting
 
-    async def add(self, request_id: str, prompt_token_ids: list[int],
-                  params: SamplingParams) -> RequestStream:
-        """Queue a request; return once the engine took it (an InvalidRequestError: a 400 here)."""
+    def admit(self, check_queue: bool = True) -> None:
+        """Raise a 503 unless a new request may queue: the engine runs and (check_queue) fewer
+        than max_waiting requests wait."""
         if not self.alive:
             reason = f": {self.dead}" if self.dead else ""
             raise APIError(503, f"the engine is not running{reason}", type="server_error",
                            code="engine_dead")
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+        if check_queue and self.max_waiting is not None and self.num_waiting >= self.max_waiting:
             raise APIError(503, f"the server is overloaded: {self.num_waiting} requests are "
                                 f"waiting (--max-waiting {self.max_waiting}); retry later",
                            type="server_error", code="queue_full", headers={"Retry-After": "1"})
+
+    async def add(self, request_id: str, prompt_token_ids: list[int],
+                  params: SamplingParams | PoolingParams, admitted: bool = False) -> RequestStream:
+        """Queue a request; return once the engine took it (an InvalidRequestError: a 400 here).
+
+        admitted: admit() already passed for the HTTP request this is part of (the inputs of one
+        embedding request queue together, however many there are).
+        """
+        self.admit(check_queue=not admitted)
         stream = RequestStream(request_id)
         self.streams[request_id] = stream
         self._commands.put(AddRequest(request_id, prompt_token_ids, params, stream))
@@ -268,7 +281,7 @@ class AsyncEngine:
                 assert_never(command)
         return True
 
-    def _step(self, streams: dict[str, RequestStream], out: list[Delivery]) -> list[RequestOutput]:
+    def _step(self, streams: dict[str, RequestStream], out: list[Delivery]) -> list[Output]:
         """One engine step's outputs; a failed step (not EngineDeadError) fails its requests."""
         try:
             return self.engine.step()

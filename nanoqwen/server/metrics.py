@@ -16,7 +16,9 @@ from prometheus_client import (
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+# the paths counted by name (any other is "other", so unknown paths cannot grow the label set)
+ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/rerank",
+             "/v2/rerank", "/score", "/v1/score", "/v1/models", "/health", "/metrics"}
 
 
 class ServerMetrics:
@@ -28,11 +30,13 @@ class ServerMetrics:
                                      "HTTP requests by endpoint and status code",
                                      ["endpoint", "status"], registry=r)
         self.finished = Counter("nanoqwen_requests_finished",
-                                "Generation requests by how they ended "
-                                "(stop, length, tool_calls, abort: client gone, error)",
+                                "Requests by how they ended (stop, length, tool_calls, "
+                                "abort: client gone, error); embedding and scoring ones end in "
+                                "stop",
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("nanoqwen_prompt_tokens",
-                                     "Prompt tokens of generation requests", registry=r)
+                                     "Prompt tokens of generation, embedding and scoring requests",
+                                     registry=r)
         self.generation_tokens = Counter("nanoqwen_generation_tokens", "Generated tokens",
                                          registry=r)
         self.ttft = Histogram("nanoqwen_time_to_first_token_seconds",
@@ -63,6 +67,8 @@ class ServerMetrics:
 
     def record_request(self, prompt_tokens: int, generated: int, finish_reason: str,
                        ttft: float | None, tpot: float | None) -> None:
+        """One request ended (an embedding or scoring request: its inputs' tokens, nothing
+        generated, no token timings)."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generated)
         self.finished.labels(finish_reason).inc()

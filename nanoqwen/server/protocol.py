@@ -1,5 +1,5 @@
-"""Request bodies of the OpenAI API (plus vLLM's extra sampling fields) as pydantic models, and the
-error type every endpoint answers with.
+"""Request bodies of the OpenAI API (plus vLLM's extra sampling fields, and vLLM's rerank and score
+APIs) as pydantic models, and the error type every endpoint answers with.
 
 Models are strict (a string where a number belongs is a 400, not silently converted) and ignore
 unknown fields, as OpenAI-compatible servers do, so newer clients that send more keep working.
@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+from pydantic_core import PydanticCustomError
 
 from nanoqwen.errors import InvalidRequestError
+from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.sampling_params import MAX_LOGPROBS, SamplingParams
 
 INT64 = {"ge": -(2**63), "le": 2**63 - 1}
@@ -200,3 +209,108 @@ class CompletionRequest(_GenerationRequest):
                                param="prompt")
             prompt = prompt[0]
         return prompt
+
+
+# ---- /v1/embeddings, /v1/rerank, /score (nanoqwen/server/pooling.py)
+
+
+def _one_of(what: str) -> WrapValidator:
+    """A union field's error as one message ("input: must be a string or ...") instead of one
+    per member of the union."""
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("type_error", f"must be {what}") from None
+    return WrapValidator(validate)
+
+
+TEXTS = _one_of("a string or a list of strings")
+
+
+class _PoolingRequest(_Model):
+    """Fields shared by the embedding and scoring endpoints."""
+
+    model: str | None = None
+    # vLLM's: keep only the last k tokens of a longer input (-1: the whole context) instead of
+    # rejecting it
+    truncate_prompt_tokens: int | None = None
+
+    def pooling_params(self, max_model_len: int, dimensions: int | None = None) -> PoolingParams:
+        k = self.truncate_prompt_tokens
+        k = max_model_len if k == -1 else k
+        if k is not None and not 1 <= k <= max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens={k} is out of range: give 1 to "
+                                f"{max_model_len} (the context), or -1 for the whole context",
+                           param="truncate_prompt_tokens")
+        return PoolingParams(dimensions=dimensions, truncate_prompt_tokens=k)
+
+
+class EmbeddingRequest(_PoolingRequest):
+    """OpenAI's embeddings request; prompt_name (sentence-transformers' name, a nanoqwen extra): one
+    of the checkpoint's prompts put before each text, e.g. "query"."""
+
+    input: Annotated[str | list[str] | list[int] | list[list[int]],
+                     _one_of("a string, a list of strings, a list of token ids or a list of "
+                             "token-id lists")]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    prompt_name: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input: a string or a token-id list on its own is one."""
+        inp = self.input
+        if isinstance(inp, str) or (inp and isinstance(inp[0], int)):
+            return [inp]
+        if not inp:
+            raise APIError(400, "input is an empty list: give at least one text or token-id list",
+                           param="input")
+        return list(inp)
+
+    def input_name(self, i: int) -> str:
+        """How errors name input i: "input" when one was sent on its own, else "input[i]"."""
+        single = isinstance(self.input, str) or isinstance(self.input[0], int)
+        return "input" if single else f"input[{i}]"
+
+
+class RerankRequest(_PoolingRequest):
+    """vLLM's /v1/rerank (Jina's and Cohere's shape); instruction (a nanoqwen extra): the
+    reranker's task, by default web search."""
+
+    query: str
+    documents: list[str] = Field(min_length=1)
+    # the best n results; None or 0 returns them all (as vLLM)
+    top_n: int | None = Field(None, ge=0)
+    instruction: str | None = None
+
+
+class ScoreRequest(_PoolingRequest):
+    """vLLM's /score: text_1 against each text_2 (one against many), or pair by pair (lists of equal
+    length)."""
+
+    text_1: Annotated[str | list[str], TEXTS]
+    text_2: Annotated[str | list[str], TEXTS]
+    instruction: str | None = None
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The (query, document) pairs, in text_2's order."""
+        queries = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        documents = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        for name, texts in (("text_1", queries), ("text_2", documents)):
+            if not texts:
+                raise APIError(400, f"{name} is an empty list: give at least one text", param=name)
+        if len(queries) == 1:
+            queries = queries * len(documents)
+        elif len(queries) != len(documents):
+            raise APIError(400, f"text_1 has {len(queries)} texts and text_2 has "
+                                f"{len(documents)}: give one text_1 for any number of text_2, or "
+                                "lists of the same length (scored pair by pair)",
+                           param="text_2")
+        return list(zip(queries, documents, strict=True))
+
+    def pair_name(self, i: int) -> str:
+        """How errors name pair i, e.g. "text_1 with text_2[3]"."""
+        def name(field: str, texts: str | list[str]) -> str:
+            return field if isinstance(texts, str) else f"{field}[{i if len(texts) > 1 else 0}]"
+        return f"{name('text_1', self.text_1)} with {name('text_2', self.text_2)}"

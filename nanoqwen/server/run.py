@@ -73,9 +73,9 @@ def _run(args: argparse.Namespace, engine: Any, server_class: type) -> None:
 
     log = logging.getLogger("nanoqwen.server")
     stats = engine.kv_cache_stats
-    log.info("loaded %s (%s, %s): max_model_len %d, %d KV blocks of %d tokens", args.model,
-             engine.device, engine.dtype, engine.max_model_len, stats["num_blocks"],
-             stats["block_size"])
+    log.info("loaded %s (%s, %s, task %s): max_model_len %d, %d KV blocks of %d tokens",
+             args.model, engine.device, engine.dtype, engine.task, engine.max_model_len,
+             stats["num_blocks"], stats["block_size"])
     app = build_app(engine, args.served_model_name or str(args.model), api_key=args.api_key,
                     max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
     # uvicorn's own timeout is only a backstop: at --shutdown-timeout we end the requests ourselves,

@@ -90,7 +90,7 @@ class Generation:
                 pass
 
         consumer = asyncio.ensure_future(consume())
-        listener = asyncio.ensure_future(_wait_for_disconnect(self.http))
+        listener = asyncio.ensure_future(wait_for_disconnect(self.http))
         try:
             await asyncio.wait({consumer, listener}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -140,7 +140,7 @@ class Generation:
                                + (f" ttft={ttft * 1000:.0f}ms" if ttft is not None else ""))
 
 
-async def _wait_for_disconnect(http: Request) -> None:
+async def wait_for_disconnect(http: Request) -> None:
     while (await http.receive())["type"] != "http.disconnect":
         pass
 

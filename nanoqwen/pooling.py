@@ -1,0 +1,203 @@
+"""Embedding and reranking: the same decoder, read differently at the last token.
+
+Qwen3-Embedding: the final hidden state (after the final norm) of an input's last token, which its
+tokenizer makes an end-of-text token, L2-normalised; the first d values renormalised give a
+d-dimensional embedding (the models are trained for that, Matryoshka style).
+
+Qwen3-Reranker: a query and a document are written into the model card's yes/no prompt, and the
+relevance is the probability of "yes" against "no" for the next token: softmax over just those two
+rows of the LM head, never the whole vocabulary.
+
+Which of the three tasks a checkpoint is for (generate, embed, score) is read from its files, as
+vLLM and sentence-transformers do: sentence-transformers' files beside an embedding model, or the
+model card's `pipeline_tag`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nanoqwen.config import BARE_ARCHITECTURE, read_json
+from nanoqwen.errors import ConfigError, InvalidRequestError
+from nanoqwen.models.qwen3 import Qwen3ForCausalLM
+from nanoqwen.pooling_params import PoolingParams
+from nanoqwen.tokenizer import Tokenizer
+
+TASKS = ("generate", "embed", "score")
+# the model card's pipeline_tag (README.md front matter) -> task
+PIPELINE_TAGS = {"feature-extraction": "embed", "sentence-similarity": "embed",
+                 "text-ranking": "score", "text-generation": "generate"}
+
+
+def detect_task(model_dir: Path) -> str:
+    """The task a checkpoint folder is published for: "embed" with sentence-transformers' files or
+    a bare decoder's config (architectures ["Qwen3Model"]), else its model card's pipeline_tag,
+    else "generate"."""
+    if (model_dir / "modules.json").is_file() or (model_dir / "config_sentence_transformers.json"
+                                                  ).is_file():
+        return "embed"
+    if (model_dir / "config.json").is_file():
+        architectures = read_json(model_dir / "config.json").get("architectures") or [None]
+        if architectures[0] == BARE_ARCHITECTURE:
+            return "embed"
+    readme = model_dir / "README.md"
+    if readme.is_file():
+        text = readme.read_text(encoding="utf-8", errors="replace")
+        front = re.match(r"---\n(.*?)\n---", text, re.DOTALL)
+        tag = re.search(r"^pipeline_tag:\s*([\w-]+)", front[1], re.MULTILINE) if front else None
+        if tag and tag[1] in PIPELINE_TAGS:
+            return PIPELINE_TAGS[tag[1]]
+    return "generate"
+
+
+def resolve_task(model_dir: Path, task: str | None) -> str:
+    if task in (None, "auto"):
+        return detect_task(model_dir)
+    if task not in TASKS:
+        raise ConfigError(f"task={task!r} is not a task; choose one of auto, {', '.join(TASKS)}")
+    return task
+
+
+@dataclass
+class SentenceTransformersConfig:
+    """What sentence-transformers' files beside an embedding model say: its named prompts
+    (config_sentence_transformers.json), its max_seq_length (sentence_bert_config.json) and its
+    pooling (modules.json, 1_Pooling/config.json)."""
+
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    max_seq_length: int | None = None
+    normalize: bool = True
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> SentenceTransformersConfig:
+        """The folder's settings; the Qwen3-Embedding defaults (no prompts, last-token pooling,
+        normalised) where its files are absent."""
+        st = cls()
+        if (path := model_dir / "config_sentence_transformers.json").is_file():
+            raw = read_json(path)
+            prompts = raw.get("prompts") or {}
+            if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+                raise ConfigError(f"{path}: 'prompts' must map prompt names to strings")
+            st.prompts, st.default_prompt_name = dict(prompts), raw.get("default_prompt_name")
+        if (path := model_dir / "sentence_bert_config.json").is_file():
+            st.max_seq_length = read_json(path).get("max_seq_length")
+        if (path := model_dir / "modules.json").is_file():
+            modules = _read_list(path)
+            types = [m.get("type", "") for m in modules]
+            st.normalize = any(t.endswith("Normalize") for t in types)
+            for m in modules:
+                if m.get("type", "").endswith("Pooling"):
+                    pooling = read_json(model_dir / m.get("path", "") / "config.json")
+                    if not pooling.get("pooling_mode_lasttoken"):
+                        modes = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v]
+                        raise ConfigError(f"{model_dir / m.get('path', '')}/config.json pools with "
+                                          f"{modes}: nanoqwen pools the last token only "
+                                          "(pooling_mode_lasttoken, as Qwen3-Embedding does)")
+        return st
+
+    def prompt(self, prompt_name: str | None, prompt: str | None) -> str:
+        """The text put before each input: `prompt` as given, else the named one, else the
+        default one (sentence-transformers' encode rules)."""
+        if prompt is not None:
+            return prompt
+        name = prompt_name if prompt_name is not None else self.default_prompt_name
+        if name is None:
+            return ""
+        if name not in self.prompts:
+            known = ", ".join(repr(p) for p in self.prompts) or "none"
+            raise InvalidRequestError(f"prompt_name {name!r} is not one of this model's prompts "
+                                      f"(config_sentence_transformers.json has: {known})")
+        return self.prompts[name]
+
+
+def _read_list(path: Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(data, list) or not all(isinstance(m, dict) for m in data):
+        raise ConfigError(f"{path} must hold a JSON list of modules")
+    return data
+
+
+# The Qwen3-Reranker model card's prompt: a system line, the instruction, query and document in the
+# user turn, and the assistant turn opened with an empty think block.
+RERANK_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on "
+                 "the Query and the Instruct provided. Note that the answer can only be \"yes\" or "
+                 "\"no\".<|im_end|>\n<|im_start|>user\n")
+RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+def rerank_prompt_ids(tokenizer: Tokenizer, query: str, document: str,
+                      instruction: str | None = None) -> list[int]:
+    """The reranker's input for one (query, document) pair, tokenised as the model card does:
+    prefix, pair and suffix each on their own."""
+    pair = (f"<Instruct>: {instruction or RERANK_INSTRUCTION}\n<Query>: {query}\n"
+            f"<Document>: {document}")
+    return (tokenizer.encode(RERANK_PREFIX) + tokenizer.encode(pair)
+            + tokenizer.encode(RERANK_SUFFIX))
+
+
+def embedding_input_ids(tokenizer: Tokenizer, text: str | list[int], prompt: str = "") -> list[int]:
+    """An embedding model's input: the prompt and text tokenised together with the tokenizer's own
+    special tokens (Qwen3-Embedding's appends an end-of-text token), as sentence-transformers does;
+    token ids as given."""
+    if isinstance(text, str):
+        return tokenizer.encode(prompt + text, add_special_tokens=True)
+    return list(text)
+
+
+class EmbeddingPooler:
+    """hidden [M, H] at each input's last token -> float32 [M, H]; `finish` applies a request's
+    dimensions and normalisation."""
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.float()
+
+    @staticmethod
+    def finish(vector: torch.Tensor, params: PoolingParams) -> list[float]:
+        if params.dimensions is not None:
+            if params.dimensions > vector.shape[-1]:
+                raise InvalidRequestError(f"dimensions={params.dimensions} is more than the "
+                                          f"model's {vector.shape[-1]}")
+            vector = vector[: params.dimensions]  # [d]
+        if params.normalize:
+            vector = F.normalize(vector, p=2, dim=-1)
+        return vector.tolist()
+
+
+class ScorePooler:
+    """hidden [M, H] at each input's last token -> float32 [M] relevance in [0, 1]: p("yes") against
+    p("no") from the two LM-head rows. Building it keeps only those two rows of an untied head."""
+
+    def __init__(self, model: Qwen3ForCausalLM, yes_id: int, no_id: int) -> None:
+        if model.lm_head is None:
+            raise ConfigError("a reranker needs its LM head: this checkpoint was loaded without one")
+        self.rows = model.lm_head.weight[[no_id, yes_id]].clone()  # [2, H]
+        if not model.is_tied:
+            model.lm_head = None  # the rest of the vocabulary is never read
+
+    @classmethod
+    def for_tokenizer(cls, model: Qwen3ForCausalLM, tokenizer: Tokenizer) -> ScorePooler:
+        ids = {word: tokenizer.token_to_id(word) for word in ("yes", "no")}
+        if None in ids.values():
+            missing = next(w for w, i in ids.items() if i is None)
+            raise ConfigError(f"the tokenizer has no token {missing!r}: a Qwen3-Reranker scores "
+                              "with the 'yes' and 'no' tokens")
+        return cls(model, ids["yes"], ids["no"])
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.rows).float()  # [M, 2]: no, yes (model dtype, as the card)
+        return torch.log_softmax(logits, dim=-1)[:, 1].exp()  # [M]
+
+    @staticmethod
+    def finish(score: torch.Tensor, params: PoolingParams) -> float:
+        return float(score)
