@@ -2,6 +2,8 @@
 
 Each row goes through these steps, with its own SamplingParams:
 
+0. structured outputs: a constrained row's tokens outside its grammar's bitmask get -inf
+   (nanoqwen/structured_outputs.py); everything below sees only the allowed tokens.
 a. logprobs (rows that ask for them) come from the RAW model logits: log_softmax in float32
    before any penalty, temperature or filter (vLLM's default "raw_logprobs" mode).
 b. min_tokens: while the row has fewer output tokens than min_tokens, its stop token ids
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoqwen.sampling_params import SamplingParams
+from nanoqwen.structured_outputs import apply_bitmasks
 
 
 @dataclass
@@ -53,7 +56,7 @@ def filter_probs(logits: torch.Tensor,
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
     logits = logits / temperature[:, None]
-    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]  # (any k >= V: all)
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
     if min(top_k) < vocab or (top_p < 1).any():
         logits, token_ids = logits.topk(min(max(top_k), vocab), dim=-1)  # sorted, largest first
@@ -157,13 +160,17 @@ def compute_logprobs(raw_logits: torch.Tensor, params: list[SamplingParams],
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None],
            prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
-           stop_token_ids: list[set[int]]) -> SamplerOutput:
+           stop_token_ids: list[set[int]],
+           bitmasks: list[torch.Tensor | None] | None = None) -> SamplerOutput:
     """logits [B, V] float32 (not modified) -> the next token of every row, plus logprobs where
     asked.
 
     prompt_token_ids / output_token_ids: each row's tokens so far (for penalties and min_tokens);
-    stop_token_ids: each row's stop ids (eos unless ignore_eos, plus params.stop_token_ids).
+    stop_token_ids: each row's stop ids (eos unless ignore_eos, plus params.stop_token_ids);
+    bitmasks: each row's allowed tokens under its grammar (None: unconstrained); see step 0.
     """
+    if bitmasks is not None:
+        logits = apply_bitmasks(logits, bitmasks)
     raw_logits = logits
     logits = block_stop_tokens(logits, params, output_token_ids, stop_token_ids)
     logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)

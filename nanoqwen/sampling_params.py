@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from nanoqwen.errors import InvalidRequestError
+from nanoqwen.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
@@ -47,6 +48,8 @@ class SamplingParams:
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # the answer must follow a JSON schema, regex, choice or grammar (nanoqwen/structured_outputs.py)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, rule: str) -> InvalidRequestError:
@@ -96,6 +99,10 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", self.logprobs,
                       f"must be an integer in [0, {MAX_LOGPROBS}] (or None for off)")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs,
+                      "must be a StructuredOutputsParams (or None)")
         self.stop = list(stop)
         if self.top_k == 0:
             self.top_k = -1

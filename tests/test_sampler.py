@@ -331,3 +331,13 @@ def test_new_fields_defaults_and_normalisation():
     assert (old.temperature, old.top_k, old.max_tokens, old.stop_token_ids,
             old.ignore_eos) == (0.5, 10, 32, [5], True)
     assert old.skip_special_tokens is False
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token():
+    """(2**70 overflowed the sampler's int64 tensor and failed the whole step, found by fuzzing the
+    server.)"""
+    logits = torch.randn(1, 50).expand(2, 50)  # the same row twice
+    huge, off = SamplingParams(top_k=2**70), SamplingParams(top_k=-1)
+    probs, ids = filter_probs(logits, [huge, off])
+    assert torch.allclose(probs[0][ids[0].argsort()], logits[0].softmax(-1))
+    assert torch.allclose(probs[0], probs[1])

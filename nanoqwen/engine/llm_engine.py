@@ -47,6 +47,7 @@ from nanoqwen.pooling import (
 from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.quantization import weight_bytes
 from nanoqwen.sampling_params import SamplingParams
+from nanoqwen.structured_outputs import GrammarCompiler
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("nanoqwen")
@@ -100,6 +101,8 @@ class LLMEngine:
         seed = config.seed if config.seed is not None else random.randrange(2**63)
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.requests: dict[str, RequestState] = {}
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.config.vocab_size,
+                                                self.eos_token_ids)
 
     def _load(self) -> int:
         """Load the weights (this rank's shard) and size the KV cache (the workers do the same with
@@ -238,6 +241,9 @@ class LLMEngine:
             return
         token_ids = self.tokenize(prompt) if prompt_token_ids is None else prompt_token_ids
         seqs = [Sequence(request_id, i, token_ids, params) for i in range(params.n)]
+        if params.structured_outputs is not None:  # compiled here unless prepare_request did
+            for seq in seqs:
+                seq.grammar = self.grammar_compiler.new_state(params.structured_outputs, token_ids)
         for seq in seqs:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seq.generator = (torch.Generator(self.device).manual_seed(params.seed + seq.index)
@@ -250,6 +256,13 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.requests[request_id] = RequestState(request_id, text, token_ids, params, seqs, metrics)
         self.scheduler.add(seqs[0])
+
+    def prepare_request(self, params: SamplingParams | PoolingParams) -> None:
+        """The slow part of accepting a request, which may run outside the thread that steps the
+        engine (the server runs it off its engine loop): compiling its structured-output grammar
+        (cached, so add_request finds it ready). Raises InvalidRequestError for a bad one."""
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            self.grammar_compiler.compile(params.structured_outputs)
 
     def validate_prompt(self, token_ids: list[int], pooling: bool = False) -> None:
         """pooling: an input to embed or score, which may fill the whole context (no token is

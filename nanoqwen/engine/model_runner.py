@@ -139,7 +139,8 @@ class ModelRunner:
             return [PooledOutput(seq, row) for seq, row in zip(seqs, logits, strict=True)]
         out = sample(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs],
                      [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                     [self._stop_ids(s, eos_token_ids) for s in seqs])
+                     [self._stop_ids(s, eos_token_ids) for s in seqs],
+                     [s.grammar.bitmask() if s.grammar is not None else None for s in seqs])
         rows = zip(seqs, out.token_ids.tolist(), out.logprobs, strict=True)
         return [SampledToken(*row) for row in rows]
 

@@ -66,6 +66,10 @@ class OutputProcessor:
             # None: the model's EOS, as in vLLM
             seq.stop_reason = token if token in stop_ids else None
             return self._finish(seq, "stop")
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+            if seq.grammar.is_finished:  # complete, and nothing more is allowed
+                return self._finish(seq, "stop")
         if p.stop and len(seq.output_token_ids) >= p.min_tokens:
             hit = self._find_stop(seq.text, p, max(0, old_len - p.max_stop_len + 1))
             if hit is not None:

@@ -15,6 +15,7 @@ import torch
 
 from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.sampling_params import SamplingParams
+from nanoqwen.structured_outputs import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -51,6 +52,7 @@ class Sequence:
     num_preemptions: int = 0
     pooling_params: PoolingParams | None = None
     pooled: Any = None  # what the pooler read at the last prompt token (a tensor), once prefilled
+    grammar: GrammarState | None = None  # the structured-output constraint's progress, if any
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -22,6 +22,7 @@ from nanoqwen.server.async_engine import AsyncEngine
 from nanoqwen.server.chat import create_chat_completion
 from nanoqwen.server.completions import create_completion
 from nanoqwen.server.metrics import ServerMetrics
+from nanoqwen.server.openapi import ApiDoc
 from nanoqwen.server.pooling import (
     create_embedding,
     create_rerank,
@@ -31,16 +32,27 @@ from nanoqwen.server.pooling import (
 )
 from nanoqwen.server.protocol import (
     APIError,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
     CompletionRequest,
+    CompletionResponse,
     EmbeddingRequest,
+    EmbeddingResponse,
+    HealthResponse,
+    ModelList,
     RerankRequest,
+    RerankResponse,
     ScoreRequest,
+    ScoreResponse,
 )
 from nanoqwen.server.serving import ServerState
 
 logger = logging.getLogger("nanoqwen.server")
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+# what a POST endpoint may answer besides 200 (and 401 with an API key, 500 if the engine fails)
+POST_ERRORS = (400, 404, 413, 503)
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -50,7 +62,8 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
     """An app serving `engine` (an LLMEngine, or anything with its interface) as
     `served_model_name`.
 
-    The engine loop thread starts and stops with the app's lifespan.
+    The engine loop thread starts and stops with the app's lifespan. /openapi.json and /docs
+    describe every endpoint and stay public, as in vLLM, when there is an API key.
     """
     state = ServerState(engine, AsyncEngine(engine, max_waiting), ServerMetrics(),
                         served_model_name, api_key, max_body_bytes, int(time.time()))
@@ -61,8 +74,17 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
         yield
         await state.async_engine.stop()
 
-    app = FastAPI(title="nanoqwen", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="nanoqwen", summary="OpenAI-compatible API of a nanoqwen engine",
+                  lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    doc = ApiDoc(secured=api_key is not None)
+    task = served_task(state)
+
+    def serves(needed: str, what: str) -> str:
+        """An endpoint's description, noting when this model's task does not serve it."""
+        if task == needed:
+            return what
+        return f"{what}\n\nThis server's model (task {task}) does not serve it: it answers 400."
+
     app.state.server = state
     app.add_middleware(AccessLog, metrics=state.metrics)
 
@@ -87,56 +109,76 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
         error = APIError(500, f"internal server error: {type(e).__name__}", type="server_error")
         return JSONResponse(error.body(), status_code=500)
 
-    @app.get("/health")
+    @app.get("/health", **doc.route(HealthResponse, errors=[503], auth=False))
     async def health() -> Response:
+        """Whether the engine loop runs."""
         if not state.async_engine.alive:
             reason = f": {state.async_engine.dead}" if state.async_engine.dead else ""
             raise APIError(503, f"the engine loop is not running{reason}", type="server_error")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format"}})
     async def metrics() -> Response:
+        """Prometheus metrics: requests, tokens, latencies, queue and KV-cache use."""
         a = state.async_engine
         body = state.metrics.render(a.num_running, a.num_waiting, a.stats)
         return Response(body, media_type=state.metrics.content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **doc.route(ModelList))
     async def models(request: Request) -> Response:
+        """The one model this server serves."""
         _check_api_key(state, request)
         return JSONResponse({"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": state.created,
             "owned_by": "nanoqwen", "max_model_len": engine.max_model_len,
             "task": served_task(state)}]})  # task: nanoqwen's (generate, embed or score)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **doc.route(
+        ChatCompletionResponse, ChatCompletionRequest, ChatCompletionChunk, POST_ERRORS,
+        description=serves("generate", "OpenAI's chat completions, with reasoning_content and "
+                                       "tool calls parsed out.")))
     async def chat_completions(request: Request) -> Any:
         req = await _parse(state, request, ChatCompletionRequest, "generate")
         return await create_chat_completion(state, request, req)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **doc.route(
+        CompletionResponse, CompletionRequest, CompletionChunk, POST_ERRORS,
+        description=serves("generate", "OpenAI's (legacy) completions of one raw prompt.")))
     async def completions(request: Request) -> Any:
         req = await _parse(state, request, CompletionRequest, "generate")
         return await create_completion(state, request, req)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", **doc.route(
+        EmbeddingResponse, EmbeddingRequest, errors=POST_ERRORS,
+        description=serves("embed", "OpenAI's embeddings of texts or token-id lists.")))
     async def embeddings(request: Request) -> Any:
         req = await _parse(state, request, EmbeddingRequest, "embed")
         return await create_embedding(state, request, req)
 
     # vLLM serves the rerank API under all three paths
-    @app.post("/v1/rerank")
-    @app.post("/v2/rerank")
-    @app.post("/rerank")
+    rerank_doc = doc.route(RerankResponse, RerankRequest, errors=POST_ERRORS, description=serves(
+        "score", "vLLM's rerank (Jina's and Cohere's shape): the documents by relevance to the "
+                 "query."))
+
+    @app.post("/v1/rerank", **rerank_doc)
+    @app.post("/v2/rerank", **rerank_doc)
+    @app.post("/rerank", **rerank_doc)
     async def rerank(request: Request) -> Any:
         req = await _parse(state, request, RerankRequest, "score")
         return await create_rerank(state, request, req)
 
-    @app.post("/score")
-    @app.post("/v1/score")
+    score_doc = doc.route(ScoreResponse, ScoreRequest, errors=POST_ERRORS,
+                          description=serves("score", "vLLM's score: each (text_1, text_2) "
+                                                      "pair's relevance."))
+
+    @app.post("/score", **score_doc)
+    @app.post("/v1/score", **score_doc)
     async def score(request: Request) -> Any:
         req = await _parse(state, request, ScoreRequest, "score")
         return await create_score(state, request, req)
 
+    doc.install(app)
     return app
 
 

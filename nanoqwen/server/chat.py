@@ -15,6 +15,7 @@ from nanoqwen.errors import NanoQwenError
 from nanoqwen.server.parsers import THINK_START, ChatOutputParser, ToolCall
 from nanoqwen.server.protocol import APIError, ChatCompletionRequest
 from nanoqwen.server.serving import SSE_DONE, Generation, ServerState, chat_logprobs, sse, usage
+from nanoqwen.server.structured import structured_outputs
 
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "tokenize", "add_generation_prompt", "documents"}
 
@@ -54,10 +55,12 @@ async def create_chat_completion(state: ServerState, http: Request,
     token_ids, thinking, in_reasoning = await asyncio.to_thread(render_prompt, state, req)
     engine = state.engine
     max_tokens = req.max_completion_tokens or req.max_tokens
+    # with thinking on, the engine applies it after </think> (it sees that from the prompt)
+    constraint, field = structured_outputs(req, engine.tokenizer)
     params = req.sampling_params(engine.default_sampling_params(), max_tokens, req.num_logprobs,
-                                 len(token_ids), engine.max_model_len)
+                                 len(token_ids), engine.max_model_len, constraint)
     gen = Generation(state, http, "chatcmpl")
-    await gen.start(token_ids, params)
+    await gen.start(token_ids, params, field)
     parsers = [ChatOutputParser(thinking, in_reasoning, req.tools_enabled) for _ in range(req.n)]
     if req.stream:
         return StreamingResponse(_stream(state, gen, req, parsers), media_type="text/event-stream",

@@ -20,6 +20,7 @@ from nanoqwen.server.serving import (
     sse,
     usage,
 )
+from nanoqwen.server.structured import structured_outputs
 
 
 async def create_completion(state: ServerState, http: Request, req: CompletionRequest) -> Any:
@@ -30,10 +31,11 @@ async def create_completion(state: ServerState, http: Request, req: CompletionRe
         token_ids = await asyncio.to_thread(engine.tokenize, prompt)
     except NanoQwenError as e:
         raise APIError(400, str(e), param="prompt") from None
+    constraint, field = structured_outputs(req)
     params = req.sampling_params(engine.default_sampling_params(), req.max_tokens, req.logprobs,
-                                 len(token_ids), engine.max_model_len)
+                                 len(token_ids), engine.max_model_len, constraint)
     gen = Generation(state, http, "cmpl")
-    await gen.start(token_ids, params)
+    await gen.start(token_ids, params, field)
     if req.stream:
         return StreamingResponse(_stream(state, gen, req), media_type="text/event-stream",
                                  background=BackgroundTask(gen.aclose))

@@ -24,6 +24,7 @@ from pydantic_core import PydanticCustomError
 from nanoqwen.errors import InvalidRequestError
 from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanoqwen.structured_outputs import StructuredOutputsParams
 
 INT64 = {"ge": -(2**63), "le": 2**63 - 1}
 
@@ -53,6 +54,35 @@ class StreamOptions(_Model):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(_Model):
+    name: str | None = None
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute; None: any JSON object
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # always enforced
+
+
+class ResponseFormat(_Model):
+    """OpenAI's response_format: "text" (no constraint), "json_object" or "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Model):
+    """vLLM's structured_outputs: one of json (a schema), regex, choice, grammar (Lark or GBNF),
+    json_object; or none, to give disable_any_whitespace to a response_format's JSON."""
+
+    # an unknown key (e.g. vLLM's structural_tag) is a 400, never a silently weaker constraint
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: str | dict[str, Any] | None = Field(None, alias="json")  # not to shadow .json()
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _GenerationRequest(_Model):
     """Fields shared by /v1/chat/completions and /v1/completions; None means 'not given'."""
 
@@ -68,7 +98,9 @@ class _GenerationRequest(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)
+    # at most int64 (the sampler's tensors): a larger one failed the engine step, and so every
+    # request in it
+    top_k: int | None = Field(None, ge=-1, le=INT64["le"])
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool | None = None
@@ -76,14 +108,23 @@ class _GenerationRequest(_Model):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # structured outputs (nanoqwen/server/structured.py), as OpenAI and vLLM spell them, with
+    # vLLM's older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None,
-                        logprobs: int | None, prompt_len: int,
-                        max_model_len: int) -> SamplingParams:
+                        logprobs: int | None, prompt_len: int, max_model_len: int,
+                        structured_outputs: StructuredOutputsParams | None = None
+                        ) -> SamplingParams:
         """The model's defaults with every field the request gave on top (SamplingParams checks
         the values).
 
@@ -102,7 +143,7 @@ class _GenerationRequest(_Model):
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         try:
             return dataclasses.replace(defaults, **given, n=self.n, max_tokens=max_tokens,
-                                       logprobs=logprobs)
+                                       logprobs=logprobs, structured_outputs=structured_outputs)
         except InvalidRequestError as e:
             # "SamplingParams.min_tokens=9 is invalid: ..." names the field
             field = re.match(r"SamplingParams\.(\w+)=", str(e))
@@ -178,6 +219,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
     chat_template_kwargs: dict[str, Any] | None = None
 
     @property
@@ -314,3 +356,244 @@ class ScoreRequest(_PoolingRequest):
         def name(field: str, texts: str | list[str]) -> str:
             return field if isinstance(texts, str) else f"{field}[{i if len(texts) > 1 else 0}]"
         return f"{name('text_1', self.text_1)} with {name('text_2', self.text_2)}"
+
+
+# ---- response bodies: what /openapi.json documents (the handlers build these shapes as plain
+# dicts; tests/test_openapi.py checks live answers against the schemas)
+
+
+class _Response(BaseModel):
+    """A documented response body (never validated on the way out)."""
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str = Field(description="e.g. invalid_request_error, authentication_error, "
+                                  "server_error")
+    param: str | None = Field(description="the request field at fault, if one is")
+    code: str | None = Field(description="e.g. invalid_json, model_not_found, request_too_large, "
+                                         "wrong_task, queue_full")
+
+
+class ErrorResponse(_Response):
+    """OpenAI's error body, which every error status carries."""
+
+    error: ErrorDetail
+
+
+class HealthResponse(_Response):
+    status: Literal["ok"]
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+    task: Literal["generate", "embed", "score"] = Field(
+        description="nanoqwen's: which endpoints the model serves")
+
+
+class ModelList(_Response):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = Field(description="prompt tokens whose KV came from the prefix cache")
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+# finish_reason: "stop" (EOS, a stop string or stop token), "length" (max_tokens or the context),
+# "tool_calls" (chat only); stop_reason: the stop string or stop_token_ids entry that ended it
+StopReason = int | str | None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatLogprob]
+
+
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str = Field(description="a JSON object, as a string")
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int = Field(description="the call's index among all of this choice's calls")
+
+
+class ChatCompletionMessage(_Response):
+    role: Literal["assistant"]
+    content: str | None
+    reasoning_content: str | None
+    tool_calls: list[ToolCallOut] | None = Field(None, description="absent when there are none")
+
+
+class ChatCompletionChoice(_Response):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str
+    stop_reason: StopReason
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(_Response):
+    """What a chunk adds to the message; a field is absent when it adds nothing."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str = ""
+    reasoning_content: str = ""
+    tool_calls: list[ToolCallDelta] = []
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: StopReason = Field(None, description="only in the choice's last chunk")
+
+
+class ChatCompletionChunk(_Response):
+    """One event of a streamed chat completion (`stream: true`)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice] = Field(description="empty in the usage chunk")
+    usage: UsageInfo | None = Field(None, description="with stream_options.include_usage: null, "
+                                                      "except in the last chunk")
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: StopReason
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChunkChoice(CompletionChoice):
+    stop_reason: StopReason = Field(None, description="only in the choice's last chunk")
+
+
+class CompletionChunk(_Response):
+    """One event of a streamed completion (`stream: true`)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice] = Field(description="empty in the usage chunk")
+    usage: UsageInfo | None = Field(None, description="with stream_options.include_usage: null, "
+                                                      "except in the last chunk")
+
+
+class Embedding(_Response):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(description="numbers, or with encoding_format base64 "
+                                                     "the little-endian float32 bytes in base64")
+
+
+class PoolingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: PoolingUsage
+
+
+class RerankDocument(_Response):
+    text: str
+
+
+class RerankResult(_Response):
+    index: int = Field(description="the document's index in the request")
+    document: RerankDocument
+    relevance_score: float = Field(ge=0, le=1)
+
+
+class RerankUsage(_Response):
+    total_tokens: int
+
+
+class RerankResponse(_Response):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult] = Field(description="best first; the top_n best if top_n is given")
+
+
+class ScoreData(_Response):
+    index: int
+    object: Literal["score"]
+    score: float = Field(ge=0, le=1)
+
+
+class ScoreUsage(PoolingUsage):
+    completion_tokens: int
+
+
+class ScoreResponse(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData] = Field(description="one per pair, in text_2's order")
+    usage: ScoreUsage

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import Request
 
+from nanoqwen.errors import InvalidRequestError
 from nanoqwen.outputs import Logprob, RequestOutput
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.server.async_engine import AsyncEngine, RequestStream
@@ -61,8 +62,18 @@ class Generation:
         self.closed = self.recorded = False
         self.defer_record = False  # final(): the endpoint records once it knows the finish reason
 
-    async def start(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    async def start(self, prompt_token_ids: list[int], params: SamplingParams,
+                    constraint_field: str | None = None) -> None:
+        """Queue the request. constraint_field: the request field that gave
+        params.structured_outputs, which a 400 for a grammar that does not compile names."""
         self.prompt_len = len(prompt_token_ids)
+        if params.structured_outputs is not None:
+            # Compiling a grammar can take a while: in a worker thread, never on the event loop
+            # (or the engine thread, which add_request runs on and which then finds it cached).
+            try:
+                await asyncio.to_thread(self.state.engine.prepare_request, params)
+            except InvalidRequestError as e:
+                raise APIError(400, str(e), param=constraint_field) from None
         self.stream = await self.state.async_engine.add(self.id, prompt_token_ids, params)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
