@@ -77,8 +77,9 @@ AND and a shift (nanoqwen/ops/csrc/cpu_gemv.cpp). Bytes read per weight: 0.5 + 4
 (BENCHMARKS.md). Kernels: up to GEMV_MAX_ROWS bf16 rows on a CPU with AVX2, nanoqwen's own
 `int4_gemv` (whatever the matmul path: torch's int4 CPU kernel reads far below the bandwidth);
 otherwise (prefill, other dtypes, other devices) the weights are unpacked block by block to float32
-(`int4_to_float`, or the plain-torch `dequantize_int4` without the kernels) and multiplied there
-(on a GPU: in the activation dtype).
+(`int4_to_float`, or the plain-torch `dequantize_int4` without the kernels) and multiplied there on
+a CPU whose bf16 matmuls are slow; where they are fast (native bf16) and on a GPU, W4 is rounded to
+the activation dtype and multiplied in it (as the bf16 model's own matmuls are).
 """
 
 from __future__ import annotations
@@ -365,10 +366,11 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                             offset: torch.Tensor) -> torch.Tensor:
-    """x @ W4.T with W4 unpacked in row blocks of at most DEQUANT_BLOCK_BYTES (float32 on CPU: the
-    product rounds once; the activation dtype elsewhere)."""
+    """x @ W4.T with W4 unpacked in row blocks of at most DEQUANT_BLOCK_BYTES, multiplied in the
+    dtype the matmuls of this CPU run fastest in, as dequantized_linear does: float32 where bf16
+    matmuls are slow (the product rounds once), else the activation dtype (W4 rounded to it)."""
     out_features, in_features = packed.shape[0], 2 * packed.shape[1]
-    compute = torch.float32 if x.device.type == "cpu" else x.dtype
+    compute = torch.float32 if cpu.upcast_16bit(x) else x.dtype
     kernels = _int4_kernels() if x.device.type == "cpu" and scale.dtype == torch.bfloat16 else None
     unpack = kernels.int4_to_float if kernels is not None else dequantize_int4
     xc = x.to(compute)

@@ -21,6 +21,7 @@ from nanoqwen import LLM, SamplingParams
 from nanoqwen import quantization as qz
 from nanoqwen.errors import ConfigError
 from nanoqwen.models.qwen3 import ColumnParallelLinear, Linear, RowParallelLinear, experts_reference
+from nanoqwen.ops import cpu
 from nanoqwen.quantization import (
     Int4Experts,
     Int4Linear,
@@ -97,7 +98,9 @@ def test_int4_linear_is_the_float32_product_with_its_weights(kernels, dtype, row
                                                              monkeypatch):
     """Whatever path it takes (the C++ kernel for <= 16 bf16 rows, unpacking otherwise, plain torch
     without a compiler), an Int4Linear computes x @ W4.T in float32 and rounds once (the bias added
-    after, in the model dtype, as Linear adds it)."""
+    after, in the model dtype, as Linear adds it), on a CPU whose matmuls run in float32 (the AVX2
+    path; the native-bf16 one is the next test)."""
+    monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("float32", "test"))
     if not kernels:
         monkeypatch.setattr(qz, "_int4_state", [None])
     monkeypatch.setattr(qz, "DEQUANT_BLOCK_BYTES", 4 * 128 * 50)  # 200 rows in 50-row blocks
@@ -116,6 +119,19 @@ def test_int4_linear_is_the_float32_product_with_its_weights(kernels, dtype, row
     elif not kernels or rows > 16:  # the unpacked path, rounded to bf16: exactly that
         assert torch.equal(out, expected)
     assert torch.equal(layer(x.view(1, rows, 128)), out.view(1, rows, 200))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["own-kernels", "no-compiler"])
+def test_int4_prefill_on_a_native_bf16_cpu_multiplies_in_bf16(kernels, monkeypatch):
+    """Where bf16 matmuls are fast, many rows multiply W4 rounded to bf16 in bf16 (as the bf16
+    model's own matmuls do): float32 there ran int4 prefill at a quarter of bf16's speed."""
+    monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("bf16", "test"))
+    if not kernels:
+        monkeypatch.setattr(qz, "_int4_state", [None])
+    layer = int4_layer(200, 128, torch.bfloat16, bias=False)
+    x = torch.randn(77, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    w4 = dequantize_int4(layer.weight, layer.scale, layer.offset)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, w4.to(torch.bfloat16)))
 
 
 def test_tensor_parallel_linears_keep_their_class(no_kernels):

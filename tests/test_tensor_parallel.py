@@ -5,6 +5,7 @@ engine within seconds."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -162,6 +163,30 @@ def test_tp2_under_preemption_and_chunked_prefill(checkpoint):
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
         assert (llm.llm_engine.scheduler.num_preemptions
                 == ref.llm_engine.scheduler.num_preemptions > 0)
+
+
+def test_tp2_structured_outputs_give_the_answers_of_tp1(checkpoint):
+    """Rank 0 gathers the logits, masks them with each row's grammar and samples: the constrained
+    answers (greedy and seeded, beside an unconstrained one) are TP=1's."""
+    from nanoqwen.structured_outputs import StructuredOutputsParams
+
+    path = checkpoint("gqa2-untied", dtype="float32")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99},
+                                               "tag": {"type": "string", "maxLength": 4}},
+              "required": ["n", "tag"], "additionalProperties": False}
+    constrained = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=constrained),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(regex="[a-z]{2,5}!")),
+              GREEDY]
+    expected = [o.token_ids for o in make_llm(path, **EAGER).generate(PROMPTS[:3], params,
+                                                                     use_tqdm=False)]
+    with tp_llm(path, **EAGER) as llm:
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+    assert outs[0].finish_reason == "stop" and set(json.loads(outs[0].text)) == {"n", "tag"}
+    assert re.fullmatch("[a-z]{2,5}!", outs[1].text)
 
 
 # ---------------------------------------------------------------- sharded loading
