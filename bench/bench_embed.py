@@ -219,27 +219,15 @@ def table(results: dict[str, dict[str, Any]], num_texts: int) -> str:
     return "\n".join(lines)
 
 
-def command_line(argv: list[str]) -> str:
-    """This run's command for the record, without --write and the model path (named in the text instead)."""
-    shown, skip = ["python bench/bench_embed.py"], False
-    for arg in argv:
-        if skip or arg == "--write" or arg.startswith("--model="):
-            skip = False
-            continue
-        skip = arg == "--model"
-        if not skip:
-            shown.append(arg)
-    return " ".join(shown)
-
-
 def report(args: argparse.Namespace, model_name: str, results: dict[str, dict[str, Any]], total_tokens: int,
            diff: float, cosine: float, dims: int) -> str:
     import sentence_transformers
 
     st_dtype = args.st_dtype or args.dtype
+    command = bench_model.command_line("bench_embed.py", sys.argv[1:])
     return (f"### Embedding throughput: {args.num_texts} texts of {args.min_tokens}–{args.max_tokens} tokens "
             f"({args.device}, {args.dtype})\n\n"
-            f"`{command_line(sys.argv[1:])}` on {model_name}: {args.num_texts} texts of random words "
+            f"`{command}` on {model_name}: {args.num_texts} texts of random words "
             f"({total_tokens:,} tokens in all, lengths uniformly random, seed {args.seed}), the same for both, "
             f"{args.threads} torch thread{'s' * (args.threads > 1)} each, best of {args.repeats} after a warm-up on "
             f"{min(args.warmup_texts, args.num_texts)} texts. "

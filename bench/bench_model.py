@@ -266,6 +266,20 @@ def section_name(script: str, device: str) -> str:
     return f"{script}-cpu-{cpu_class}"
 
 
+def command_line(script: str, argv: list[str]) -> str:
+    """A run's command for the record, without --write and the model path (named in the text
+    instead)."""
+    shown, skip = [f"python bench/{script}"], False
+    for arg in argv:
+        if skip or arg == "--write" or arg.startswith("--model="):
+            skip = False
+            continue
+        skip = arg == "--model"
+        if not skip:
+            shown.append(arg)
+    return " ".join(shown)
+
+
 def write_benchmarks(section: str, body: str) -> None:
     """Replace (or append) the section between this script's markers in BENCHMARKS.md."""
     path = ROOT / "BENCHMARKS.md"

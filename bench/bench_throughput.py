@@ -137,19 +137,6 @@ def table(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def command_line(argv: list[str]) -> str:
-    """This run's command for the record, without --write and the model path (named in the text instead)."""
-    shown, skip = ["python bench/bench_throughput.py"], False
-    for arg in argv:
-        if skip or arg == "--write" or arg.startswith("--model="):
-            skip = False
-            continue
-        skip = arg == "--model"
-        if not skip:
-            shown.append(arg)
-    return " ".join(shown)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
@@ -187,9 +174,10 @@ def main() -> None:
     hf_dtype = f", {args.hf_dtype}" if args.hf_dtype and args.hf_dtype != args.dtype else ""
     name = "a random checkpoint with the exact Qwen3-0.6B shape" if model_dir == bench_model.DEFAULT_DIR \
         else model_dir.name
+    command = bench_model.command_line("bench_throughput.py", sys.argv[1:])
     body = (f"### Throughput: {args.num_requests} requests, prompts {args.min_input}–{args.max_input} tokens, "
             f"outputs {args.min_output}–{args.max_output} tokens ({args.device}, {args.dtype})\n\n"
-            f"`{command_line(sys.argv[1:])}` on {name}: {ours['requests']} requests of random token ids, "
+            f"`{command}` on {name}: {ours['requests']} requests of random token ids, "
             f"prompt and output lengths uniformly random "
             f"(seed {args.seed}; {ours['input_tokens']:,} prompt and {ours['output_tokens']:,} output tokens in all), "
             f"sampling at temperature 0.6, top-p 0.95, top-k 20, EOS ignored. nanoqwen: one `generate` call, "
