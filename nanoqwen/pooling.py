@@ -155,6 +155,16 @@ def embedding_input_ids(tokenizer: Tokenizer, text: str | list[int], prompt: str
     return list(text)
 
 
+def make_pooler(task: str, model: Qwen3ForCausalLM, tokenizer: Tokenizer
+                ) -> EmbeddingPooler | ScorePooler | None:
+    """The pooler of an embedding or reranker model (None for a generative one)."""
+    if task == "embed":
+        return EmbeddingPooler()
+    if task == "score":
+        return ScorePooler.for_tokenizer(model, tokenizer)
+    return None
+
+
 class EmbeddingPooler:
     """hidden [M, H] at each input's last token -> float32 [M, H]; `finish` applies a request's
     dimensions and normalisation."""

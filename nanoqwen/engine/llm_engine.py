@@ -37,10 +37,9 @@ from nanoqwen.hub import resolve_model_path
 from nanoqwen.loader import load_config, load_model
 from nanoqwen.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
 from nanoqwen.pooling import (
-    EmbeddingPooler,
-    ScorePooler,
     SentenceTransformersConfig,
     embedding_input_ids,
+    make_pooler,
     rerank_prompt_ids,
     resolve_task,
 )
@@ -116,9 +115,7 @@ class LLMEngine:
         model_ = load_model(self.model_dir, c, self.dtype, self.device,
                             config.max_model_len or limit, tp_rank=0, tp_size=tp.size if tp else 1,
                             quantization=self.quantization, task=self.task)
-        pooler = {"generate": None, "embed": EmbeddingPooler,
-                  "score": lambda: ScorePooler.for_tokenizer(model_, self.tokenizer)}[self.task]
-        pooler = pooler() if pooler is not None else None
+        pooler = make_pooler(self.task, model_, self.tokenizer)  # None for a generative model
         self.weight_bytes = weight_bytes(model_)  # this rank's
         # every rank's (filled in below under tensor parallelism)
         self.rank_weight_bytes = [self.weight_bytes]
@@ -221,24 +218,7 @@ class LLMEngine:
                                      else PoolingParams())
         self.check_task(params)
         if isinstance(params, PoolingParams):
-            dims = params.dimensions
-            if dims is not None and self.task == "embed" and dims > self.config.hidden_size:
-                raise InvalidRequestError(f"dimensions={dims} is more than this model's "
-                                          f"{self.config.hidden_size}")
-            if prompt_token_ids is not None:
-                token_ids = self._pooling_input(prompt_token_ids, None)
-            elif self.task == "embed":
-                token_ids = self.embedding_input(prompt, params=params)
-            else:  # a reranker prompt written out already
-                token_ids = self._pooling_input(self.tokenizer.encode(prompt) if isinstance(
-                    prompt, str) else list(prompt), params)
-            seq = Sequence(request_id, 0, token_ids, None, pooling_params=params)
-            text = prompt if isinstance(prompt, str) else None
-            metrics = RequestMetrics(arrival_time=time.perf_counter())
-            self.requests[request_id] = RequestState(request_id, text, token_ids, params, [seq],
-                                                     metrics)
-            self.scheduler.add(seq)
-            return
+            return self._add_pooling_request(request_id, prompt, params, prompt_token_ids)
         token_ids = self.tokenize(prompt) if prompt_token_ids is None else prompt_token_ids
         seqs = [Sequence(request_id, i, token_ids, params) for i in range(params.n)]
         if params.structured_outputs is not None:  # compiled here unless prepare_request did
@@ -263,6 +243,27 @@ class LLMEngine:
         (cached, so add_request finds it ready). Raises InvalidRequestError for a bad one."""
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             self.grammar_compiler.compile(params.structured_outputs)
+
+    def _add_pooling_request(self, request_id: str, prompt: str | list[int],
+                             params: PoolingParams, prompt_token_ids: list[int] | None) -> None:
+        """One sequence, only prefilled; its output is the embedding or the score."""
+        dims = params.dimensions
+        if dims is not None and self.task == "embed" and dims > self.config.hidden_size:
+            raise InvalidRequestError(f"dimensions={dims} is more than this model's "
+                                      f"{self.config.hidden_size}")
+        if prompt_token_ids is not None:
+            token_ids = self._pooling_input(prompt_token_ids, None)
+        elif self.task == "embed":
+            token_ids = self.embedding_input(prompt, params=params)
+        else:  # a reranker prompt written out already
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            token_ids = self._pooling_input(ids, params)
+        seq = Sequence(request_id, 0, token_ids, None, pooling_params=params)
+        text = prompt if isinstance(prompt, str) else None
+        metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.requests[request_id] = RequestState(request_id, text, token_ids, params, [seq],
+                                                 metrics)
+        self.scheduler.add(seq)
 
     def validate_prompt(self, token_ids: list[int], pooling: bool = False) -> None:
         """pooling: an input to embed or score, which may fill the whole context (no token is
