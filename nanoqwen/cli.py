@@ -187,7 +187,8 @@ def cmd_embed(args: argparse.Namespace) -> None:
 
     if args.dimensions is not None and args.dimensions < 1:  # (fails before loading the model)
         raise InvalidRequestError(f"--dimensions {args.dimensions} must be at least 1")
-    params = PoolingParams(dimensions=args.dimensions)
+    params = PoolingParams(dimensions=args.dimensions,
+                           truncate_prompt_tokens=args.truncate_prompt_tokens)
     lines = read_input_lines(args.input, "texts")
     llm = build_pooling_llm(args, "embed")
     engine = llm.llm_engine
@@ -210,19 +211,22 @@ def cmd_embed(args: argparse.Namespace) -> None:
 def cmd_rerank(args: argparse.Namespace) -> None:
     """One JSON line per non-blank document line, most relevant first (ties in input order), the
     best --top-n only if given: {"index": i, "score": s, "document": text} (s in [0, 1])."""
+    from nanoqwen.pooling_params import PoolingParams
+
     if args.top_n is not None and args.top_n < 1:
         raise InvalidRequestError(f"--top-n {args.top_n} must be at least 1")
+    params = PoolingParams(truncate_prompt_tokens=args.truncate_prompt_tokens)
     lines = read_input_lines(args.input, "documents")
     llm = build_pooling_llm(args, "score")
     engine = llm.llm_engine
     # checked up front for the line numbers; llm.score tokenises the same way again (cheap next
     # to the model)
     inputs = checked_inputs(lines, lambda doc: engine.score_input(args.query, doc,
-                                                                  args.instruction))
+                                                                  args.instruction, params))
     start, results = time.perf_counter(), []
     for chunk in in_chunks(lines):
         outputs = llm.score(args.query, [doc for _, doc in chunk], instruction=args.instruction,
-                            use_tqdm=False)
+                            pooling_params=params, use_tqdm=False)
         results += [(out.outputs.score, index, doc)
                     for (index, doc), out in zip(chunk, outputs, strict=True)]
     seconds = time.perf_counter() - start
@@ -239,6 +243,9 @@ def add_pooling_input_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--input", "-i", default="-", metavar="FILE",
                    help=f"{what}, one per line, UTF-8 (default: stdin); blank lines are skipped "
                         "and each result's index is its line's index from 0")
+    p.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="K",
+                   help="keep the last K tokens of a longer input (as vLLM's "
+                        "truncate_prompt_tokens) instead of stopping with an error")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="no summary line on stderr at the end (inputs, tokens, speed)")
 

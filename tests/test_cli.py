@@ -458,6 +458,30 @@ def test_embed_bad_input_is_a_clear_error(embedding_dir, args, stdin, fragments)
     assert_one_line_error(r, *fragments)
 
 
+def test_embed_and_rerank_truncate_long_lines_when_asked(embedding_dir, embedder, reranker_dir,
+                                                         reranker):
+    """--truncate-prompt-tokens K keeps a longer line's last K tokens (where the line above
+    stops with an error)."""
+    from nanoqwen.pooling_params import PoolingParams
+
+    long_line = "word " * 40
+    r = run_cli("embed", "--model", str(embedding_dir), "--dtype", "float32", "--max-model-len",
+                "16", "--truncate-prompt-tokens", "12", "-q", stdin=f"a\n{long_line}\n")
+    assert r.returncode == 0, r.stderr
+    expected = embedder.embed(["a", long_line], PoolingParams(truncate_prompt_tokens=12),
+                              use_tqdm=False)
+    assert len(expected[1].prompt_token_ids) == 12
+    assert_embeddings_equal([row["embedding"] for row in json_lines(r.stdout)],
+                            [o.outputs.embedding for o in expected])
+    r = run_cli("rerank", "--model", str(reranker_dir), "--dtype", "float32", "--query", "q",
+                "--max-model-len", "64", "--truncate-prompt-tokens", "60", "-q",
+                stdin=f"{long_line}\n")
+    assert r.returncode == 0, r.stderr
+    expected = reranker.score("q", [long_line], pooling_params=PoolingParams(
+        truncate_prompt_tokens=60), use_tqdm=False)[0].outputs.score
+    assert json_lines(r.stdout)[0]["score"] == pytest.approx(expected, abs=1e-6)
+
+
 def test_embed_and_rerank_missing_model_or_input_file(tmp_path, reranker_dir):
     r = run_cli("embed", "--model", str(tmp_path / "nothing"), stdin="hello\n")
     assert_one_line_error(r, "does not exist")
