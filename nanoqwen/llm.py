@@ -3,6 +3,7 @@ embedding and reranker models `LLM(model).embed(texts)` and `.score(query, docum
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -89,15 +90,11 @@ class LLM:
         """
         engine = self.llm_engine
         prompts = self._as_list(prompts)
+        engine.require_task("embed")
         if pooling_params is None:
             pooling_params = PoolingParams(dimensions=dimensions)
         elif dimensions is not None:
-            pooling_params = PoolingParams(dimensions, pooling_params.normalize,
-                                           pooling_params.truncate_prompt_tokens)
-        engine.check_task(pooling_params)
-        if engine.task != "embed":
-            raise InvalidRequestError(f"this model's task is {engine.task!r}: embed needs an "
-                                      "embedding model (or task='embed')")
+            pooling_params = dataclasses.replace(pooling_params, dimensions=dimensions)
         token_ids = [engine.embedding_input(p, prompt_name, prompt, pooling_params)
                      for p in prompts]
         return self._run(prompts, token_ids, [pooling_params] * len(prompts), use_tqdm,
@@ -110,11 +107,8 @@ class LLM:
         """The relevance of each document to the query, in [0, 1], in input order:
         `out.outputs.score` (a Qwen3-Reranker; instruction: the task, default web search)."""
         engine = self.llm_engine
+        engine.require_task("score")
         pooling_params = pooling_params or PoolingParams()
-        engine.check_task(pooling_params)
-        if engine.task != "score":
-            raise InvalidRequestError(f"this model's task is {engine.task!r}: score needs a "
-                                      "reranker model (or task='score')")
         documents = [documents] if isinstance(documents, str) else list(documents)
         for name, text in [("query", query), *(("documents", d) for d in documents)]:
             if not isinstance(text, str):

@@ -174,7 +174,6 @@ def test_batching_chunking_and_prefix_hits_do_not_change_a_vector(embedding_dir,
     texts = [f"{EMBEDDING_QUERY_PROMPT}{t}" for t in TEXTS]
     first = embedder.embed(texts[:1], use_tqdm=False)
     again = embedder.embed(texts, use_tqdm=False)
-    assert first[0].num_cached_tokens == 0 or first[0].num_cached_tokens < len(texts[0])
     assert min(o.num_cached_tokens for o in again) >= 16
     assert (embeddings(again)[:1] - embeddings(first)).abs().max() < 1e-5
     # and nothing stays in the KV cache after the requests

@@ -190,11 +190,23 @@ class LLMEngine:
         self.validate_prompt(token_ids, pooling=True)
         return token_ids
 
-    def check_task(self, params: SamplingParams | PoolingParams) -> None:
-        if isinstance(params, PoolingParams) and self.task == "generate":
+    def require_task(self, task: str) -> None:
+        """An InvalidRequestError saying which model to use unless this model's task is `task`."""
+        if task == self.task:
+            return
+        if self.task == "generate":
             raise InvalidRequestError("this is a generative model (task 'generate'): it does not "
                                       "embed or score; use generate/chat, or load an embedding or "
                                       "reranker model (or pass task='embed'/'score')")
+        kind = "an embedding" if task == "embed" else "a reranker"
+        raise InvalidRequestError(f"this model's task is {self.task!r}: {task} needs {kind} model "
+                                  f"(or task={task!r})")
+
+    def check_task(self, params: SamplingParams | PoolingParams) -> None:
+        """Whether params fit this model's task: SamplingParams to generate, PoolingParams to embed
+        or score."""
+        if isinstance(params, PoolingParams) and self.task == "generate":
+            self.require_task("embed")
         if isinstance(params, SamplingParams) and self.task != "generate":
             use = "embed" if self.task == "embed" else "score"
             raise InvalidRequestError(f"this is {'an embedding' if use == 'embed' else 'a reranker'}"

@@ -32,19 +32,21 @@ from nanoqwen.server.pooling import (
 )
 from nanoqwen.server.protocol import (
     APIError,
-    ChatCompletionChunk,
     ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
+from nanoqwen.server.responses import (
+    ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,
-    CompletionRequest,
     CompletionResponse,
-    EmbeddingRequest,
     EmbeddingResponse,
     HealthResponse,
     ModelList,
-    RerankRequest,
     RerankResponse,
-    ScoreRequest,
     ScoreResponse,
 )
 from nanoqwen.server.serving import ServerState

@@ -19,10 +19,10 @@ from nanoqwen.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
-    ErrorResponse,
     RerankRequest,
     ScoreRequest,
 )
+from nanoqwen.server.responses import ErrorResponse
 
 REF = "#/components/schemas/{model}"
 BEARER = "bearerAuth"
