@@ -238,6 +238,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if getattr(args, "quantization", None):
         kwargs["quantization"] = args.quantization
+    if getattr(args, "speculative_config", None):
+        kwargs["speculative_config"] = args.speculative_config
     for item in args.engine_arg:
         key, sep, raw = item.partition("=")
         if not sep or not key.isidentifier():

@@ -76,7 +76,12 @@ def speed_line(llm, output) -> str:
                           len(output.token_ids), (m.last_token_time or first) - first)
     weights = engine.quantization or str(engine.dtype).removeprefix("torch.")
     size = sum(engine.rank_weight_bytes) / 2**30
-    return f"[{speed} · {weights} weights, {size:.2f} GiB · kernels: {engine.kernel_path}]"
+    spec = ""
+    if m.spec_num_drafts:
+        accepted = m.spec_num_accepted_tokens / m.spec_num_draft_tokens
+        spec = (f" · speculative: {m.spec_mean_acceptance_length:.2f} tokens per step, "
+                f"{accepted:.0%} of drafts accepted")
+    return f"[{speed} · {weights} weights, {size:.2f} GiB · kernels: {engine.kernel_path}{spec}]"
 
 
 # ------------------------------------------------------------------ embed and rerank

@@ -309,6 +309,104 @@ class GenerationConfig:
 
 # ---- Engine options
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self_quantized")
+# speculation is off in steps with more running sequences than this, unless the config says
+# otherwise: where batch-1 speculation pays and batch-8 speculation no longer does (BENCHMARKS.md)
+DEFAULT_SPEC_MAX_BATCH = 4
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (nanoqwen/engine/proposer.py proposes, nanoqwen/rejection_sampler.py
+    verifies), with vLLM's `speculative_config` names:
+
+    - {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+      "prompt_lookup_min": m}: the k tokens that followed the latest earlier occurrence of the
+      answer's last n..m tokens (in the prompt or the answer);
+    - {"method": "draft_model", "model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": k}: a
+      smaller model with the same tokenizer proposes k tokens ("model" alone implies this method);
+    - {"method": "self_quantized", "quantization": "int4", "num_speculative_tokens": k}: the
+      target's own weights quantised at load (nanoqwen/quantization.py) are the draft.
+
+    disable_by_batch_size: no speculation in a step with more running sequences than this (then a
+    step is no longer bound by reading the weights, and verifying k tokens per sequence costs
+    more than it saves); None: DEFAULT_SPEC_MAX_BATCH.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    quantization: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_value(cls, value: Any) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from a dict, a JSON object text (--speculative-config) or one
+        already made; None stays None."""
+        if value is None or isinstance(value, cls):
+            return value
+        where = "speculative_config"
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where} is not valid JSON ({e}); give an object such as "
+                                  '{"method": "ngram", "num_speculative_tokens": 4}') from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be an object, found {type(value).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = [k for k in value if k not in known]
+        if unknown:
+            raise ConfigError(f"{where}: unknown field {unknown[0]!r}; the fields are: "
+                              f"{', '.join(known)}")
+        raw = dict(value)
+        if raw.get("method") is None:
+            if raw.get("model") is None:
+                raise ConfigError(f"{where}: field 'method' is missing; choose one of "
+                                  f"{', '.join(SPECULATIVE_METHODS)}")
+            # vLLM's older spelling {"model": "[ngram]"}; any other model is a draft model
+            ngram = raw["model"] in ("ngram", "[ngram]")
+            raw["method"] = "ngram" if ngram else "draft_model"
+            raw["model"] = None if ngram else raw["model"]
+        if "num_speculative_tokens" not in raw:
+            raise ConfigError(f"{where}: field 'num_speculative_tokens' is missing (the tokens "
+                              "proposed per step, e.g. 4)")
+        return cls(**raw)
+
+    def __post_init__(self) -> None:
+        from nanoqwen.quantization import QUANTIZATION_METHODS
+
+        where = "speculative_config"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"{where}: method={self.method!r} is not one of "
+                              f"{', '.join(SPECULATIVE_METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "disable_by_batch_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"{where}: {name}={v!r} must be an integer >= 1")
+        if self.method == "ngram":
+            # vLLM's defaults: both 5 when neither is given, else the one given for both
+            self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min or 5
+            self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ConfigError(f"{where}: prompt_lookup_min={self.prompt_lookup_min} is more "
+                                  f"than prompt_lookup_max={self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError(f"{where}: method 'draft_model' needs 'model', the draft's folder "
+                              "or hub id (e.g. Qwen/Qwen3-0.6B)")
+        if self.method == "self_quantized":
+            if self.quantization is None:
+                self.quantization = "int4"
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ConfigError(f"{where}: quantization={self.quantization!r} is not one of "
+                                  f"{', '.join(QUANTIZATION_METHODS)}")
+        elif self.quantization is not None and self.method == "ngram":
+            raise ConfigError(f"{where}: 'quantization' is for method 'self_quantized' (or a "
+                              "draft model's weights), not 'ngram'")
+
 
 @dataclass
 class EngineConfig:
@@ -324,6 +422,8 @@ class EngineConfig:
     tensor_parallel_size N > 1 splits the model over N processes (N GPUs, or CPU processes), started
     by the engine or by torchrun.
     task: "generate", "embed" or "score"; "auto" reads it from the checkpoint (nanoqwen/pooling.py).
+    speculative_config: speculative decoding (SpeculativeConfig: a dict or JSON text is read into
+    one).
     """
 
     model: str | Path = DEFAULT_MODEL
@@ -344,6 +444,7 @@ class EngineConfig:
     quantization: str | None = None
     # "auto" (from the checkpoint's files: nanoqwen/pooling.py), "generate", "embed" or "score"
     task: str = "auto"
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         # (it imports the model, which imports this file)
@@ -362,6 +463,7 @@ class EngineConfig:
         tasks = ("auto", "generate", "embed", "score")
         if self.task not in tasks:
             raise ConfigError(f"task={self.task!r} is not a task; choose one of {', '.join(tasks)}")
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, model: str | Path, options: dict[str, Any]) -> EngineConfig:
@@ -427,6 +529,12 @@ def add_parallel_and_quantization_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantisation made at load time: int8 (about half the "
                         "weight bytes) or int4 (group-wise, about 0.28 of them); faster decode "
                         "on CPU")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s: e.g. \'{"method": "self_quantized", '
+                        '"quantization": "int4", "num_speculative_tokens": 4}\', '
+                        '\'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 3}\' or \'{"method": "draft_model", '
+                        '"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 4}\'')
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

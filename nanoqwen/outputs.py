@@ -38,6 +38,18 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_output_tokens: int = 0
+    # speculative decoding: verification steps, draft tokens proposed, drafts accepted
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens per verification step (the accepted drafts and the target's own token), as
+        vLLM's mean acceptance length; None without speculation."""
+        if not self.spec_num_drafts:
+            return None
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -172,8 +172,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if bitmasks is not None:
         logits = apply_bitmasks(logits, bitmasks)
     raw_logits = logits
-    logits = block_stop_tokens(logits, params, output_token_ids, stop_token_ids)
-    logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+    logits = adjust_logits(logits, params, prompt_token_ids, output_token_ids, stop_token_ids)
     tokens = logits.argmax(dim=-1)  # [B]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -186,6 +185,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return SamplerOutput(tokens, compute_logprobs(raw_logits, params, tokens))
 
 
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
+                  prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+                  stop_token_ids: list[set[int]]) -> torch.Tensor:
+    """Steps b and c: stop tokens blocked while short of min_tokens, then the penalties (a copy, or
+    `logits` itself when no row needs either)."""
+    logits = block_stop_tokens(logits, params, output_token_ids, stop_token_ids)
+    return apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+
+
+def dense_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's sampling distribution over the whole vocabulary, [B, V] float32: what step d
+    samples from (temperature, top_k, top_p, min_p applied; 0 outside the kept candidates)."""
+    probs, token_ids = filter_probs(logits, params)
+    return torch.zeros_like(logits, dtype=probs.dtype).scatter_(1, token_ids, probs)
 
 def _noise(probs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None], vocab: int) -> torch.Tensor:

@@ -491,3 +491,20 @@ def test_embed_and_rerank_missing_model_or_input_file(tmp_path, reranker_dir):
     r = run_cli("rerank", "--model", str(reranker_dir), "--query", QUERY, "--top-n", "0",
                 stdin="doc\n")
     assert_one_line_error(r, "--top-n 0 must be at least 1")
+
+
+def test_generate_with_speculative_config(model_dir, llm):
+    """--speculative-config JSON: the same greedy text, and the speed line says how many tokens a
+    step gave; a malformed value is one clear error."""
+    config = '{"method": "self_quantized", "quantization": "int8", "num_speculative_tokens": 3}'
+    r = run_cli("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "16",
+                "--temperature", "0", "--no-chat-template", "--dtype", "float32",
+                "--speculative-config", config)
+    assert r.returncode == 0, r.stderr
+    params = SamplingParams(temperature=0, max_tokens=16)
+    assert r.stdout == llm.generate(PROMPT, params, use_tqdm=False)[0].text + "\n"
+    assert re.search(r"speculative: \d\.\d\d tokens per step, \d+% of drafts accepted", r.stderr)
+    r = run_cli("generate", "--model", str(model_dir), "--prompt", PROMPT,
+                "--speculative-config", '{"method": "ngram"}')
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "num_speculative_tokens" in r.stderr

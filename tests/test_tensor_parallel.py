@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import PROMPTS as LOOPING
 from conftest import SYSTEM, make_llm
 
 import nanoqwen.loader as loader
@@ -187,6 +188,21 @@ def test_tp2_structured_outputs_give_the_answers_of_tp1(checkpoint):
     assert [o.token_ids for o in outs] == expected
     assert outs[0].finish_reason == "stop" and set(json.loads(outs[0].text)) == {"n", "tag"}
     assert re.fullmatch("[a-z]{2,5}!", outs[1].text)
+
+
+def test_tp2_ngram_speculation_gives_the_answers_of_tp1(checkpoint):
+    """N-gram drafts verified on both ranks (the drafts' rows are decode rows of the broadcast
+    step): greedy answers are TP=1's without speculation. (These prompts' answers fall into
+    loops, so drafts get accepted.)"""
+    path = checkpoint("gqa2-untied", dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [o.token_ids for o in make_llm(path, **EAGER).generate(LOOPING, params,
+                                                                     use_tqdm=False)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+            "prompt_lookup_min": 1}
+    with tp_llm(path, speculative_config=spec, **EAGER) as llm:
+        assert [o.token_ids for o in llm.generate(LOOPING, params, use_tqdm=False)] == expected
+        assert llm.llm_engine.spec_stats["num_accepted_tokens"] > 0
 
 
 # ---------------------------------------------------------------- sharded loading

@@ -111,6 +111,13 @@ class BlockManager:
             seq.block_table.append(self._take_free())
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past seq's tokens (those that held rejected draft tokens); they
+        never joined the prefix cache (only computed tokens' blocks do)."""
+        keep = -(-seq.num_tokens // self.block_size)
+        tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+        self._release(tail)
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Key the blocks that this step filled, so later requests can reuse them."""
         if not self.enable_prefix_caching:
@@ -150,8 +157,13 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; its blocks become free (still reusable by hash)
         once nobody holds them."""
+        self._release(seq.block_table)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def _release(self, block_ids: list[int]) -> None:
         # Tail first: evictable blocks go oldest first, so a sequence's prefix outlives its tail.
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -159,8 +171,6 @@ class BlockManager:
                     self.free_uncached.append(block_id)
                 else:
                     self.evictable[block_id] = None
-        seq.block_table = []
-        seq.num_registered_blocks = 0
 
     def _ref(self, block_id: int) -> int:
         """One more holder of a block (a prefix-cache hit keeps the block's key)."""

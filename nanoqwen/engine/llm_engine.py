@@ -1,9 +1,13 @@
 """LLMEngine: requests in, tokens out, one `step()` at a time.
 No I/O, so any front end can drive it.
 
-request -> Scheduler.schedule (which tokens run) -> ModelRunner.execute (pack, forward, sample)
-        -> LLMEngine._postprocess (sequences advance; OutputProcessor: text, stops)
-        -> RequestOutput.
+request -> Scheduler.schedule (which tokens run) -> [proposer: draft tokens]
+        -> ModelRunner.execute (pack, forward, sample) -> LLMEngine._postprocess (sequences
+        advance; OutputProcessor: text, stops) -> RequestOutput.
+
+With a speculative_config, a proposer (engine/proposer.py) fills in draft tokens for the
+decoding sequences the scheduler gave draft slots, and the step verifies them
+(rejection_sampler.py): each such sequence may get several tokens per step.
 
 With tensor_parallel_size N > 1 this engine is rank 0: it holds 1/N of the weights and of each KV
 block (its heads), schedules and samples; N-1 worker processes (engine/tp_worker.py) hold the rest
@@ -21,14 +25,15 @@ import weakref
 import torch
 
 from nanoqwen.compilation import select_kernels
-from nanoqwen.config import EngineConfig, GenerationConfig
+from nanoqwen.config import DEFAULT_SPEC_MAX_BATCH, EngineConfig, GenerationConfig, SpeculativeConfig
 from nanoqwen.device import resolve_device, resolve_dtype
 from nanoqwen.distributed import check_tensor_parallel_size
 from nanoqwen.engine.block_manager import BlockManager
 from nanoqwen.engine.kv_cache import KVCache
 from nanoqwen.engine.memory import kv_cache_budget
-from nanoqwen.engine.model_runner import ModelRunner, PooledOutput, SampledToken
+from nanoqwen.engine.model_runner import ModelRunner, PooledOutput, SampledTokens
 from nanoqwen.engine.output_processor import OutputProcessor, RequestState
+from nanoqwen.engine.proposer import DraftModelProposer, NgramProposer
 from nanoqwen.engine.scheduler import ScheduledBatch, Scheduler
 from nanoqwen.engine.sequence import Sequence, SequenceStatus
 from nanoqwen.engine.tp_worker import KVCacheSize, LoadModel, TPGroup
@@ -73,6 +78,14 @@ class LLMEngine:
         if self.task != "generate" and config.tensor_parallel_size > 1:
             raise ConfigError(f"task {self.task!r} runs on one device: set tensor_parallel_size=1 "
                               "(the Qwen3 embedding and reranker models fit one)")
+        spec = config.speculative_config
+        if spec is not None and self.task != "generate":
+            raise ConfigError(f"speculative decoding speeds up generation; task {self.task!r} "
+                              "generates nothing: drop speculative_config")
+        if spec is not None and spec.method != "ngram" and config.tensor_parallel_size > 1:
+            raise ConfigError(f"speculative method {spec.method!r} runs with "
+                              "tensor_parallel_size=1 (its draft model is not split); use "
+                              "'ngram', or one process")
         self.eos_token_ids = set(self.generation_config.eos_token_id or self.config.eos_token_id)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
@@ -93,8 +106,13 @@ class LLMEngine:
             raise dead from e
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+        spec = config.speculative_config
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            self.max_model_len, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            spec_max_batch=(spec.disable_by_batch_size or DEFAULT_SPEC_MAX_BATCH) if spec else 0)
+        # proposed and accepted draft tokens, and verification steps, since start (/metrics)
+        self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.max_model_len)
         seed = config.seed if config.seed is not None else random.randrange(2**63)
@@ -126,9 +144,13 @@ class LLMEngine:
         # The KV pool: as many blocks as the budget holds; it must fit at least one full-length
         # sequence. With tensor parallelism the budget is per rank, and a rank's block holds only
         # its heads.
+        spec = config.speculative_config
+        draft = (self._load_draft(spec, model_, config.max_model_len or limit)
+                 if spec is not None and spec.method != "ngram" else None)
         block_size = config.block_size
-        per_token = KVCache.bytes_per_token(c.num_hidden_layers, model_.num_kv_heads, c.head_dim,
-                                            self.dtype)
+        per_token = sum(KVCache.bytes_per_token(m.config.num_hidden_layers, m.num_kv_heads,
+                                                m.config.head_dim, self.dtype)
+                        for m in (model_, draft) if m is not None)  # the draft's cache too
         budget = kv_cache_budget(config.kv_cache_memory, self.device)
         num_blocks = max(0, budget) // (per_token * block_size)
         capacity = num_blocks * block_size
@@ -144,10 +166,40 @@ class LLMEngine:
         self.runner = ModelRunner(model_, num_blocks, block_size, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager, pooler=pooler)
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if spec is not None and draft is None:
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif draft is not None:  # its cache has the same blocks (engine/proposer.py)
+            draft_runner = ModelRunner(draft, num_blocks, block_size,
+                                       max_num_seqs=config.max_num_seqs,
+                                       max_model_len=self.max_model_len,
+                                       enforce_eager=config.enforce_eager)
+            self.proposer = DraftModelProposer(draft_runner, config.max_num_batched_tokens)
         if tp is not None:
             tp.send(KVCacheSize(num_blocks, block_size))  # every rank gets the same blocks
             self.rank_weight_bytes = tp.wait_ready(self.weight_bytes)
         return num_blocks
+
+    def _load_draft(self, spec: SpeculativeConfig, target: torch.nn.Module,
+                    max_model_len: int) -> torch.nn.Module:
+        """The draft model: the target's own weights quantised (self_quantized), or another
+        checkpoint that must share the target's tokenizer (draft_model)."""
+        if spec.method == "self_quantized":
+            draft_dir, draft_config = self.model_dir, self.config
+        else:
+            draft_dir = resolve_model_path(str(spec.model))
+            draft_config = load_config(draft_dir)
+            check_same_tokenizer(self.tokenizer, Tokenizer.from_pretrained(draft_dir),
+                                 self.config.vocab_size, draft_config.vocab_size, draft_dir)
+        draft = load_model(draft_dir, draft_config, self.dtype, self.device, max_model_len,
+                           quantization=spec.quantization)
+        same = draft.embed_tokens.weight
+        if spec.method == "self_quantized" and same.dtype == target.embed_tokens.weight.dtype:
+            draft.embed_tokens.weight = target.embed_tokens.weight  # one copy of the same table
+        logger.info("speculative decoding: %s draft (%s, %.2f GiB), %d tokens per step",
+                    spec.method, spec.quantization or str(self.dtype).removeprefix("torch."),
+                    weight_bytes(draft) / 2**30, spec.num_speculative_tokens)
+        return draft
 
     @property
     def model(self) -> torch.nn.Module:
@@ -312,6 +364,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
+        if batch.spec_decode:
+            self.proposer.propose(batch.spec_decode)  # seq.spec_token_ids for this step
         if self.tp_group is None:
             sampled = self.runner.execute(batch, self.eos_token_ids)
         else:
@@ -320,35 +374,68 @@ class LLMEngine:
                 sampled = self.runner.execute(batch, self.eos_token_ids)
         return self._postprocess(batch, sampled)
 
-    def _postprocess(self, batch: ScheduledBatch, sampled: list[SampledToken] | list[PooledOutput]
+    def _postprocess(self, batch: ScheduledBatch, sampled: list[SampledTokens] | list[PooledOutput]
                      ) -> list[RequestOutput | PoolingRequestOutput]:
         """Everything that happens to sequences after a step, in order: their computed tokens
-        advance, newly filled blocks join the prefix cache, siblings waiting for a prompt start from
-        its cache, each sampled token is appended (text, stop checks) and finished sequences free
-        their blocks. A pooled result (embedding, score) finishes its sequence."""
-        for seq in batch.decode:
-            seq.num_computed_tokens += 1
+        advance (a speculating one's by the drafts accepted too; the blocks its rejected drafts
+        took go back), newly filled blocks join the prefix cache, siblings waiting for a prompt
+        start from its cache, each sampled token is appended (text, stop checks) and finished
+        sequences free their blocks. A pooled result (embedding, score) finishes its sequence."""
         for seq, n in batch.prefill:
             seq.num_computed_tokens += n
-        for seq in batch.seqs:
-            if seq.status == SequenceStatus.RUNNING:
-                self.block_manager.register_full_blocks(seq)
         if self.task != "generate":
+            self._register_blocks(batch)
             return [self._finish_pooled(seq, data) for seq, data in sampled]
+        for seq in batch.decode:
+            seq.num_computed_tokens += 1
+        new_tokens = {id(s.seq): len(s.token_ids) for s in sampled}
+        for seq, _ in batch.spec_decode:
+            self._count_spec(seq, new_tokens[id(seq)])
+            # the newest token and the accepted drafts are in the cache (the last new token is
+            # not); the draft model's cache holds at most what the target's holds
+            seq.num_computed_tokens += new_tokens[id(seq)]
+            seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens,
+                                                seq.num_computed_tokens)
+        self._register_blocks(batch)
         for s in sampled:  # siblings take the prompt's cache before anything can finish
             if s.seq.status == SequenceStatus.FORK_PENDING:
                 self._start_fork(s.seq)
         touched: dict[str, RequestState] = {}
-        for seq, token_id, logprobs in sampled:
-            if self.output_processor.append_token(seq, token_id, logprobs) is not None:
-                self.scheduler.finish(seq)
+        for seq, token_ids, logprobs in sampled:
+            for token_id, token_logprobs in zip(token_ids, logprobs, strict=True):
+                if self.output_processor.append_token(seq, token_id, token_logprobs) is not None:
+                    self.scheduler.finish(seq)
+                    break
             touched[seq.request_id] = self.requests[seq.request_id]
+        for seq, _ in batch.spec_decode:
+            seq.spec_token_ids, seq.draft_probs = [], None
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.trim(seq)
         outputs = []
         for state in touched.values():
             outputs.append(self.output_processor.make_output(state))
             if state.finished:
                 del self.requests[state.request_id]
         return outputs
+
+    def _register_blocks(self, batch: ScheduledBatch) -> None:
+        for seq in batch.seqs:
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.register_full_blocks(seq)
+
+    def _count_spec(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Proposed and accepted draft tokens, for the request's metrics and the engine's."""
+        proposed = len(seq.spec_token_ids)
+        if not proposed:
+            return
+        accepted = num_new_tokens - 1
+        m = self.requests[seq.request_id].metrics
+        m.spec_num_drafts += 1
+        m.spec_num_draft_tokens += proposed
+        m.spec_num_accepted_tokens += accepted
+        self.spec_stats["num_drafts"] += 1
+        self.spec_stats["num_draft_tokens"] += proposed
+        self.spec_stats["num_accepted_tokens"] += accepted
 
     def _finish_pooled(self, seq: Sequence, data: torch.Tensor) -> PoolingRequestOutput:
         self.output_processor.pooled(seq, data)
@@ -389,4 +476,23 @@ class LLMEngine:
                                       if bm.prefix_queries else 0.0),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            **{f"spec_decode_{k}": v for k, v in self.spec_stats.items()},
         }
+
+
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_vocab_size: int,
+                         draft_vocab_size: int, draft_dir: object) -> None:
+    """A ConfigError unless the draft model reads and writes the same token ids as the target
+    (the same vocabulary and the same logits width)."""
+    fix = "a draft model must share the target's tokenizer (every Qwen3 size does)"
+    if draft_vocab_size != target_vocab_size:
+        raise ConfigError(f"the draft model {draft_dir} has vocab_size {draft_vocab_size}, the "
+                          f"target {target_vocab_size}: {fix}")
+    theirs, ours = draft.backend.get_vocab(with_added_tokens=True), \
+        target.backend.get_vocab(with_added_tokens=True)
+    if theirs != ours:
+        diff = next((t for t in ours if theirs.get(t) != ours[t]), None) \
+            or next(t for t in theirs if t not in ours)
+        raise ConfigError(f"the draft model {draft_dir}'s tokenizer differs from the target's "
+                          f"(token {diff!r} is id {theirs.get(diff)} there, {ours.get(diff)} "
+                          f"here): {fix}")

@@ -26,6 +26,7 @@ from nanoqwen.ops import cpu
 from nanoqwen.ops.decode_step import FusedDecoder
 from nanoqwen.ops.paged_attention import attention_backend
 from nanoqwen.pooling import EmbeddingPooler, ScorePooler
+from nanoqwen.rejection_sampler import rejection_sample
 from nanoqwen.sampler import TokenLogprobs, sample
 
 logger = logging.getLogger("nanoqwen")
@@ -43,12 +44,21 @@ class StepInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
-class SampledToken(NamedTuple):
-    """A sequence's next token, as the step sampled it."""
+class SampledTokens(NamedTuple):
+    """A sequence's new tokens from a step: one, or with speculative decoding the accepted draft
+    tokens and then one of the target's."""
 
     seq: Sequence
-    token_id: int
-    logprobs: TokenLogprobs | None
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # per token (None where the request asked for none)
+
+
+class Verify(NamedTuple):
+    """A sequence whose draft tokens a step verifies: its newest token and drafts are the logits
+    rows first_row .. first_row + len(seq.spec_token_ids)."""
+
+    seq: Sequence
+    first_row: int
 
 
 class PooledOutput(NamedTuple):
@@ -123,51 +133,80 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, eos_token_ids: set[int]
-                ) -> list[SampledToken] | list[PooledOutput]:
+                ) -> list[SampledTokens] | list[PooledOutput]:
         """Pack -> forward -> sample: the next token of every sequence that reached its next token
-        (with a pooler: the pooled result of every sequence whose prompt finished).
+        (with a pooler: the pooled result of every sequence whose prompt finished); a sequence with
+        draft tokens gets those of them the target accepts and one more (rejection_sampler.py).
 
         A prompt chunk that does not finish its prompt produces no token: only its K/V are cached. A
         sequence whose prompt finishes here also samples the first token of each sibling waiting to
         fork.
         """
-        step, seqs = self.prepare(batch)
+        step, seqs, verify = self.prepare(batch)
         logits = self.forward(step)
         if logits is None:
             return []
         if self.pooler is not None:
             return [PooledOutput(seq, row) for seq, row in zip(seqs, logits, strict=True)]
-        out = sample(logits, [s.sampling_params for s in seqs], [s.generator for s in seqs],
-                     [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                     [self._stop_ids(s, eos_token_ids) for s in seqs],
-                     [s.grammar.bitmask() if s.grammar is not None else None for s in seqs])
-        rows = zip(seqs, out.token_ids.tolist(), out.logprobs, strict=True)
-        return [SampledToken(*row) for row in rows]
+        out = []
+        if seqs:
+            plain = logits[: len(seqs)]
+            sampled = sample(plain, [s.sampling_params for s in seqs], [s.generator for s in seqs],
+                             [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                             [self._stop_ids(s, eos_token_ids) for s in seqs],
+                             [s.grammar.bitmask() if s.grammar is not None else None for s in seqs])
+            rows = zip(seqs, sampled.token_ids.tolist(), sampled.logprobs, strict=True)
+            out = [SampledTokens(seq, [token], [lp]) for seq, token, lp in rows]
+        if verify:
+            spec = [v.seq for v in verify]
+            verified = rejection_sample(
+                logits[len(seqs):], [s.spec_token_ids for s in spec],
+                [s.draft_probs for s in spec], [s.sampling_params for s in spec],
+                [s.generator for s in spec], [s.prompt_token_ids for s in spec],
+                [s.output_token_ids for s in spec], [self._stop_ids(s, eos_token_ids) for s in spec])
+            out += [SampledTokens(s, *v) for s, v in zip(spec, verified, strict=True)]
+        return out
 
     @staticmethod
-    def prepare(batch: ScheduledBatch) -> tuple[StepInput, list[Sequence]]:
-        """The step's tokens, flat (decode tokens first, then the prompt chunks), and the sequence
-        sampled from each of step.sample_rows (a prompt's row once more for each sibling waiting to
-        fork from it)."""
+    def prepare(batch: ScheduledBatch) -> tuple[StepInput, list[Sequence], list[Verify]]:
+        """The step's tokens, flat (decode tokens first, then the prompt chunks), the sequence
+        sampled from each of the first step.sample_rows (a prompt's row once more for each sibling
+        waiting to fork from it), and the sequences whose drafts the rest of the sample rows
+        verify (all of their rows).
+
+        A sequence's newest token and its drafts are decode rows, one per token, each attending to
+        the cache up to itself (its keys are stored before attention runs): each row is computed
+        exactly as a decode step at that position would compute it, through the same kernels."""
         step = StepInput(input_ids=[], decode=[], prefill=[], sample_rows=[])
         seqs: list[Sequence] = []
+        verify_rows: list[tuple[Sequence, range]] = []
 
         def sample_from(row: int, seq: Sequence) -> None:
             for s in [seq, *seq.forks]:
                 seqs.append(s)
                 step.sample_rows.append(row)
 
-        for seq in batch.decode:
-            step.input_ids.append(seq.last_token_id)
-            step.decode.append(DecodeRow(seq.block_table, seq.num_tokens))
-            sample_from(len(step.input_ids) - 1, seq)
+        for seq in batch.decode + [s.seq for s in batch.spec_decode]:
+            first = len(step.input_ids)
+            tokens = [seq.last_token_id, *seq.spec_token_ids]  # (no drafts: a plain decode row)
+            step.input_ids += tokens
+            step.decode += [DecodeRow(seq.block_table, seq.num_tokens + j)
+                            for j in range(len(tokens))]
+            if seq.spec_token_ids:
+                verify_rows.append((seq, range(first, first + len(tokens))))
+            else:
+                sample_from(first, seq)
         for seq, n in batch.prefill:
             start = seq.num_computed_tokens
             step.input_ids += seq.token_ids(start, start + n)
             step.prefill.append(PrefillRow(seq.block_table, start, n))
             if start + n == seq.num_tokens:
                 sample_from(len(step.input_ids) - 1, seq)
-        return step, seqs
+        verify = []
+        for seq, rows in verify_rows:  # their logits come after every other row's
+            verify.append(Verify(seq, len(step.sample_rows)))
+            step.sample_rows += rows
+        return step, seqs, verify
 
     def forward(self, step: StepInput) -> torch.Tensor | None:
         """Float32 logits [len(step.sample_rows), V] (None when nothing is sampled; the pooler's

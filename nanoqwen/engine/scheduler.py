@@ -8,6 +8,11 @@ and never stalls the others' decoding.
 
 When the blocks run out, the newest running sequence is preempted: its blocks are freed and it
 goes back to the front of the queue, to be recomputed (prompt and answer so far) later.
+
+With speculative decoding, a decoding sequence may get up to num_speculative_tokens more tokens
+(and their blocks): the draft tokens the proposer fills in before the step runs, all verified in
+one forward. Only while few sequences run (spec_max_batch): in bigger batches a step is no longer
+bound by reading the weights and verifying drafts costs more than it saves.
 """
 
 from __future__ import annotations
@@ -25,30 +30,47 @@ class ScheduledPrefill(NamedTuple):
     num_tokens: int  # prompt tokens computed this step, from seq.num_computed_tokens on
 
 
+class ScheduledSpecDecode(NamedTuple):
+    seq: Sequence
+    num_spec_tokens: int  # draft tokens the proposer may add (slots are reserved for them)
+
+
 @dataclass
 class ScheduledBatch:
     decode: list[Sequence] = field(default_factory=list)  # one token each
     prefill: list[ScheduledPrefill] = field(default_factory=list)
+    # decoding with speculation: the newest token and up to num_spec_tokens drafts each
+    spec_decode: list[ScheduledSpecDecode] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.spec_decode
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(p.num_tokens for p in self.prefill)
+        return (len(self.decode) + sum(1 + s.num_spec_tokens for s in self.spec_decode)
+                + sum(p.num_tokens for p in self.prefill))
+
+    @property
+    def decoding(self) -> list[Sequence]:
+        """Every decoding sequence, speculating or not."""
+        return self.decode + [s.seq for s in self.spec_decode]
 
     @property
     def seqs(self) -> list[Sequence]:
-        return self.decode + [p.seq for p in self.prefill]
+        return self.decoding + [p.seq for p in self.prefill]
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, max_model_len: int | None = None,
+                 num_speculative_tokens: int = 0, spec_max_batch: int = 0) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_max_batch = spec_max_batch
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
@@ -63,10 +85,18 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preemptions = self.num_preemptions
+        speculate = self.num_speculative_tokens if len(self.running) <= self.spec_max_batch else 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            num_spec = 0
+            if speculate and not seq.is_prefilling:
+                num_spec = min(self.spec_tokens_allowed(seq, speculate), budget - 1)
+                n += num_spec
+                if num_spec and not self.block_manager.append_slots(seq,
+                                                                    seq.num_computed_tokens + n):
+                    n, num_spec = n - num_spec, 0  # drafts never preempt anyone
             while not self.block_manager.append_slots(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # the newest; never one already in this batch
                 self.preempt(victim)
@@ -76,6 +106,8 @@ class Scheduler:
                 break  # seq itself was preempted: everything after it was too
             if seq.is_prefilling:
                 batch.prefill.append(ScheduledPrefill(seq, n))
+            elif num_spec:
+                batch.spec_decode.append(ScheduledSpecDecode(seq, num_spec))
             else:
                 batch.decode.append(seq)
             budget -= n
@@ -100,10 +132,22 @@ class Scheduler:
         batch.decode.sort(key=lambda s: s.num_tokens)
         return batch
 
+    def spec_tokens_allowed(self, seq: Sequence, k: int) -> int:
+        """Draft tokens worth proposing for seq: at most k, none under a grammar (structured
+        outputs are not speculated), and fewer near its end: the step's last token is always the
+        target's own, so drafts beyond max_tokens or max_model_len would be wasted."""
+        if seq.grammar is not None:
+            return 0
+        left = self.max_model_len - seq.num_tokens if self.max_model_len else k + 1
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:
+            left = min(left, max_tokens - len(seq.output_token_ids))
+        return max(0, min(k, left - 1))
+
     def preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         self.running.remove(seq)
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_draft_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

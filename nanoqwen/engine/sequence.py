@@ -53,6 +53,14 @@ class Sequence:
     pooling_params: PoolingParams | None = None
     pooled: Any = None  # what the pooler read at the last prompt token (a tensor), once prefilled
     grammar: GrammarState | None = None  # the structured-output constraint's progress, if any
+    # Speculative decoding (engine/proposer.py): the draft tokens to verify in this step after
+    # the newest token, and the draft's probabilities for them ([len, V] float32; None when the
+    # proposer is deterministic: n-gram, or greedy requests).
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    # tokens whose keys/values are in the draft model's cache (its own count: the draft catches up
+    # on everything the target computed, and after a prefix-cache hit recomputes the prefix)
+    num_draft_computed_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

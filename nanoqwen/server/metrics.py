@@ -61,6 +61,13 @@ class ServerMetrics:
                                      "Fraction of prefix-cache lookups that hit", registry=r)
         self.preemptions = Gauge("nanoqwen_num_preemptions",
                                  "Sequences preempted so far (KV cache full)", registry=r)
+        # speculative decoding, as vLLM's spec_decode counters (0 without a speculative_config)
+        self.spec_drafts = Gauge("nanoqwen_spec_decode_num_drafts",
+                                 "Verification steps of speculative decoding so far", registry=r)
+        self.spec_draft_tokens = Gauge("nanoqwen_spec_decode_num_draft_tokens",
+                                       "Draft tokens proposed so far", registry=r)
+        self.spec_accepted_tokens = Gauge("nanoqwen_spec_decode_num_accepted_tokens",
+                                          "Draft tokens accepted so far", registry=r)
 
     def count_http(self, path: str, status: int) -> None:
         self.http_requests.labels(path if path in ENDPOINTS else "other", str(status)).inc()
@@ -86,7 +93,10 @@ class ServerMetrics:
                            (self.kv_usage, "usage"), (self.kv_used, "used_blocks"),
                            (self.kv_blocks, "num_blocks"),
                            (self.prefix_hit_rate, "prefix_cache_hit_rate"),
-                           (self.preemptions, "num_preemptions")):
+                           (self.preemptions, "num_preemptions"),
+                           (self.spec_drafts, "spec_decode_num_drafts"),
+                           (self.spec_draft_tokens, "spec_decode_num_draft_tokens"),
+                           (self.spec_accepted_tokens, "spec_decode_num_accepted_tokens")):
             if key in stats:
                 gauge.set(stats[key])
         return generate_latest(self.registry)
