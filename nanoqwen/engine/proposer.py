@@ -25,6 +25,9 @@ from nanoqwen.engine.scheduler import ScheduledSpecDecode
 from nanoqwen.engine.sequence import Sequence
 from nanoqwen.sampler import dense_probs
 
+# a draft catch-up of at most this many tokens runs as decode rows (one per token)
+SHORT_CATCH_UP = 4
+
 
 class NgramProposer:
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
@@ -90,23 +93,33 @@ class DraftModelProposer:
 
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
         """Run the draft model over each sequence's tokens it has not computed (up to and with the
-        newest), in chunks of at most max_chunk; logits [B, V] after each newest token."""
+        newest), in chunks of at most max_chunk; logits [B, V] after each newest token.
+
+        After a verification step that is one or two tokens: those go as decode rows, one per token
+        (as the target verifies drafts: engine/model_runner.py), so the step takes the decode path;
+        a longer catch-up (a new prompt) goes as a prompt chunk."""
         rows: dict[int, torch.Tensor] = {}
         while len(rows) < len(seqs):
             step = StepInput(input_ids=[], decode=[], prefill=[], sample_rows=[])
-            order = []  # which sequence each sample row is
             todo = [i for i in range(len(seqs)) if i not in rows]
-            # (single tokens as decode rows, which come first and take the faster decode path)
-            for i in sorted(todo, key=lambda i: seqs[i].num_tokens
-                            - seqs[i].num_draft_computed_tokens > 1):
+            short = [i for i in todo if seqs[i].num_uncomputed_draft_tokens <= SHORT_CATCH_UP]
+            order = []  # which sequence each sample row is
+            for i in short:  # decode rows come first in a step
+                seq = seqs[i]
+                start, end = seq.num_draft_computed_tokens, seq.num_tokens
+                step.input_ids += seq.token_ids(start, end)
+                step.decode += [DecodeRow(seq.block_table, p + 1) for p in range(start, end)]
+                seq.num_draft_computed_tokens = end
+                step.sample_rows.append(len(step.input_ids) - 1)
+                order.append(i)
+            for i in todo:
+                if i in short:
+                    continue
                 seq = seqs[i]
                 start = seq.num_draft_computed_tokens
                 end = min(seq.num_tokens, start + self.max_chunk)
                 step.input_ids += seq.token_ids(start, end)
-                if end - start == 1 and end == seq.num_tokens:
-                    step.decode.append(DecodeRow(seq.block_table, end))
-                else:
-                    step.prefill.append(PrefillRow(seq.block_table, start, end - start))
+                step.prefill.append(PrefillRow(seq.block_table, start, end - start))
                 seq.num_draft_computed_tokens = end
                 if end == seq.num_tokens:
                     step.sample_rows.append(len(step.input_ids) - 1)

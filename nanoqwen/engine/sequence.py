@@ -71,6 +71,11 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def num_uncomputed_draft_tokens(self) -> int:
+        """Tokens the draft model has yet to compute (speculative decoding)."""
+        return self.num_tokens - self.num_draft_computed_tokens
+
+    @property
     def is_prefilling(self) -> bool:
         """True while more than the newest token is missing from the cache (after
         admission or preemption)."""
