@@ -181,8 +181,8 @@ def first_table(results: dict, ks: list[int], quants: list[str], report: Report)
     base = results.get("bf16") or {}
     rows = [("plain bf16", "bf16", "ordinary", False), ("plain bf16", "bf16", "repeated", False)]
     rows += [(f"plain {q} (reference, no speculation)", q, "ordinary", False) for q in quants]
-    rows += [(f"self_quantized {q}, k={k}", f"sq-{q}-k{k}", "ordinary", True)
-             for q in quants for k in ks]
+    rows += [(f"self_quantized {q}, k={k}", f"sq-{q}-k{k}", kind, True)
+             for kind in ("ordinary", "repeated") for q in quants for k in ks]
     rows += [(f"ngram k={NGRAM['num_speculative_tokens']}, lookup "
               f"{NGRAM['prompt_lookup_min']}..{NGRAM['prompt_lookup_max']}", "ngram", kind, True)
              for kind in ("ordinary", "repeated")]
