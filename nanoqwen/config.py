@@ -311,8 +311,9 @@ class GenerationConfig:
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self_quantized")
 # speculation is off in steps with more running sequences than this, unless the config says
-# otherwise: where batch-1 speculation pays and batch-8 speculation no longer does (BENCHMARKS.md)
-DEFAULT_SPEC_MAX_BATCH = 4
+# otherwise: on a 2-core CPU, drafts that are all accepted still pay at batch 2 and no longer at
+# batch 4 (BENCHMARKS.md)
+DEFAULT_SPEC_MAX_BATCH = 2
 
 
 @dataclass

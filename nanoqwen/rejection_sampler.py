@@ -55,16 +55,17 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]],
                              [stop_token_ids[i] for i, _ in rows])
     argmax = adjusted.argmax(dim=-1).tolist()  # [R]
     sampled_rows = [r for r, p in enumerate(row_params) if not p.greedy]
-    probs = dict(zip(sampled_rows, dense_probs(adjusted[sampled_rows],
-                                               [row_params[r] for r in sampled_rows]), strict=True)
-                 ) if sampled_rows else {}
+    probs = {}  # row -> p [V], for the rows of sampled (not greedy) requests
+    if sampled_rows:
+        dense = dense_probs(adjusted[sampled_rows], [row_params[r] for r in sampled_rows])
+        probs = dict(zip(sampled_rows, dense, strict=True))
     out: list[list[int]] = []
-    start = 0
+    starts = _starts(drafts)
     for i, draft in enumerate(drafts):
         g, q = generators[i], draft_probs[i]
         tokens = []
         for j in range(len(draft) + 1):
-            r = start + j
+            r = starts[i] + j
             if params[i].greedy:
                 tokens.append(argmax[r])
                 if j == len(draft) or argmax[r] != draft[j]:
@@ -76,7 +77,8 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]],
                 break
             d = draft[j]
             q_d = 1.0 if q is None else float(q[j, d])
-            if float(torch.rand((), generator=g)) * q_d < float(p[d]):  # prob. min(1, p/q)
+            u = float(torch.rand((), generator=g, device=p.device))
+            if u * q_d < float(p[d]):  # accepted with probability min(1, p(d) / q(d))
                 tokens.append(d)
                 continue
             if q is None:  # q one-hot at d: the residual is p without d
@@ -87,9 +89,8 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]],
             tokens.append(_draw(residual if float(residual.sum()) > 0 else p, g))
             break
         out.append(tokens)
-        start += len(draft) + 1
     # the target's logprobs of the emitted tokens, each from its own row
-    emitted_rows = [s + j for s, tokens in zip(_starts(drafts), out, strict=True)
+    emitted_rows = [s + j for s, tokens in zip(starts, out, strict=True)
                     for j in range(len(tokens))]
     emitted = torch.tensor([t for tokens in out for t in tokens], device=logits.device)
     index = torch.tensor(emitted_rows, device=logits.device)

@@ -72,12 +72,14 @@ def test_greedy_output_unchanged(tiny_dir, draft_dir, reference, name):
 def test_greedy_unchanged_under_preemption_and_prefix_hits(tiny_dir, draft_dir, reference, name):
     """A KV budget of 12 blocks of 4 tokens for 4 answers of up to 44 tokens: sequences are
     preempted (their draft cache with them) and recomputed; the same prompts twice hit the prefix
-    cache, whose blocks the draft model recomputes."""
+    cache, whose blocks the draft model recomputes; 6-token steps chunk the prompts (and the
+    draft's catching up on them)."""
     # K and V bytes per token: the target's 2 layers x 2 heads x 32 floats, plus the draft's
     per_token = 2 * 2 * 2 * 32 * 4 + {"self-int4": 2 * 2 * 2 * 32 * 4,
                                       "draft-other-size": 2 * 2 * 2 * 16 * 4, "ngram": 0}[name]
     llm = make_llm(tiny_dir, speculative_config=spec_config(name, draft_dir),
-                   kv_cache_memory=12 * 4 * per_token, max_model_len=48)
+                   kv_cache_memory=12 * 4 * per_token, max_model_len=48,
+                   max_num_batched_tokens=6)  # prompts in chunks beside verification rows
     assert llm.llm_engine.block_manager.num_blocks == 12  # the draft's cache counted
     outputs = llm.generate(PROMPTS + PROMPTS[:2], GREEDY, use_tqdm=False)
     assert token_ids(outputs) == reference + reference[:2]
@@ -147,6 +149,27 @@ def test_metrics_and_blocks_given_back(tiny_dir):
     stats = engine.kv_cache_stats
     assert stats["spec_decode_num_drafts"] == m.spec_num_drafts
     assert stats["used_blocks"] == 0
+
+
+def test_abort_leaves_the_others_alone(tiny_dir, reference):
+    """Aborting a speculating request between steps frees its blocks; the other answers are
+    unchanged."""
+    llm = make_llm(tiny_dir, speculative_config=METHODS["self-int4"])
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    finished = {}
+    for step in range(100):
+        if step == 3:
+            engine.abort_request("1")
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert finished == {str(i): reference[i] for i in (0, 2, 3)}
+    assert engine.kv_cache_stats["used_blocks"] == 0
+    assert engine.spec_stats["num_accepted_tokens"] > 0
 
 
 def test_off_in_large_batches(tiny_dir):
@@ -269,6 +292,9 @@ def test_ngram_lookup():
     assert proposer.lookup([5, 6, 7, 8, 9, 1, 2, 5, 6, 7], 2) == [8, 9]
     # only the last token matches, latest occurrence first
     assert proposer.lookup([4, 1, 4, 2, 3, 4], 3) == [2, 3, 4]
+    # in a loop the latest occurrence has 1 token after it: an earlier one gives all k
+    assert proposer.lookup([7] * 6, 3) == [7, 7, 7]
+    assert proposer.lookup([1, 2] * 4, 4) == [1, 2, 1, 2]
     assert proposer.lookup([1, 2, 3], 4) == []
     assert NgramProposer(2, 3).lookup([4, 1, 4, 2, 3, 4], 3) == []  # needs 2 matching tokens
 

@@ -40,17 +40,26 @@ class NgramProposer:
             seq.draft_probs = None  # certain: q is one-hot
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
-        token_ids (max_n .. min_n tokens long) found; [] when none occurs."""
+        """Up to k tokens that followed an earlier occurrence of the longest suffix of token_ids
+        (max_n .. min_n tokens long) found: the latest occurrence followed by k tokens, else the
+        one followed by the most (in a loop the latest is followed by only a few); [] when none
+        occurs."""
         tokens = np.asarray(token_ids)
         total = len(tokens)
         for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
             suffix = tokens[total - n:]
             # candidate starts i < total - n whose n tokens equal the suffix
             starts = np.flatnonzero(tokens[: total - n] == suffix[0])
+            best: list[int] = []
             for i in starts[::-1]:  # the latest first
-                if i + n < total and np.array_equal(tokens[i:i + n], suffix):
-                    return tokens[i + n: i + n + k].tolist()
+                if np.array_equal(tokens[i:i + n], suffix):
+                    following = tokens[i + n: i + n + k].tolist()
+                    if len(following) > len(best):
+                        best = following
+                    if len(best) == k:
+                        break
+            if best:
+                return best
         return []
 
 

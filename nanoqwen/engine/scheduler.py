@@ -52,13 +52,8 @@ class ScheduledBatch:
                 + sum(p.num_tokens for p in self.prefill))
 
     @property
-    def decoding(self) -> list[Sequence]:
-        """Every decoding sequence, speculating or not."""
-        return self.decode + [s.seq for s in self.spec_decode]
-
-    @property
     def seqs(self) -> list[Sequence]:
-        return self.decoding + [p.seq for p in self.prefill]
+        return self.decode + [s.seq for s in self.spec_decode] + [p.seq for p in self.prefill]
 
 
 class Scheduler:
