@@ -22,14 +22,17 @@ from nanoqwen.init_random import write_random_model
 from nanoqwen.rejection_sampler import rejection_sample
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# disable_by_batch_size 8: batches of the 4 PROMPTS (and the 6 of the prefix test) are speculated
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-              "prompt_lookup_min": 1},
+              "prompt_lookup_min": 1, "disable_by_batch_size": 8},
     "self-int8": {"method": "self_quantized", "quantization": "int8",
-                  "num_speculative_tokens": 4},
+                  "num_speculative_tokens": 4, "disable_by_batch_size": 8},
     "self-int4": {"method": "self_quantized", "quantization": "int4",
-                  "num_speculative_tokens": 3},
-    "draft-other-size": {"method": "draft_model", "num_speculative_tokens": 2},  # model: below
+                  "num_speculative_tokens": 3, "disable_by_batch_size": 8},
+    # model: below
+    "draft-other-size": {"method": "draft_model", "num_speculative_tokens": 2,
+                         "disable_by_batch_size": 8},
 }
 
 
@@ -60,6 +63,7 @@ def reference(tiny_dir):
 def test_greedy_output_unchanged(tiny_dir, draft_dir, reference, name):
     llm = make_llm(tiny_dir, speculative_config=spec_config(name, draft_dir))
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference  # batched
+    assert llm.llm_engine.spec_stats["num_drafts"] > 0  # (speculated in the batch too)
     for prompt, expected in zip(PROMPTS, reference, strict=True):  # alone
         assert token_ids(llm.generate([prompt], GREEDY, use_tqdm=False)) == [expected]
     stats = llm.llm_engine.spec_stats

@@ -199,7 +199,7 @@ def test_tp2_ngram_speculation_gives_the_answers_of_tp1(checkpoint):
     expected = [o.token_ids for o in make_llm(path, **EAGER).generate(LOOPING, params,
                                                                      use_tqdm=False)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
-            "prompt_lookup_min": 1}
+            "prompt_lookup_min": 1, "disable_by_batch_size": len(LOOPING)}
     with tp_llm(path, speculative_config=spec, **EAGER) as llm:
         assert [o.token_ids for o in llm.generate(LOOPING, params, use_tqdm=False)] == expected
         assert llm.llm_engine.spec_stats["num_accepted_tokens"] > 0
