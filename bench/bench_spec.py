@@ -234,6 +234,23 @@ def batch_table(results: dict, label: str, batches: list[int], report: Report) -
     return lines
 
 
+def write_checkpoint(model_dir: Path, std: float, embedding_scale: float) -> None:
+    """A random Qwen3-0.6B-shaped checkpoint, its embedding multiplied by embedding_scale."""
+    from safetensors.torch import load_file, save_file
+
+    from nanoqwen.init_random import write_random_model
+
+    print(f"writing a random Qwen3-0.6B-shaped checkpoint (std {std:g}, embedding x"
+          f"{embedding_scale:g}) to {model_dir}", file=sys.stderr)
+    write_random_model(model_dir, "qwen3-0.6b", dtype="bfloat16", std=std)
+    if embedding_scale != 1:
+        path = model_dir / "model.safetensors"
+        tensors = load_file(path)
+        name = "model.embed_tokens.weight"
+        tensors[name] = (tensors[name].float() * embedding_scale).bfloat16()
+        save_file(tensors, path, metadata={"format": "pt"})
+
+
 def weight_std(model_dir: Path) -> str:
     """The std of layer 0's down projection, read from the checkpoint (bench_model writes
     N(0, 0.02) weights)."""
@@ -260,6 +277,10 @@ def main() -> None:
     parser.add_argument("--std", type=float, default=0.2,
                         help="std of the random checkpoint's weights (default 0.2; written once "
                              "under bench/.models)")
+    parser.add_argument("--embedding-scale", type=float, default=1.0,
+                        help="multiply the random checkpoint's embedding by this (BENCHMARKS.md's "
+                             "checkpoint whose drafts are always right: --std 0.02 "
+                             "--embedding-scale 10; each token then predicts itself)")
     parser.add_argument("--write", action="store_true", help="record the tables in BENCHMARKS.md")
     parser.add_argument("--ks", type=int, nargs="+", default=None,
                         help=f"self_quantized draft lengths (default: {' '.join(map(str, KS))}; "
@@ -283,14 +304,11 @@ def main() -> None:
     quants = list(QUICK_QUANTS if args.quick else QUANTS)
     if min(ks + batches) < 1:
         parser.error("--ks and --batches must be at least 1")
+    scaled = f"-embed{args.embedding_scale:g}" if args.embedding_scale != 1 else ""
     model_dir = Path(args.model) if args.model else (
-        bench_model.DEFAULT_DIR.parent / f"qwen3-0.6b-random-bf16-std{args.std:g}")
+        bench_model.DEFAULT_DIR.parent / f"qwen3-0.6b-random-bf16-std{args.std:g}{scaled}")
     if args.model is None and not (model_dir / "config.json").exists():
-        from nanoqwen.init_random import write_random_model
-
-        print(f"writing a random Qwen3-0.6B-shaped checkpoint (std {args.std:g}) to {model_dir}",
-              file=sys.stderr)
-        write_random_model(model_dir, "qwen3-0.6b", dtype="bfloat16", std=args.std)
+        write_checkpoint(model_dir, args.std, args.embedding_scale)
 
     std = weight_std(model_dir)
     print(f"{bench_model.machine_line('cpu')}\n{THREADS} torch threads in each configuration's "

@@ -21,6 +21,7 @@ import logging
 import random
 import time
 import weakref
+from pathlib import Path
 
 import torch
 
@@ -193,9 +194,9 @@ class LLMEngine:
                                  self.config.vocab_size, draft_config.vocab_size, draft_dir)
         draft = load_model(draft_dir, draft_config, self.dtype, self.device, max_model_len,
                            quantization=spec.quantization)
-        same = draft.embed_tokens.weight
-        if spec.method == "self_quantized" and same.dtype == target.embed_tokens.weight.dtype:
-            draft.embed_tokens.weight = target.embed_tokens.weight  # one copy of the same table
+        embedding = target.embed_tokens.weight
+        if spec.method == "self_quantized" and draft.embed_tokens.weight.dtype == embedding.dtype:
+            draft.embed_tokens.weight = embedding  # one copy of the same table (never quantised)
         logger.info("speculative decoding: %s draft (%s, %.2f GiB), %d tokens per step",
                     spec.method, spec.quantization or str(self.dtype).removeprefix("torch."),
                     weight_bytes(draft) / 2**30, spec.num_speculative_tokens)
@@ -481,7 +482,7 @@ class LLMEngine:
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_vocab_size: int,
-                         draft_vocab_size: int, draft_dir: object) -> None:
+                         draft_vocab_size: int, draft_dir: Path) -> None:
     """A ConfigError unless the draft model reads and writes the same token ids as the target
     (the same vocabulary and the same logits width)."""
     fix = "a draft model must share the target's tokenizer (every Qwen3 size does)"
