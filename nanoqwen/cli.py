@@ -81,6 +81,8 @@ def speed_line(llm, output) -> str:
         accepted = m.spec_num_accepted_tokens / m.spec_num_draft_tokens
         spec = (f" · speculative: {m.spec_mean_acceptance_length:.2f} tokens per step, "
                 f"{accepted:.0%} of drafts accepted")
+        if m.spec_num_pauses:
+            spec += f", paused {m.spec_num_pauses}x for not paying"
     return f"[{speed} · {weights} weights, {size:.2f} GiB · kernels: {engine.kernel_path}{spec}]"
 
 

@@ -332,6 +332,8 @@ class SpeculativeConfig:
     disable_by_batch_size: no speculation in a step with more running sequences than this (then a
     step is no longer bound by reading the weights, and verifying k tokens per sequence costs
     more than it saves); None: DEFAULT_SPEC_MAX_BATCH.
+    disable_by_acceptance: pause a sequence's speculation while its drafts are accepted too seldom
+    to pay for their cost, measured as it runs (nanoqwen/engine/spec_switch.py).
     """
 
     method: str
@@ -341,6 +343,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None
+    disable_by_acceptance: bool = True
 
     @classmethod
     def from_value(cls, value: Any) -> SpeculativeConfig | None:
@@ -388,6 +391,9 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"{where}: {name}={v!r} must be an integer >= 1")
+        if not isinstance(self.disable_by_acceptance, bool):
+            raise ConfigError(f"{where}: disable_by_acceptance={self.disable_by_acceptance!r} "
+                              "must be true or false")
         if self.method == "ngram":
             # vLLM's defaults: both 5 when neither is given, else the one given for both
             self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min or 5

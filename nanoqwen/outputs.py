@@ -38,10 +38,12 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_output_tokens: int = 0
-    # speculative decoding: verification steps, draft tokens proposed, drafts accepted
+    # speculative decoding: verification steps, draft tokens proposed, drafts accepted, and
+    # the times its drafts were paused for not paying (engine/spec_switch.py)
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_num_pauses: int = 0
 
     @property
     def spec_mean_acceptance_length(self) -> float | None:

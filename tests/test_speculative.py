@@ -16,23 +16,29 @@ from scipy.stats import chi2_contingency, chisquare
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.config import EngineConfig, SpeculativeConfig
+from nanoqwen.engine.block_manager import BlockManager
 from nanoqwen.engine.proposer import NgramProposer
+from nanoqwen.engine.scheduler import ScheduledBatch, ScheduledPrefill, ScheduledSpecDecode, Scheduler
+from nanoqwen.engine.sequence import Sequence
+from nanoqwen.engine.spec_switch import SpecDecodeSwitch
 from nanoqwen.errors import ConfigError
 from nanoqwen.init_random import write_random_model
 from nanoqwen.rejection_sampler import rejection_sample
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-# disable_by_batch_size 8: batches of the 4 PROMPTS (and the 6 of the prefix test) are speculated
+# disable_by_batch_size 8: batches of the 4 PROMPTS (and the 6 of the prefix test) are speculated;
+# disable_by_acceptance off: every step speculates, whatever its drafts' cost (on a tiny model a
+# draft costs as much as the target: the switch would pause them; it is tested on its own below)
+ALWAYS = {"disable_by_batch_size": 8, "disable_by_acceptance": False}
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-              "prompt_lookup_min": 1, "disable_by_batch_size": 8},
+              "prompt_lookup_min": 1, **ALWAYS},
     "self-int8": {"method": "self_quantized", "quantization": "int8",
-                  "num_speculative_tokens": 4, "disable_by_batch_size": 8},
+                  "num_speculative_tokens": 4, **ALWAYS},
     "self-int4": {"method": "self_quantized", "quantization": "int4",
-                  "num_speculative_tokens": 3, "disable_by_batch_size": 8},
+                  "num_speculative_tokens": 3, **ALWAYS},
     # model: below
-    "draft-other-size": {"method": "draft_model", "num_speculative_tokens": 2,
-                         "disable_by_batch_size": 8},
+    "draft-other-size": {"method": "draft_model", "num_speculative_tokens": 2, **ALWAYS},
 }
 
 
@@ -186,6 +192,96 @@ def test_off_in_large_batches(tiny_dir):
     assert llm.llm_engine.spec_stats["num_drafts"] > 0
 
 
+# ---- the switch that pauses drafts that do not pay (engine/spec_switch.py)
+
+
+def test_switch_weighs_tokens_per_step_against_a_steps_cost():
+    """Synthetic step times: a speculative step costs 3 plain steps (the fastest of each; a
+    compiling step and a step with a prompt chunk do not count); a sequence giving 3 tokens per
+    verification keeps its drafts, one falling below is paused for 16 tokens, then 32 after a failed
+    retry, and a retry that pays makes the next pause short again."""
+    switch = SpecDecodeSwitch()
+    seq = Sequence("a", 0, [1, 2, 3], SamplingParams(max_tokens=100))
+    seq.spec_token_ids = [5, 6]
+    other = Sequence("b", 0, [1], SamplingParams())
+    spec_step = ScheduledBatch(spec_decode=[ScheduledSpecDecode(seq, 2)])
+    plain_step = ScheduledBatch(decode=[other])
+    assert switch.step_cost(1) is None
+    # no plain step measured yet: the next step is plain, to measure one
+    assert not switch.judge(seq, 3, batch_size=1) and seq.spec_resume_at == 4
+    for _ in range(3):
+        switch.record_step(spec_step, 0.020, 0.010)
+        switch.record_step(plain_step, 0.0, 0.010)
+    switch.record_step(spec_step, 4.0, 1.0)  # compiled a new shape
+    switch.record_step(plain_step, 0.0, 0.002)  # counts: plain steps are this fast
+    switch.record_step(ScheduledBatch(decode=[other], prefill=[ScheduledPrefill(seq, 2)]), 0, 1e-4)
+    assert switch.step_cost(1) == pytest.approx(15.0)
+    switch.record_step(plain_step, 0.0, 0.010)
+    switch.plain_seconds[1].remove(0.002)
+    assert switch.step_cost(1) == pytest.approx(3.0)
+    assert switch.step_cost(2) is None
+    seq.spec_recent_lengths.clear()
+    seq.output_token_ids = [7] * 10
+    for _ in range(6):
+        assert not switch.judge(seq, 3, batch_size=1)  # exactly pays
+    assert seq.spec_resume_at == 4
+    assert switch.judge(seq, 1, batch_size=1)  # the mean of [3]*6 + [1] falls below 3
+    assert seq.spec_resume_at == 10 + 1 + 16 and not seq.spec_recent_lengths
+    assert [switch.judge(seq, 2, 1) for _ in range(4)] == [False] * 3 + [True]  # a failed retry
+    assert seq.spec_resume_at == 10 + 2 + 32 and seq.spec_pause == 64
+    assert not any(switch.judge(seq, 3, 1) for _ in range(4)) and seq.spec_pause == 0
+    assert switch.num_pauses == 2
+    # a measured plain step is due again after 64 speculative steps
+    for _ in range(64):
+        switch.record_step(spec_step, 0.020, 0.010)
+    assert not switch.judge(seq, 3, 1) and seq.spec_resume_at == 10 + 3 + 1
+    scheduler = Scheduler(BlockManager(8, 4, False), 4, 64, num_speculative_tokens=2)
+    assert scheduler.spec_tokens_allowed(seq, 2) == 0  # paused until 14 tokens
+    seq.output_token_ids.extend([7] * 4)
+    assert scheduler.spec_tokens_allowed(seq, 2) == 2
+
+
+def test_drafts_that_do_not_pay_are_paused(tiny_dir, monkeypatch):
+    """The model's int8 copy made to propose a token after the one it chose: every draft is
+    rejected, so with the switch on the answer (unchanged) is mostly decoded without drafts."""
+    from nanoqwen.engine.proposer import DraftModelProposer
+
+    monkeypatch.setattr(DraftModelProposer, "_draw",
+                        staticmethod(lambda seq, logits: (int(logits.argmax()) + 1, None)))
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    plain = make_llm(tiny_dir).generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    config = {"method": "self_quantized", "quantization": "int8", "num_speculative_tokens": 3}
+    for switch in (False, True):
+        llm = make_llm(tiny_dir, speculative_config={**config, "disable_by_acceptance": switch})
+        out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == plain.token_ids
+        m = out.metrics
+        assert m.spec_num_accepted_tokens <= 2  # (the copy's choice + 1 may be the model's)
+        if not switch:
+            # every step but the first (the prompt's) and the last (no room for drafts)
+            assert m.spec_num_drafts == 62 - m.spec_num_accepted_tokens and not m.spec_num_pauses
+    # 4 verifications, 16 tokens paused, a plain step measured, 4, 32, 4, ...
+    assert 2 <= m.spec_num_pauses <= 4 and m.spec_num_drafts <= 20
+    assert llm.llm_engine.kv_cache_stats["spec_decode_num_pauses"] == m.spec_num_pauses
+
+
+def test_drafts_that_pay_keep_speculating(tiny_dir, monkeypatch):
+    """A proposer that knows the answer (the n-gram method's lookup replaced by the plain answer):
+    7 tokens per step for a step that costs a few plain ones; the switch leaves it on."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    prompt = PROMPTS[0]
+    answer = make_llm(tiny_dir).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(NgramProposer, "lookup", lambda self, token_ids, k: list(
+        answer[len(token_ids) - len(prompt): len(token_ids) - len(prompt) + k]))
+    config = {**METHODS["ngram"], "num_speculative_tokens": 6, "disable_by_acceptance": True}
+    llm = make_llm(tiny_dir, speculative_config=config)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == answer
+    m = out.metrics
+    assert m.spec_num_pauses == 0 and m.spec_mean_acceptance_length > 6
+    assert 1 < llm.llm_engine.spec_switch.step_cost(1) < 6  # measured, plain steps included
+
+
 def test_structured_outputs_are_not_speculated(tiny_dir):
     from nanoqwen.structured_outputs import StructuredOutputsParams
 
@@ -272,7 +368,7 @@ def test_sampled_distribution_matches_plain_decoding(checkpoint, monkeypatch):
     params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=i)
               for i in range(n)]
     config = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2,
-              "disable_by_batch_size": 1024}
+              "disable_by_batch_size": 1024, "disable_by_acceptance": False}
     counts = []
     for options in ({}, {"speculative_config": config}):
         llm = make_llm(path, **kwargs, **options)
@@ -321,6 +417,8 @@ def test_config_parsing_and_errors(tiny_dir):
            ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown field 'k'"),
            ({"method": "self_quantized", "quantization": "fp8", "num_speculative_tokens": 2},
             "quantization='fp8'"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_acceptance": "no"},
+            "disable_by_acceptance='no' must be true or false"),
            ("{method: ngram}", "not valid JSON")]
     for value, message in bad:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

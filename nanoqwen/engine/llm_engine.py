@@ -37,6 +37,7 @@ from nanoqwen.engine.output_processor import OutputProcessor, RequestState
 from nanoqwen.engine.proposer import DraftModelProposer, NgramProposer
 from nanoqwen.engine.scheduler import ScheduledBatch, Scheduler
 from nanoqwen.engine.sequence import Sequence, SequenceStatus
+from nanoqwen.engine.spec_switch import SpecDecodeSwitch
 from nanoqwen.engine.tp_worker import KVCacheSize, LoadModel, TPGroup
 from nanoqwen.errors import ConfigError, InvalidRequestError
 from nanoqwen.hub import resolve_model_path
@@ -114,6 +115,8 @@ class LLMEngine:
             spec_max_batch=(spec.disable_by_batch_size or DEFAULT_SPEC_MAX_BATCH) if spec else 0)
         # proposed and accepted draft tokens, and verification steps, since start (/metrics)
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.spec_switch = (SpecDecodeSwitch() if spec is not None and spec.disable_by_acceptance
+                            else None)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.max_model_len)
         seed = config.seed if config.seed is not None else random.randrange(2**63)
@@ -365,15 +368,20 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
+        start = time.perf_counter()
         if batch.spec_decode:
             self.proposer.propose(batch.spec_decode)  # seq.spec_token_ids for this step
-        if self.tp_group is None:
-            sampled = self.runner.execute(batch, self.eos_token_ids)
-        else:
-            # a failed rank stops the group with an EngineDeadError, never a hang
-            with self.tp_group.guard():
-                sampled = self.runner.execute(batch, self.eos_token_ids)
+        proposed = time.perf_counter()
+        sampled = self._execute(batch)
+        if self.spec_switch is not None:  # whether drafts pay: their cost, measured
+            self.spec_switch.record_step(batch, proposed - start, time.perf_counter() - proposed)
         return self._postprocess(batch, sampled)
+
+    def _execute(self, batch: ScheduledBatch) -> list[SampledTokens] | list[PooledOutput]:
+        if self.tp_group is None:
+            return self.runner.execute(batch, self.eos_token_ids)
+        with self.tp_group.guard():  # a failed rank stops the group with an EngineDeadError
+            return self.runner.execute(batch, self.eos_token_ids)
 
     def _postprocess(self, batch: ScheduledBatch, sampled: list[SampledTokens] | list[PooledOutput]
                      ) -> list[RequestOutput | PoolingRequestOutput]:
@@ -390,8 +398,9 @@ class LLMEngine:
         for seq in batch.decode:
             seq.num_computed_tokens += 1
         new_tokens = {id(s.seq): len(s.token_ids) for s in sampled}
+        batch_size = len(batch.decode) + len(batch.spec_decode)
         for seq, _ in batch.spec_decode:
-            self._count_spec(seq, new_tokens[id(seq)])
+            self._count_spec(seq, new_tokens[id(seq)], batch_size)
             # the newest token and the accepted drafts are in the cache (the last new token is
             # not); the draft model's cache holds at most what the target's holds
             seq.num_computed_tokens += new_tokens[id(seq)]
@@ -424,13 +433,17 @@ class LLMEngine:
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.register_full_blocks(seq)
 
-    def _count_spec(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Proposed and accepted draft tokens, for the request's metrics and the engine's."""
+    def _count_spec(self, seq: Sequence, num_new_tokens: int, batch_size: int) -> None:
+        """Proposed and accepted draft tokens, for the request's metrics and the engine's (and
+        the switch that pauses drafts that do not pay)."""
         proposed = len(seq.spec_token_ids)
         if not proposed:
             return
         accepted = num_new_tokens - 1
         m = self.requests[seq.request_id].metrics
+        if self.spec_switch is not None and self.spec_switch.judge(seq, num_new_tokens,
+                                                                   batch_size):
+            m.spec_num_pauses += 1
         m.spec_num_drafts += 1
         m.spec_num_draft_tokens += proposed
         m.spec_num_accepted_tokens += accepted
@@ -478,6 +491,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             **{f"spec_decode_{k}": v for k, v in self.spec_stats.items()},
+            "spec_decode_num_pauses": self.spec_switch.num_pauses if self.spec_switch else 0,
         }
 
 

@@ -129,9 +129,10 @@ class Scheduler:
 
     def spec_tokens_allowed(self, seq: Sequence, k: int) -> int:
         """Draft tokens worth proposing for seq: at most k, none under a grammar (structured
-        outputs are not speculated), and fewer near its end: the step's last token is always the
+        outputs are not speculated) or while its drafts are paused for not paying
+        (engine/spec_switch.py), and fewer near its end: the step's last token is always the
         target's own, so drafts beyond max_tokens or max_model_len would be wasted."""
-        if seq.grammar is not None:
+        if seq.grammar is not None or len(seq.output_token_ids) < seq.spec_resume_at:
             return 0
         left = self.max_model_len - seq.num_tokens if self.max_model_len else k + 1
         max_tokens = seq.sampling_params.max_tokens

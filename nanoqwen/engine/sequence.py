@@ -8,6 +8,7 @@ sampling_params are None.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,12 @@ class Sequence:
     # tokens whose keys/values are in the draft model's cache (its own count: the draft catches up
     # on everything the target computed, and after a prefix-cache hit recomputes the prefix)
     num_draft_computed_tokens: int = 0
+    # whether its drafts pay (engine/spec_switch.py): tokens per verification step, the latest
+    # few; no drafts until the answer has spec_resume_at tokens; the next pause's length (0: the
+    # first pause's)
+    spec_recent_lengths: deque[int] = field(default_factory=lambda: deque(maxlen=8))
+    spec_resume_at: int = 0
+    spec_pause: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -68,6 +68,9 @@ class ServerMetrics:
                                        "Draft tokens proposed so far", registry=r)
         self.spec_accepted_tokens = Gauge("nanoqwen_spec_decode_num_accepted_tokens",
                                           "Draft tokens accepted so far", registry=r)
+        self.spec_pauses = Gauge("nanoqwen_spec_decode_num_pauses",
+                                 "Times a sequence's drafts were paused for not paying",
+                                 registry=r)
 
     def count_http(self, path: str, status: int) -> None:
         self.http_requests.labels(path if path in ENDPOINTS else "other", str(status)).inc()
@@ -96,7 +99,8 @@ class ServerMetrics:
                            (self.preemptions, "num_preemptions"),
                            (self.spec_drafts, "spec_decode_num_drafts"),
                            (self.spec_draft_tokens, "spec_decode_num_draft_tokens"),
-                           (self.spec_accepted_tokens, "spec_decode_num_accepted_tokens")):
+                           (self.spec_accepted_tokens, "spec_decode_num_accepted_tokens"),
+                           (self.spec_pauses, "spec_decode_num_pauses")):
             if key in stats:
                 gauge.set(stats[key])
         return generate_latest(self.registry)
