@@ -38,7 +38,10 @@ KS, BATCHES, QUANTS = (1, 2, 3, 4, 6), (1, 2, 4, 8), ("int8", "int4")
 QUICK_KS, QUICK_BATCHES, QUICK_QUANTS = (4,), (1, 2), ("int4",)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
-FORCE_ON = 1024  # disable_by_batch_size: speculation in every step whatever the batch
+# speculation in every step whatever the batch and whatever it pays (the "switch on" rows keep
+# the defaults: off above batch 2, drafts that do not pay paused)
+FORCE_ON = 1024
+ALWAYS = {"disable_by_batch_size": FORCE_ON, "disable_by_acceptance": False}
 
 
 def prompt(kind: str) -> list[int]:
@@ -78,7 +81,8 @@ def measure(llm, kind: str, batch: int, new_tokens: int, gaps: bool = False) -> 
         runs.append({"tok_s": sum(len(t) - 1 for t in tokens) / span, "tokens": tokens,
                      "drafts": sum(m.spec_num_drafts for m in ms),
                      "draft_tokens": sum(m.spec_num_draft_tokens for m in ms),
-                     "accepted": sum(m.spec_num_accepted_tokens for m in ms)})
+                     "accepted": sum(m.spec_num_accepted_tokens for m in ms),
+                     "pauses": sum(m.spec_num_pauses for m in ms)})
     best = max(runs, key=lambda r: r["tok_s"])
     # two greedy runs of the same prompts that disagree with each other
     best["unsteady"] = any(r["tokens"] != best["tokens"] for r in runs)
@@ -128,7 +132,8 @@ def run_child(name: str, spec: dict, model_dir: Path, new_tokens: int) -> dict |
     result = json.loads(line[len("RESULT "):])
     for key, r in result["runs"].items():
         print(f"  {key}: {r['tok_s']:.2f} tok/s, drafts {r['drafts']}, proposed "
-              f"{r['draft_tokens']}, accepted {r['accepted']}", file=sys.stderr, flush=True)
+              f"{r['draft_tokens']}, accepted {r['accepted']}, paused {r['pauses']}",
+              file=sys.stderr, flush=True)
     return result["runs"]
 
 
@@ -146,11 +151,13 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[int,
 
 
 def spec_cells(r: dict) -> tuple[str, str]:
-    """(acceptance rate, mean acceptance length) of a run's counters."""
+    """(acceptance rate, mean acceptance length) of a run's counters; with the times drafts were
+    paused for not paying, if any."""
     if not r["draft_tokens"]:
         return "no drafts", "—"
+    paused = f" ({r['pauses']} pauses)" if r.get("pauses") else ""
     return (f"{r['accepted'] / r['draft_tokens']:.0%}",
-            f"{1 + r['accepted'] / r['drafts']:.2f}")
+            f"{1 + r['accepted'] / r['drafts']:.2f}{paused}")
 
 
 class Report:
@@ -176,6 +183,8 @@ class Report:
 
 
 def first_table(results: dict, ks: list[int], quants: list[str], report: Report) -> list[str]:
+    """Rows of speculation in every step, then the defaults' rows ("switch on"): the largest k
+    with drafts that do not pay paused."""
     lines = ["| configuration | prompt | decode tok/s | vs plain bf16 | acceptance rate | "
              "mean acceptance length | same tokens as bf16 |", "|---|---|---:|---:|---:|---:|---|"]
     base = results.get("bf16") or {}
@@ -183,8 +192,12 @@ def first_table(results: dict, ks: list[int], quants: list[str], report: Report)
     rows += [(f"plain {q} (reference, no speculation)", q, "ordinary", False) for q in quants]
     rows += [(f"self_quantized {q}, k={k}", f"sq-{q}-k{k}", kind, True)
              for kind in ("ordinary", "repeated") for q in quants for k in ks]
-    rows += [(f"ngram k={NGRAM['num_speculative_tokens']}, lookup "
-              f"{NGRAM['prompt_lookup_min']}..{NGRAM['prompt_lookup_max']}", "ngram", kind, True)
+    ngram = (f"ngram k={NGRAM['num_speculative_tokens']}, lookup "
+             f"{NGRAM['prompt_lookup_min']}..{NGRAM['prompt_lookup_max']}")
+    rows += [(ngram, "ngram", kind, True) for kind in ("ordinary", "repeated")]
+    rows += [(f"self_quantized {q}, k={max(ks)}, switch on", f"sq-{q}-k{max(ks)}-switch", kind,
+              True) for kind in ("ordinary", "repeated") for q in quants]
+    rows += [(f"{ngram}, switch on", "ngram-switch", kind, True)
              for kind in ("ordinary", "repeated")]
     for label, name, kind, speculative in rows:
         key, ref = f"{kind}-b1", base.get(f"{kind}-b1")
@@ -213,7 +226,7 @@ def best_config(results: dict, ks: list[int], quants: list[str]) -> tuple[str, d
              or agreement(results[c[0]]["ordinary-b1"]["tokens"], ref["tokens"]) is None]
     name, q, k = max(exact or found, key=lambda c: results[c[0]]["ordinary-b1"]["tok_s"])
     return name, {"method": "self_quantized", "quantization": q, "num_speculative_tokens": k,
-                  "disable_by_batch_size": FORCE_ON}
+                  **ALWAYS}
 
 
 def batch_table(results: dict, label: str, batches: list[int], report: Report) -> list[str]:
@@ -317,11 +330,15 @@ def main() -> None:
     configs = {"bf16": (None, None, [["ordinary", b] for b in batches] + [["repeated", 1]])}
     configs.update({q: (q, None, b1) for q in quants})
     configs.update({f"sq-{q}-k{k}": (None, {"method": "self_quantized", "quantization": q,
-                                            "num_speculative_tokens": k,
-                                            "disable_by_batch_size": FORCE_ON},
+                                            "num_speculative_tokens": k, **ALWAYS},
                                         b1 + [["repeated", 1]])
                     for q in quants for k in ks})
-    configs["ngram"] = (None, NGRAM, b1 + [["repeated", 1]])
+    configs["ngram"] = (None, {**NGRAM, **ALWAYS}, b1 + [["repeated", 1]])
+    configs.update({f"sq-{q}-k{max(ks)}-switch": (None, {"method": "self_quantized",
+                                                         "quantization": q,
+                                                         "num_speculative_tokens": max(ks)},
+                                                  b1 + [["repeated", 1]]) for q in quants})
+    configs["ngram-switch"] = (None, NGRAM, b1 + [["repeated", 1]])
     results = {}
     for name, (quantization, spec, runs) in configs.items():
         results[name] = run_child(name, {"quantization": quantization, "speculative_config": spec,
@@ -352,7 +369,9 @@ def main() -> None:
         "generate. Decode tok/s: the tokens after the first over the time from the first to the "
         "last (the draft's catching up on the prompt included). self_quantized: the target's own "
         "weights quantised at load are the draft; ngram: prompt lookup in the prompt and the "
-        f"answer. Prompts: *ordinary* ({PROMPT_LEN} distinct tokens), *repeated* (an 8-token "
+        "answer; *switch on*: the defaults (no speculation above batch 2, a sequence's drafts "
+        "paused while they do not pay), the other rows speculate in every step. Prompts: "
+        f"*ordinary* ({PROMPT_LEN} distinct tokens), *repeated* (an 8-token "
         f"sequence {PROMPT_LEN // 8} times). The plain bf16 answers have "
         f"{distinct(base.get('ordinary-b1'))} tokens of {args.new_tokens} (ordinary) and "
         f"{distinct(base.get('repeated-b1'))} (repeated). Acceptance rate: accepted / proposed "

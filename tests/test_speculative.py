@@ -198,8 +198,9 @@ def test_off_in_large_batches(tiny_dir):
 def test_switch_weighs_tokens_per_step_against_a_steps_cost():
     """Synthetic step times: a speculative step costs 3 plain steps (the fastest of each; a
     compiling step and a step with a prompt chunk do not count); a sequence giving 3 tokens per
-    verification keeps its drafts, one falling below is paused for 16 tokens, then 32 after a failed
-    retry, and a retry that pays makes the next pause short again."""
+    verification keeps its drafts, one falling below is paused for 32 tokens, then 64 after a failed
+    retry (128 after 3 verifications without one accepted draft), and a retry that pays makes the
+    next pause short again."""
     switch = SpecDecodeSwitch()
     seq = Sequence("a", 0, [1, 2, 3], SamplingParams(max_tokens=100))
     seq.spec_token_ids = [5, 6]
@@ -226,11 +227,13 @@ def test_switch_weighs_tokens_per_step_against_a_steps_cost():
         assert not switch.judge(seq, 3, batch_size=1)  # exactly pays
     assert seq.spec_resume_at == 4
     assert switch.judge(seq, 1, batch_size=1)  # the mean of [3]*6 + [1] falls below 3
-    assert seq.spec_resume_at == 10 + 1 + 16 and not seq.spec_recent_lengths
+    assert seq.spec_resume_at == 10 + 1 + 32 and not seq.spec_recent_lengths
     assert [switch.judge(seq, 2, 1) for _ in range(4)] == [False] * 3 + [True]  # a failed retry
-    assert seq.spec_resume_at == 10 + 2 + 32 and seq.spec_pause == 64
+    assert seq.spec_resume_at == 10 + 2 + 64 and seq.spec_pause == 128
+    assert [switch.judge(seq, 1, 1) for _ in range(3)] == [False] * 2 + [True]  # none accepted
+    assert seq.spec_resume_at == 10 + 1 + 128 and seq.spec_pause == 256
     assert not any(switch.judge(seq, 3, 1) for _ in range(4)) and seq.spec_pause == 0
-    assert switch.num_pauses == 2
+    assert switch.num_pauses == 3
     # a measured plain step is due again after 64 speculative steps
     for _ in range(64):
         switch.record_step(spec_step, 0.020, 0.010)
@@ -260,8 +263,8 @@ def test_drafts_that_do_not_pay_are_paused(tiny_dir, monkeypatch):
         if not switch:
             # every step but the first (the prompt's) and the last (no room for drafts)
             assert m.spec_num_drafts == 62 - m.spec_num_accepted_tokens and not m.spec_num_pauses
-    # 4 verifications, 16 tokens paused, a plain step measured, 4, 32, 4, ...
-    assert 2 <= m.spec_num_pauses <= 4 and m.spec_num_drafts <= 20
+    # 1 verification, a plain step measured, 2 more (none accepted): 32 tokens paused, 3, 64 ...
+    assert 2 <= m.spec_num_pauses <= 3 and m.spec_num_drafts <= 10
     assert llm.llm_engine.kv_cache_stats["spec_decode_num_pauses"] == m.spec_num_pauses
 
 

@@ -11,10 +11,12 @@ it costs, so for each speculating sequence the engine compares:
   a batch size has no recent plain step, its next step runs without drafts to measure one (again
   after every 64 speculative steps: steps grow slower as the context grows).
 
-A sequence whose drafts do not pay (after at least 4 verifications) decodes without drafts for 16
-tokens, then tries again; each failed retry doubles the pause, up to 256 tokens. A draft the model
+A sequence whose drafts do not pay (judged after 4 verifications; after 3 if not one draft was
+accepted) decodes without drafts for 32 tokens, then tries again; each failed retry doubles the
+pause, up to 256 tokens. A retry costs the verifications that judge it and the draft model's
+catching up on the tokens it paused for (a prompt chunk through the draft). A draft the model
 agrees with keeps speculating; one it mostly rejects (another model's, or a quantised copy of a
-network that rounding throws off) costs a few verification steps per pause.
+network that rounding throws off) costs a few steps per pause.
 
 Decisions follow measured times, so with a seed a speculating request's tokens can differ between
 runs (their distribution does not: rejection_sampler.py); `disable_by_acceptance: false` turns the
@@ -29,8 +31,9 @@ from nanoqwen.engine.scheduler import ScheduledBatch
 from nanoqwen.engine.sequence import Sequence
 
 WINDOW = 8  # the steps whose times (and a sequence's verifications) are compared
-MIN_VERIFICATIONS = 4  # a sequence's drafts are judged after this many verifications
-FIRST_PAUSE, MAX_PAUSE = 16, 256  # tokens decoded without drafts before trying again
+MIN_VERIFICATIONS = 4  # a sequence's drafts are judged after this many verifications,
+MIN_ALL_REJECTED = 3  # or after this many in which every draft was rejected
+FIRST_PAUSE, MAX_PAUSE = 32, 256  # tokens decoded without drafts before trying again
 PLAIN_EVERY = 64  # speculative steps between two plain steps measured at a batch size
 
 
@@ -76,14 +79,16 @@ class SpecDecodeSwitch:
         if cost is None or self.spec_steps_since_plain[batch_size] >= PLAIN_EVERY:
             seq.spec_resume_at = num_output_tokens + 1  # its next step plain, to measure one
             return False
-        if len(seq.spec_recent_lengths) < MIN_VERIFICATIONS:
+        recent = seq.spec_recent_lengths
+        hopeless = len(recent) >= MIN_ALL_REJECTED and max(recent) == 1
+        if len(recent) < MIN_VERIFICATIONS and not hopeless:
             return False
-        if sum(seq.spec_recent_lengths) / len(seq.spec_recent_lengths) >= cost:
+        if sum(recent) / len(recent) >= cost:
             seq.spec_pause = 0  # it pays: a later pause starts short again
             return False
         pause = seq.spec_pause or FIRST_PAUSE
         seq.spec_resume_at = num_output_tokens + pause
         seq.spec_pause = min(2 * pause, MAX_PAUSE)
-        seq.spec_recent_lengths.clear()  # a retry is judged on its own verifications
+        recent.clear()  # a retry is judged on its own verifications
         self.num_pauses += 1
         return True
