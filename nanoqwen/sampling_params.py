@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -10,6 +11,10 @@ from nanoqwen.errors import InvalidRequestError
 from nanoqwen.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+# vLLM's floor for a positive temperature: logits / 1e-39 overflow to inf, and the softmax to NaN
+MIN_TEMPERATURE = 0.01
+
+logger = logging.getLogger("nanoqwen")
 
 
 def _is_int(value: object) -> bool:
@@ -22,7 +27,8 @@ def _is_number(value: object) -> bool:
 
 @dataclass
 class SamplingParams:
-    """temperature 0 means greedy; top_k -1 (or 0), top_p 1 and min_p 0 turn each filter off.
+    """temperature 0 means greedy (one in (0, 0.01) samples at 0.01, as in vLLM); top_k -1 (or 0),
+    top_p 1 and min_p 0 turn each filter off.
 
     Filters apply in transformers' order: temperature, top_k, top_p, min_p. Before them come
     min_tokens (stop ids blocked), repetition_penalty (prompt and output tokens), then
@@ -57,6 +63,11 @@ class SamplingParams:
 
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %g is below %g, whose logits / temperature overflow: "
+                           "sampling at %g (0 means greedy)", self.temperature, MIN_TEMPERATURE,
+                           MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", self.top_k, "must be an integer >= 1, or -1 / 0 to disable")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:

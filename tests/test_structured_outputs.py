@@ -120,6 +120,18 @@ def test_regex_choice_and_grammar(llm):
     assert not set(outs[1].token_ids) & llm.llm_engine.eos_token_ids
 
 
+def test_a_tiny_temperature_keeps_to_the_grammar(llm):
+    """A temperature of 8e-40 (the fuzz test's pick) made logits / temperature overflow and the
+    softmax NaN: a token outside the grammar was drawn and the step failed. It samples at vLLM's
+    floor, 0.01, instead."""
+    choices = ["yes", "no", "maybe later"]
+    params = SamplingParams(temperature=8e-40, top_p=0.25, max_tokens=10,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    assert params.temperature == 0.01
+    outs = llm.generate([PROMPT] * 3, params, use_tqdm=False)
+    assert all(o.outputs[0].text in choices for o in outs)
+
+
 def test_json_object(llm):
     out = llm.generate([PROMPT], constrained(json_object=True, disable_any_whitespace=True,
                                              max_tokens=400), use_tqdm=False)[0]
