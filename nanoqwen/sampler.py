@@ -200,6 +200,7 @@ def dense_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     probs, token_ids = filter_probs(logits, params)
     return torch.zeros_like(logits, dtype=probs.dtype).scatter_(1, token_ids, probs)
 
+
 def _noise(probs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None], vocab: int) -> torch.Tensor:
     """Exp(1) noise [R, K] for the candidates, drawn so that a row's draw never depends on the

@@ -21,7 +21,6 @@ import logging
 import random
 import time
 import weakref
-from pathlib import Path
 
 import torch
 
@@ -34,7 +33,7 @@ from nanoqwen.engine.kv_cache import KVCache
 from nanoqwen.engine.memory import kv_cache_budget
 from nanoqwen.engine.model_runner import ModelRunner, PooledOutput, SampledTokens
 from nanoqwen.engine.output_processor import OutputProcessor, RequestState
-from nanoqwen.engine.proposer import DraftModelProposer, NgramProposer
+from nanoqwen.engine.proposer import DraftModelProposer, NgramProposer, check_same_tokenizer
 from nanoqwen.engine.scheduler import ScheduledBatch, Scheduler
 from nanoqwen.engine.sequence import Sequence, SequenceStatus
 from nanoqwen.engine.spec_switch import SpecDecodeSwitch
@@ -108,7 +107,6 @@ class LLMEngine:
             raise dead from e
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        spec = config.speculative_config
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
@@ -493,21 +491,3 @@ class LLMEngine:
             **{f"spec_decode_{k}": v for k, v in self.spec_stats.items()},
             "spec_decode_num_pauses": self.spec_switch.num_pauses if self.spec_switch else 0,
         }
-
-
-def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_vocab_size: int,
-                         draft_vocab_size: int, draft_dir: Path) -> None:
-    """A ConfigError unless the draft model reads and writes the same token ids as the target
-    (the same vocabulary and the same logits width)."""
-    fix = "a draft model must share the target's tokenizer (every Qwen3 size does)"
-    if draft_vocab_size != target_vocab_size:
-        raise ConfigError(f"the draft model {draft_dir} has vocab_size {draft_vocab_size}, the "
-                          f"target {target_vocab_size}: {fix}")
-    theirs, ours = draft.backend.get_vocab(with_added_tokens=True), \
-        target.backend.get_vocab(with_added_tokens=True)
-    if theirs != ours:
-        diff = next((t for t in ours if theirs.get(t) != ours[t]), None) \
-            or next(t for t in theirs if t not in ours)
-        raise ConfigError(f"the draft model {draft_dir}'s tokenizer differs from the target's "
-                          f"(token {diff!r} is id {theirs.get(diff)} there, {ours.get(diff)} "
-                          f"here): {fix}")

@@ -53,14 +53,6 @@ class SampledTokens(NamedTuple):
     logprobs: list[TokenLogprobs | None]  # per token (None where the request asked for none)
 
 
-class Verify(NamedTuple):
-    """A sequence whose draft tokens a step verifies: its newest token and drafts are the logits
-    rows first_row .. first_row + len(seq.spec_token_ids)."""
-
-    seq: Sequence
-    first_row: int
-
-
 class PooledOutput(NamedTuple):
     """An embedding or scoring sequence's result, read at its last prompt token: the float32
     hidden state [H] or the score []."""
@@ -150,25 +142,26 @@ class ModelRunner:
             return [PooledOutput(seq, row) for seq, row in zip(seqs, logits, strict=True)]
         out = []
         if seqs:
-            plain = logits[: len(seqs)]
-            sampled = sample(plain, [s.sampling_params for s in seqs], [s.generator for s in seqs],
-                             [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                             [self._stop_ids(s, eos_token_ids) for s in seqs],
+            sampled = sample(logits[: len(seqs)], *self._sampling_inputs(seqs, eos_token_ids),
                              [s.grammar.bitmask() if s.grammar is not None else None for s in seqs])
             rows = zip(seqs, sampled.token_ids.tolist(), sampled.logprobs, strict=True)
             out = [SampledTokens(seq, [token], [lp]) for seq, token, lp in rows]
         if verify:
-            spec = [v.seq for v in verify]
-            verified = rejection_sample(
-                logits[len(seqs):], [s.spec_token_ids for s in spec],
-                [s.draft_probs for s in spec], [s.sampling_params for s in spec],
-                [s.generator for s in spec], [s.prompt_token_ids for s in spec],
-                [s.output_token_ids for s in spec], [self._stop_ids(s, eos_token_ids) for s in spec])
-            out += [SampledTokens(s, *v) for s, v in zip(spec, verified, strict=True)]
+            verified = rejection_sample(logits[len(seqs):], [s.spec_token_ids for s in verify],
+                                        [s.draft_probs for s in verify],
+                                        *self._sampling_inputs(verify, eos_token_ids))
+            out += [SampledTokens(s, *v) for s, v in zip(verify, verified, strict=True)]
         return out
 
+    def _sampling_inputs(self, seqs: list[Sequence], eos_token_ids: set[int]) -> tuple[list, ...]:
+        """What sampler.sample and rejection_sample take per sequence: params, generators, prompt
+        and output token ids, stop token ids."""
+        return ([s.sampling_params for s in seqs], [s.generator for s in seqs],
+                [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                [self._stop_ids(s, eos_token_ids) for s in seqs])
+
     @staticmethod
-    def prepare(batch: ScheduledBatch) -> tuple[StepInput, list[Sequence], list[Verify]]:
+    def prepare(batch: ScheduledBatch) -> tuple[StepInput, list[Sequence], list[Sequence]]:
         """The step's tokens, flat (decode tokens first, then the prompt chunks), the sequence
         sampled from each of the first step.sample_rows (a prompt's row once more for each sibling
         waiting to fork from it), and the sequences whose drafts the rest of the sample rows
@@ -202,11 +195,9 @@ class ModelRunner:
             step.prefill.append(PrefillRow(seq.block_table, start, n))
             if start + n == seq.num_tokens:
                 sample_from(len(step.input_ids) - 1, seq)
-        verify = []
-        for seq, rows in verify_rows:  # their logits come after every other row's
-            verify.append(Verify(seq, len(step.sample_rows)))
+        for _, rows in verify_rows:  # their logits come after every other row's
             step.sample_rows += rows
-        return step, seqs, verify
+        return step, seqs, [seq for seq, _ in verify_rows]
 
     def forward(self, step: StepInput) -> torch.Tensor | None:
         """Float32 logits [len(step.sample_rows), V] (None when nothing is sampled; the pooler's

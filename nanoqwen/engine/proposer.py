@@ -3,18 +3,21 @@ gets up to that many draft tokens (`seq.spec_token_ids`), which the step verifie
 (nanoqwen/rejection_sampler.py).
 
 - NgramProposer: prompt lookup. The answer's last n tokens (n from prompt_lookup_max down to
-  prompt_lookup_min) are searched earlier in the prompt and answer; the tokens that followed their
-  latest earlier occurrence are the drafts. No model, no cache: it pays where answers repeat their
-  input (code edits, quotes, summaries).
+  prompt_lookup_min) are searched earlier in the prompt and answer; the tokens that followed an
+  earlier occurrence (the latest with k tokens after it) are the drafts. No model, no cache: it
+  pays where answers repeat their input (code edits, quotes, summaries).
 - DraftModelProposer: a second, cheaper model (a smaller Qwen3, or the target's own weights
   quantised to int8/int4) generates the drafts autoregressively. It has its own KV cache with the
   target's block layout: the same block tables and slots, so the scheduler's blocks hold both models'
   keys and values and preemption or finishing frees both. Before drafting, the draft model catches
   up on every token the target has that it has not computed (the whole prompt the first time, and
-  usually one or two tokens after a step).
+  usually one or two tokens after a step). It must read and write the target's token ids
+  (check_same_tokenizer, at start).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,7 +26,9 @@ from nanoqwen.engine.attention_metadata import DecodeRow, PrefillRow
 from nanoqwen.engine.model_runner import ModelRunner, StepInput
 from nanoqwen.engine.scheduler import ScheduledSpecDecode
 from nanoqwen.engine.sequence import Sequence
+from nanoqwen.errors import ConfigError
 from nanoqwen.sampler import dense_probs
+from nanoqwen.tokenizer import Tokenizer
 
 # a draft catch-up of at most this many tokens runs as decode rows (one per token)
 SHORT_CATCH_UP = 4
@@ -148,3 +153,21 @@ class DraftModelProposer:
             return int(logits.argmax()), None
         q = dense_probs(logits[None], [params])[0]  # [V]
         return int(torch.multinomial(q, 1, generator=seq.generator)), q
+
+
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_vocab_size: int,
+                         draft_vocab_size: int, draft_dir: Path) -> None:
+    """A ConfigError unless the draft model reads and writes the same token ids as the target
+    (the same vocabulary and the same logits width)."""
+    fix = "a draft model must share the target's tokenizer (every Qwen3 size does)"
+    if draft_vocab_size != target_vocab_size:
+        raise ConfigError(f"the draft model {draft_dir} has vocab_size {draft_vocab_size}, the "
+                          f"target {target_vocab_size}: {fix}")
+    theirs, ours = draft.backend.get_vocab(with_added_tokens=True), \
+        target.backend.get_vocab(with_added_tokens=True)
+    if theirs != ours:
+        diff = next((t for t in ours if theirs.get(t) != ours[t]), None) \
+            or next(t for t in theirs if t not in ours)
+        raise ConfigError(f"the draft model {draft_dir}'s tokenizer differs from the target's "
+                          f"(token {diff!r} is id {theirs.get(diff)} there, {ours.get(diff)} "
+                          f"here): {fix}")

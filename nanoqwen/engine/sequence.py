@@ -8,7 +8,6 @@ sampling_params are None.
 from __future__ import annotations
 
 import enum
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +64,7 @@ class Sequence:
     # whether its drafts pay (engine/spec_switch.py): tokens per verification step, the latest
     # few; no drafts until the answer has spec_resume_at tokens; the next pause's length (0: the
     # first pause's)
-    spec_recent_lengths: deque[int] = field(default_factory=lambda: deque(maxlen=8))
+    spec_recent_lengths: list[int] = field(default_factory=list)
     spec_resume_at: int = 0
     spec_pause: int = 0
 

@@ -73,13 +73,14 @@ class SpecDecodeSwitch:
     def judge(self, seq: Sequence, num_new_tokens: int, batch_size: int) -> bool:
         """After a verification of seq's drafts that gave num_new_tokens: pause its speculation
         if its recent tokens per step are fewer than a step costs; whether it paused."""
-        seq.spec_recent_lengths.append(num_new_tokens)
+        recent = seq.spec_recent_lengths
+        recent.append(num_new_tokens)
+        del recent[:-WINDOW]
         num_output_tokens = len(seq.output_token_ids) + num_new_tokens  # after this step
         cost = self.step_cost(batch_size)
         if cost is None or self.spec_steps_since_plain[batch_size] >= PLAIN_EVERY:
             seq.spec_resume_at = num_output_tokens + 1  # its next step plain, to measure one
             return False
-        recent = seq.spec_recent_lengths
         hopeless = len(recent) >= MIN_ALL_REJECTED and max(recent) == 1
         if len(recent) < MIN_VERIFICATIONS and not hopeless:
             return False
