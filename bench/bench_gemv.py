@@ -1,11 +1,13 @@
 """Matrix-vector speed on CPU: torch's bf16 F.linear and int8 `_weight_int8pack_mm` against nanoqwen's
-bf16_gemv and int8_gemv (nanoqwen/ops/cpu_gemv.py), on Qwen3-0.6B's weight shapes, at 1 and 4 rows of x.
+bf16_gemv, int8_gemv and int4_gemv (nanoqwen/ops/cpu_gemv.py), on Qwen3-0.6B's weight shapes, at 1 and 4 rows
+of x.
 
     python bench/bench_gemv.py                 # 2 threads
     python bench/bench_gemv.py --threads 1 --rows 1 2 4 8
 
 Each cell is GB/s of weights read (weight bytes / time; int8 weights are half the bytes of bf16), the time of
-one call (the median over calls, best of three interleaved rounds), and the share of "read (sum)": torch
+one call (the median over calls, best of three interleaved rounds; int4: packed weights, scales and offsets,
+4.5 bits a weight), and the share of "read (sum)": torch
 summing a float32 tensor of the bf16 weight's bytes, timed in the same rounds, i.e. the read bandwidth at that
 moment and size. Each call reads a different copy of the weight, cycling through copies that together exceed
 the L3 cache several times, so the weights come from memory as in a decode step. The read bandwidth of a 1 GiB
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.ops import cpu_gemv
+from nanoqwen.quantization import quantize_int4
 
 # Qwen3-0.6B: (name, out features N, in features K)
 SHAPES = [("qkv", 4096, 1024), ("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072),
@@ -36,6 +39,10 @@ def read_bandwidth(gib: int = 1, repeats: int = 5) -> float:
     t.sum()
     best = min(_time(t.sum) for _ in range(repeats))
     return t.numel() * 4 / best / 1e9
+
+
+def nbytes(weight: torch.Tensor | tuple[torch.Tensor, ...]) -> int:
+    return sum(t.nbytes for t in weight) if isinstance(weight, tuple) else weight.nbytes
 
 
 def _time(fn) -> float:
@@ -80,6 +87,7 @@ def main() -> None:
         "nanoqwen bf16_gemv": ("bf16", lambda x, w, s: cpu_gemv.bf16_gemv(x, w)),
         "torch int8pack_mm": ("int8", lambda x, q, s: torch.ops.aten._weight_int8pack_mm(x, q, s)),
         "nanoqwen int8_gemv": ("int8", lambda x, q, s: cpu_gemv.int8_gemv(x, q, s)),
+        "nanoqwen int4_gemv": ("int4", lambda x, q4, s: cpu_gemv.int4_gemv(x, *q4)),
     }
     if not ok:
         kernels = {k: v for k, v in kernels.items() if not k.startswith("nanoqwen")}
@@ -95,6 +103,8 @@ def main() -> None:
             "int8": [torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8) for _ in range(copies * 2)],
             "float32": [torch.ones(n * k // 2) for _ in range(copies)],  # as many bytes as the bf16 weight
         }
+        int4 = quantize_int4(weights["bf16"][0])
+        weights["int4"] = [tuple(t.clone() for t in int4) for _ in range(copies * 3)]
         scale = (torch.rand(n, generator=g) / 1000).to(torch.bfloat16)
         for m in args.rows:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
@@ -106,7 +116,7 @@ def main() -> None:
             read = weights["float32"][0].nbytes / best["read (sum)"] / 1e9
             cells = []
             for label, (kind, _) in kernels.items():
-                gbs = weights[kind][0].nbytes / best[label] / 1e9
+                gbs = nbytes(weights[kind][0]) / best[label] / 1e9
                 share = "" if label == "read (sum)" else f", {gbs / read:.0%}"
                 cells.append(f"{gbs:.1f} GB/s, {best[label] * 1e3:.3f} ms{share}")
             print(f"| {name} {n}x{k} | {m} | {' | '.join(cells)} |", flush=True)

@@ -255,7 +255,8 @@ def table(ours: dict, theirs: dict, ceil: dict, quantized: dict[str, dict], eage
 
 def section_name(script: str, device: str) -> str:
     """The BENCHMARKS.md section of a script's table: one per device, and on CPU one per CPU class
-    (avx512-bf16: native bf16 matrix instructions; avx512; avx2), e.g. bench_model-cpu-avx2."""
+    (avx512-bf16: native bf16 matrix instructions; avx512; avx2), e.g. bench_model-cpu-avx2; a bigger CPU
+    limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) gets its own, e.g. bench_model-cpu-avx512-bf16-as-avx2."""
     if device != "cpu":
         return f"{script}-{device}"
     from nanoqwen.ops.cpu import cpu_name_and_flags
@@ -263,6 +264,8 @@ def section_name(script: str, device: str) -> str:
     flags = cpu_name_and_flags()[1]
     cpu_class = ("avx512-bf16" if {"avx512_bf16", "amx_bf16"} & flags else "avx512" if "avx512f" in flags
                  else "avx2")
+    if cpu_class != "avx2" and os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2":
+        cpu_class += "-as-avx2"
     return f"{script}-cpu-{cpu_class}"
 
 

@@ -75,7 +75,11 @@ in its low and element j + G/2 in its high nibble, so a kernel turns 8 bytes int
 AND and a shift (nanoqwen/ops/csrc/cpu_gemv.cpp). Bytes read per weight: 0.5 + 4 / G (4.5 bits at G
 = 64, as llama.cpp's q4_0). The group size was chosen by measured quality and speed
 (BENCHMARKS.md). Kernels: up to GEMV_MAX_ROWS bf16 rows on a CPU with AVX2, nanoqwen's own
-`int4_gemv` (whatever the matmul path: torch's int4 CPU kernel reads far below the bandwidth);
+`int4_gemv` (whatever the matmul path: torch's int4 CPU kernel reads far below the bandwidth),
+which quantises the activations to int8 in blocks of 32 (one float32 scale each, as llama.cpp's
+q8_0 does for its q4_0 products) so that each group's dot product is an integer one: decode rows
+compute x' @ W4.T with x' = x rounded to that grid (ops/cpu_gemv.py int4_gemv_reference; its
+added error is small beside the weights', tests/test_int4.py);
 otherwise (prefill, other dtypes, other devices) the weights are unpacked block by block to float32
 (`int4_to_float`, or the plain-torch `dequantize_int4` without the kernels) and multiplied there on
 a CPU whose bf16 matmuls are slow; where they are fast (native bf16) and on a GPU, W4 is rounded to
@@ -359,8 +363,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     """x @ W4.T: nanoqwen's int4 kernel for a few bf16 rows on CPU, else W4 unpacked block by
     block (module docstring)."""
     if (x.device.type == "cpu" and x.dtype == scale.dtype == torch.bfloat16
-            and x.numel() <= cpu.GEMV_MAX_ROWS * x.shape[-1] and _int4_kernels() is not None):
-        return _int4_kernels().int4_gemv(x, packed, scale, offset)
+            and x.numel() <= cpu.GEMV_MAX_ROWS * x.shape[-1] and int4_kernels() is not None):
+        return int4_kernels().int4_gemv(x, packed, scale, offset)
     return int4_dequantized_linear(x, packed, scale, offset)
 
 
@@ -371,7 +375,7 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     matmuls are slow (the product rounds once), else the activation dtype (W4 rounded to it)."""
     out_features, in_features = packed.shape[0], 2 * packed.shape[1]
     compute = torch.float32 if cpu.upcast_16bit(x) else x.dtype
-    kernels = _int4_kernels() if x.device.type == "cpu" and scale.dtype == torch.bfloat16 else None
+    kernels = int4_kernels() if x.device.type == "cpu" and scale.dtype == torch.bfloat16 else None
     unpack = kernels.int4_to_float if kernels is not None else dequantize_int4
     xc = x.to(compute)
     step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * 4))
@@ -386,7 +390,7 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
 _int4_state: list = []  # [cpu_gemv module or None], once looked up
 
 
-def _int4_kernels():
+def int4_kernels():
     """nanoqwen/ops/cpu_gemv.py where its kernels are available (built on first use), else None.
     Used whatever the CPU's matmul path: torch has no int4 kernel that reads near the bandwidth."""
     if not _int4_state:

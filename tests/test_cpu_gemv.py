@@ -228,6 +228,50 @@ def test_int4_gemv_threads_leading_dims_and_unpacking(kernels):
     assert torch.equal(kernels.int4_to_float(packed, scale, offset), dequantize_int4(packed, scale, offset))
 
 
+def test_int4_gemv_quantises_x_to_int8_in_blocks_of_32(kernels):
+    """An outlier of 127 sets its block's scale to 1: the block's small values round to 0 and no longer
+    count, while the next block (its own scale) keeps its small values."""
+    x, packed, scale, offset = make_int4(1, 128, 5, 64)
+    x = torch.zeros_like(x)
+    x[0, 3] = 127
+    small = torch.linspace(0.01, 0.3, 32).to(torch.bfloat16)
+    with_small = x.clone()
+    with_small[0, :32] += small * (torch.arange(32) != 3)  # in the outlier's block: rounded away
+    with_small[0, 32:64] = small  # a block of its own: kept
+    only_second = x.clone()
+    only_second[0, 32:64] = small
+    got = check_int4(kernels, with_small, packed, scale, offset)
+    assert torch.equal(got, kernels.int4_gemv(only_second, packed, scale, offset))
+    assert not torch.equal(got, kernels.int4_gemv(x, packed, scale, offset))
+    x_read = cpu_gemv.quantize_activations(with_small, 32)
+    assert torch.equal(x_read[0, :32], x[0, :32].float())
+    assert (x_read[0, 32:64] - small.float()).abs().max() <= small.float().max() / 127 / 2 + 1e-6  # half a step
+
+
+def test_int4_gemv_without_vnni_matches_reference(tmp_path):
+    """With the CPU limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) the kernels are built without AVX-512 VNNI
+    (maddubs instead of vpdpbusd), as on an AVX2-only CPU; the same reference holds."""
+    import os
+    import subprocess
+    import sys
+
+    if not cpu_gemv.available():
+        pytest.skip("CPU gemv kernels not available here")
+    script = (
+        "import sys, torch; sys.path.insert(0, 'tests')\n"
+        "from test_cpu_gemv import make_int4, check_int4\n"
+        "from nanoqwen.ops import cpu_gemv as k\n"
+        "assert k.available() and k.int4_dot_instructions() == 'AVX2', k.compile_flags()\n"
+        "for m, kk, group, n in [(1, 1024 + 64, 64, 257), (3, 256, 128, 3), (5, 96, 32, 7), (9, 1024, 64, 65)]:\n"
+        "    check_int4(k, *make_int4(m, kk, n, group))\n"
+        "print('ok')\n")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_int4_wrong_inputs_raise(kernels):
     x, packed, scale, offset = make_int4(2, 64, 8, 32)
     with pytest.raises(RuntimeError, match="packed must be uint8"):

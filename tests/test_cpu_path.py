@@ -30,6 +30,7 @@ def path_in_use():
 @pytest.mark.parametrize("forced", ["bf16", "float32"])
 def test_the_environment_forces_either_path(forced, monkeypatch, tmp_path):
     monkeypatch.setenv("NANOQWEN_CPU_MATMUL", forced)
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "0")
     monkeypatch.setattr(cpu, "probe", lambda: pytest.fail("a forced path must not measure"))
     choice = cpu.select_matmul_path(tmp_path)
     assert choice.path == forced and "NANOQWEN_CPU_MATMUL" in choice.reason
@@ -39,6 +40,7 @@ def test_the_environment_forces_either_path(forced, monkeypatch, tmp_path):
 @pytest.mark.parametrize("bf16_gflops, expected", [(1.0, "float32"), (60.0, "bf16")])
 def test_auto_measures_once_and_caches_per_machine(bf16_gflops, expected, monkeypatch, tmp_path):
     monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "auto")
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "0")
     calls = []
 
     def fake_timing(*args):  # bf16 at bf16_gflops, float32 at 63 GFLOP/s
@@ -54,6 +56,39 @@ def test_auto_measures_once_and_caches_per_machine(bf16_gflops, expected, monkey
     cached = json.loads((tmp_path / "cpu-matmul.json").read_text())
     (key, value), = cached.items()
     assert "torch" in key and value["path"] == expected
+
+
+@pytest.mark.parametrize("own_gb_s, expected", [(37.0, True), (12.0, False)])
+def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expected, monkeypatch,
+                                                                 tmp_path):
+    """Few rows go through nanoqwen's gemv kernels where they read a matrix faster than torch's
+    F.linear does for one row (on a native-bf16 CPU too); measured once, then cached."""
+    from nanoqwen.ops import cpu_gemv
+
+    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "bf16")
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
+    monkeypatch.setattr(cpu_gemv, "available", lambda: True)
+    calls = []
+    monkeypatch.setattr(cpu, "gemv_probe", lambda: calls.append(1) or (own_gb_s, 15.0))
+    first = cpu.select_matmul_path(tmp_path)
+    assert first.path == "bf16" and first.gemv == expected and len(calls) == 1
+    assert f"{own_gb_s:.1f} GB/s, torch's 15.0" in first.gemv_reason
+    assert ("gemv kernels" in first.describe()) == expected
+    again = cpu.select_matmul_path(tmp_path)
+    assert again == first and len(calls) == 1  # from the cache
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "1")
+    assert cpu.select_matmul_path(tmp_path).gemv and len(calls) == 1
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "0")
+    assert not cpu.select_matmul_path(tmp_path).gemv
+
+
+def test_gemv_probe_measures_both_kernels():
+    from nanoqwen.ops import cpu_gemv
+
+    if not cpu_gemv.available():
+        pytest.skip("nanoqwen's CPU kernels cannot be built here")
+    own, theirs = cpu.gemv_probe()
+    assert own > 0.5 and theirs > 0.5  # GB/s: every machine reads far faster than that
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -50,7 +50,7 @@ from nanoqwen.pooling import (
     resolve_task,
 )
 from nanoqwen.pooling_params import PoolingParams
-from nanoqwen.quantization import weight_bytes
+from nanoqwen.quantization import int4_kernels, weight_bytes
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.structured_outputs import GrammarCompiler
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -142,6 +142,9 @@ class LLMEngine:
         logger.info("weights: %.2f GiB in memory (%s)", self.weight_bytes / 2**30,
                     self.quantization or str(self.dtype).removeprefix("torch."))
         self.kernel_path = select_kernels(self.device, self.dtype, config.enforce_eager)
+        if self.quantization == "int4" and self.device.type == "cpu" and int4_kernels() is not None:
+            self.kernel_path += (f"; int4 decode rows: int8 activations, "
+                                 f"{int4_kernels().int4_dot_instructions()} integer dot products")
         logger.info("kernels: %s", self.kernel_path)
         # The KV pool: as many blocks as the budget holds; it must fit at least one full-length
         # sequence. With tensor parallelism the budget is per rank, and a rank's block holds only

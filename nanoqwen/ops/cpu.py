@@ -40,6 +40,8 @@ GEMV_MAX_ROWS = 16
 UPCAST_BLOCK_BYTES = 16 << 20  # the largest float32 copy of a weight block upcast_linear makes
 # rows, in, out: a prompt chunk through a Qwen3-0.6B-sized projection
 PROBE_SHAPE = (256, 1024, 1024)
+# out, in, copies: a Qwen3-0.6B qkv_proj, 8 copies (64 MiB) so that they come from memory
+GEMV_PROBE_SHAPE = (4096, 1024, 8)
 SLOW_BF16 = 0.5  # bf16 below half of float32's speed: compute in float32
 
 
@@ -53,9 +55,10 @@ class MatmulPath:
     bf16_gflops: float | None = None
     float32_gflops: float | None = None
     gemv: bool = False  # few rows (decode) through ops/cpu_gemv.py's kernels
+    gemv_reason: str = ""  # why gemv is on or off
 
     def describe(self) -> str:
-        few = f"<= {GEMV_MAX_ROWS} rows: nanoqwen's AVX2 gemv kernels; " if self.gemv else ""
+        few = f"<= {GEMV_MAX_ROWS} rows: nanoqwen's gemv kernels ({self.gemv_reason}); " if self.gemv else ""
         if self.path == "bf16":
             return f"{few}bf16 matmuls ({self.reason})"
         return (f"{few}>= {UPCAST_MIN_ROWS} rows: float32 compute from 16-bit weights "
@@ -135,18 +138,53 @@ def isa_summary(flags: set[str]) -> str:
 
 
 def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
-    """This machine's path for 16-bit matmuls over many rows: forced, cached, or measured now (and
-    cached)."""
+    """This machine's path for 16-bit matmuls over many rows (forced, cached, or measured now and
+    cached), and whether few rows go through nanoqwen's gemv kernels: NANOQWEN_CPU_GEMV=1|0 forces
+    it; otherwise they are used where they read a weight matrix faster than torch's bf16 F.linear
+    does for one row (measured once per machine, cached beside the path). torch's one-row kernel is
+    far below the read bandwidth on AVX2-only CPUs, and on some native-bf16 ones too."""
     choice = _select_path(cache_dir)
-    # nanoqwen's gemv kernels: on CPUs without fast bf16 (where torch's few-row kernels read far
-    # below the bandwidth), or where NANOQWEN_CPU_GEMV=1 asks for them; never where
-    # NANOQWEN_CPU_GEMV=0.
     wanted = os.environ.get("NANOQWEN_CPU_GEMV", "auto")
-    if wanted == "1" or (wanted == "auto" and choice.path == "float32"):
-        from nanoqwen.ops import cpu_gemv
+    if wanted == "0":
+        return choice
+    from nanoqwen.ops import cpu_gemv
 
-        choice.gemv = cpu_gemv.available()
+    if not cpu_gemv.available():
+        return choice
+    if wanted == "1":
+        choice.gemv, choice.gemv_reason = True, "NANOQWEN_CPU_GEMV=1"
+        return choice
+    def measure() -> dict:
+        own, theirs = gemv_probe()
+        return {"own_gb_s": own, "torch_gb_s": theirs}
+
+    speeds = _cached(cache_dir, "gemv", measure)
+    own, theirs = speeds["own_gb_s"], speeds["torch_gb_s"]
+    choice.gemv = own > theirs
+    choice.gemv_reason = f"measured at 1 row: {own:.1f} GB/s, torch's {theirs:.1f}"
     return choice
+
+
+def gemv_probe() -> tuple[float, float]:
+    """GB/s of weights read by nanoqwen's bf16_gemv and by torch's F.linear for one bf16 row, over
+    copies of a GEMV_PROBE_SHAPE matrix that together exceed the L3 cache (as a decode step reads
+    its weights from memory); best of three rounds."""
+    from nanoqwen.ops import cpu_gemv
+
+    n, k, copies = GEMV_PROBE_SHAPE
+    weights = [torch.ones(n, k, dtype=torch.bfloat16) for _ in range(copies)]  # written: real pages
+    x = torch.ones(1, k, dtype=torch.bfloat16)
+    speeds = []
+    for fn in (cpu_gemv.bf16_gemv, F.linear):
+        fn(x, weights[0])  # warm-up
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for w in weights:
+                fn(x, w)
+            best = min(best, time.perf_counter() - start)
+        speeds.append(copies * n * k * 2 / best / 1e9)
+    return speeds[0], speeds[1]
 
 
 def _select_path(cache_dir: Path | None) -> MatmulPath:
@@ -156,22 +194,29 @@ def _select_path(cache_dir: Path | None) -> MatmulPath:
     if forced != "auto":
         logger.warning("NANOQWEN_CPU_MATMUL=%s is not one of auto, %s: measuring instead",
                        forced, ", ".join(PATHS))
+    found = _cached(cache_dir, "matmul", lambda: asdict(probe()))
+    return MatmulPath(**{k: v for k, v in found.items() if not k.startswith("gemv")})
+
+
+def _cached(cache_dir: Path | None, what: str, measure) -> dict:
+    """measure()'s result, cached per CPU model, CPU flags, torch version and thread count in
+    cpu-matmul.json (measured now where the cache has none)."""
     name, flags = cpu_name_and_flags()
     capability = torch.backends.cpu.get_cpu_capability()
     key = f"{name} | {isa_summary(flags)} | {capability} | torch {torch.__version__}" \
           f" | {torch.get_num_threads()} threads"
+    key += "" if what == "matmul" else f" | {what}"
     cache = (cache_dir or _cache_dir()) / "cpu-matmul.json"
     known = _read_json(cache)
     if key in known:
-        return MatmulPath(**{**known[key], "gemv": False})
-    choice = probe()
-    known[key] = {k: v for k, v in asdict(choice).items() if k != "gemv"}
+        return known[key]
+    known[key] = measure()
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(known, indent=1))
     except OSError:  # a read-only home: measure again next time
         pass
-    return choice
+    return known[key]
 
 
 def probe() -> MatmulPath:

@@ -13,7 +13,12 @@ The kernels in csrc/cpu_gemv.cpp do the simple thing, as llama.cpp and vLLM do f
 is read once, widened to float32 in AVX2 registers, multiplied with all rows of x with FMA into several
 float32 accumulators, and each output is rounded to bf16 once. Threads split the output rows. They compute
 exactly what `bf16_gemv_reference` and `int8_gemv_reference` below compute, up to the order of float32
-additions (tests/test_cpu_gemv.py checks this; bench/bench_gemv.py measures the speed).
+additions (tests/test_cpu_gemv.py checks this; bench/bench_gemv.py measures the speed). `int4_gemv` does
+less work per weight, as llama.cpp does for 4-bit weights: x is quantised to int8 in blocks of 32 once per
+call, and each group's products are integer dot products (AVX2 maddubs, or AVX-512 VNNI's vpdpbusd where
+the CPU has it), scaled in float32 once per block; it computes `int4_gemv_reference` (x quantised the same
+way) up to the order of float32 additions. Widening each nibble to float32 for an FMA, as it did before,
+kept it compute-bound at well under the read bandwidth.
 
 The extension is compiled on first use with torch.utils.cpp_extension (a C++ compiler is needed; the build
 is cached in torch's extensions folder under a name that hashes the source and flags, so an edit rebuilds).
@@ -53,6 +58,7 @@ from nanoqwen.ops.cpu import cpu_name_and_flags
 logger = logging.getLogger("nanoqwen")
 SOURCE = Path(__file__).parent / "csrc" / "cpu_gemv.cpp"
 ENV = "NANOQWEN_CPU_GEMV"  # "0" disables the kernels (no build)
+INT4_X_BLOCK = 32  # elements of x per int8 scale in int4_gemv (kBlockX in csrc/cpu_gemv.cpp)
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None  # the built extension, once available() succeeded
@@ -69,13 +75,25 @@ def int8_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
     return (F.linear(x.float(), q.float()) * scale.float()).to(torch.bfloat16)
 
 
+def quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x rounded as int4_gemv reads it: int8 in blocks of `block` consecutive elements of each row, one
+    float32 scale d = max|x| / 127 per block (xq = round(x / d), half to even), returned as d * xq in
+    float32 [..., K]."""
+    xb = x.float().unflatten(-1, (-1, block))  # [..., K / block, block]
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return ((xb * inverse).round() * d).flatten(-2)
+
+
 def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                         offset: torch.Tensor) -> torch.Tensor:
-    """What int4_gemv computes: x @ W.T in float32 with W = offset + scale * q (quantization.py), rounded
-    to bf16 once."""
+    """What int4_gemv computes: x' @ W.T in float32, rounded to bf16 once, where W = offset + scale * q
+    (quantization.py) and x' is x quantised to int8 in blocks of 32 (of G where the group size G is 16)."""
     from nanoqwen.quantization import dequantize_int4
 
-    return F.linear(x.float(), dequantize_int4(packed, scale, offset)).to(torch.bfloat16)
+    group = 2 * packed.shape[-1] // scale.shape[-1]
+    x_rounded = quantize_activations(x, min(INT4_X_BLOCK, group))
+    return F.linear(x_rounded, dequantize_int4(packed, scale, offset)).to(torch.bfloat16)
 
 
 def bf16_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,7 +115,8 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """y = x @ W.T for bf16 x [..., K] and int4 W (packed [N, K/2], scale and offset [N, K/G]); y bf16 [..., N]."""
+    """y = x' @ W.T for bf16 x [..., K] and int4 W (packed [N, K/2], scale and offset [N, K/G]); y bf16 [..., N].
+    x' is x quantised to int8 in blocks of 32 (int4_gemv_reference): the dot products are integer ones."""
     if _ext is None:
         _require()
     if x.dim() == 2:
@@ -179,7 +198,9 @@ def available() -> bool:
 
 
 def compile_flags() -> list[str]:
-    """-O3, OpenMP and the ISA flags this CPU reports (the kernels need AVX2 and FMA; F16C where present).
+    """-O3, OpenMP and the ISA flags this CPU reports (the kernels need AVX2 and FMA; F16C where present;
+    AVX-512 VNNI, one instruction for int4_gemv's 32-element integer dot products, where present and the CPU
+    is not limited to AVX2 with ATEN_CPU_CAPABILITY=avx2, as when measuring an AVX2-only CPU's speed).
 
     -fopenmp matters: at::parallel_for is a header template that runs on OpenMP threads only when the
     extension itself is compiled with OpenMP (else it silently runs on one thread). The extension then uses
@@ -188,7 +209,16 @@ def compile_flags() -> list[str]:
     missing = [f for f in ("avx2", "fma") if f not in flags]
     if missing:
         raise RuntimeError(f"this CPU lacks {' and '.join(missing).upper()} (or /proc/cpuinfo is unreadable)")
-    return ["-O3", "-fopenmp", "-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in flags else [])
+    cflags = ["-O3", "-fopenmp", "-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in flags else [])
+    limited = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2")
+    if {"avx512_vnni", "avx512vl"} <= set(flags) and not limited:
+        cflags += ["-mavx512vnni", "-mavx512vl"]
+    return cflags
+
+
+def int4_dot_instructions() -> str:
+    """How int4_gemv multiplies (for the log line and `nanoqwen bench`): "AVX-512 VNNI" or "AVX2"."""
+    return "AVX-512 VNNI" if _ext is not None and _ext.has_vnni() else "AVX2"
 
 
 def _build() -> ModuleType:

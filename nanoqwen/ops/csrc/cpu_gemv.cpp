@@ -3,7 +3,7 @@
 //   bf16_gemv(x [M,K] bf16, w [N,K] bf16, bias [N] bf16 or None) -> y [M,N] bf16,  y = x @ w.T + bias
 //   int8_gemv(x [M,K] bf16, q [N,K] int8, scale [N] bf16)        -> y [M,N] bf16,  y = (x @ q.T) * scale
 //   int4_gemv(x [M,K] bf16, packed [N,K/2] uint8, scale, offset [N,K/G] bf16) -> y [M,N] bf16,
-//                                                                  y = x @ (offset + scale * q).T per group
+//                                  y = x' @ (offset + scale * q).T per group, x' = x quantised to int8 (below)
 //   int4_to_float(packed, scale, offset) -> w [N,K] float32 (the same weights, for products over many rows)
 //
 // With few rows of x, every weight element is used M times, so the product is bound by how fast the weights
@@ -180,81 +180,137 @@ void rows_any_m(int m_rows, const float* x, const W* w, const uint16_t* scale, c
 }
 
 
-constexpr int kMaxRowsInt4 = 4;
+// ---- int4 weights times int8-quantised activations (the q4 x q8 dot product llama.cpp uses).
+//
+// A float FMA per weight made the int4 kernel compute-bound, far below the read bandwidth (BENCHMARKS.md).
+// Instead, x is quantised once per call to int8 in blocks of kBlockX = 32 consecutive elements (symmetric,
+// one float32 scale d per block: d = max|x| / 127, xq = round(x / d)), and each group's dot product
+// sum_k q[k] * xq[k] is an integer one: 32 nibbles times 32 int8 in two instructions (maddubs: u8 x s8 pairs
+// summed to int16, at most 2 * 15 * 127; madd with ones: int16 pairs to int32), or one (vpdpbusd) with
+// AVX-512 VNNI. Per group g of row r and block b of x row m inside it:
+//     y[m, r] = sum_g scale[r, g] * sum_b d[m, b] * (sum_{k in b} q[r, k] xq[m, k])  +  sum_g offset[r, g] * xs[m, g]
+// with xs[m, g] = sum_{b in g} d[m, b] * sum_{k in b} xq[m, k] (once per call): exactly x' @ W4.T for the
+// dequantised activations x' = d * xq, which int4_gemv_reference in nanoqwen/ops/cpu_gemv.py computes.
 
-// dots[r][m] = sum_k x[m, k] * W_r[k] for R packed int4 rows (layout above), W = offset + scale * q, as
-//     sum_g scale[g] * (sum_{k in g} x[m, k] q[k])  +  sum_g offset[g] * xsum[m, g]
-// with xsum[m, g] = sum_{k in g} x[m, k] computed once per call. Per 8 bytes (16 weights) the inner loop does
-// one widening load, an AND and a shift for the two nibbles, two int->float conversions and 2M FMAs; each
-// group then adds its sum times its scale (one FMA), and the offsets are a dot product of groups/8 vectors.
+constexpr int kMaxRowsInt4 = 4;  // rows of x per pass over the weights
+constexpr int64_t kBlockX = 32;  // elements of x per int8 scale (llama.cpp's q8_0 block)
+
+// x quantised for int4_gemv: xq [M, K] int8, d [M, K / XB] float32 (XB = kBlockX, or G when G < kBlockX),
+// xs [M, K / G] float32 as above.
+struct QuantizedX {
+  std::vector<int8_t> xq;
+  std::vector<float> d, xs;
+};
+
+// Rows m0.. of a QuantizedX (what one pass over the weights reads).
+struct QuantizedRows {
+  const int8_t* xq;
+  const float* d;
+  const float* xs;
+};
+
+QuantizedX quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t G) {
+  const int64_t XB = std::min(kBlockX, G), blocks = K / XB, per_group = G / XB;
+  QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * (K / G), 0.0f)};
+  for (int64_t b = 0; b < M * blocks; ++b) {
+    const uint16_t* xb = x + b * XB;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < XB; ++k) amax = std::max(amax, std::fabs(bf16_to_float(xb[k])));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < XB; ++k) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(bf16_to_float(xb[k]) * inv));  // half to even
+      out.xq[b * XB + k] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    out.d[b] = d;
+    out.xs[b / per_group] += d * static_cast<float>(sum);  // b / per_group = m * groups + g
+  }
+  return out;
+}
+
+#ifdef NANOQWEN_AVX2
+// The 32 products q[k] * xq[k] of 32 unsigned nibbles and 32 int8, summed to 8 int32 lanes.
+inline __m256i dot32(__m256i q, __m256i xq) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xq);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+// dots[r][m] = y[m, r] above for R packed int4 rows (layout at the top) and M rows of quantised x.
 template <int M, int R>
-inline void dot_rows_int4(const float* x, const float* xsum, int64_t K, int64_t G, const uint8_t* const* w,
+inline void dot_rows_int4(const QuantizedRows& x, int64_t K, int64_t G, const uint8_t* const* w,
                           const uint16_t* const* scale, const uint16_t* const* offset, float (*dots)[M]) {
-  const int64_t groups = K / G, half = G / 2;
+  const int64_t groups = K / G, half = G / 2, XB = std::min(kBlockX, G), blocks = K / XB;
   int64_t g0 = 0;  // groups whose offsets the vector loop covered
 #ifdef NANOQWEN_AVX2
-  constexpr int U = R * M <= 2 ? 2 : 1;  // accumulators per output and group: the low and high nibbles'
-  const __m256i nibble = _mm256_set1_epi32(0xF);
-  __m256 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* xg = x + g * G;
-    __m256 part[R][M][U];
-    for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + g * half) + kPrefetchBytes, _MM_HINT_T0);
-      for (int m = 0; m < M; ++m)
-        for (int u = 0; u < U; ++u) part[r][m][u] = _mm256_setzero_ps();
-    }
-    for (int64_t j = 0; j < half; j += 8)
+  if (half % 32 == 0) {  // G a multiple of 64: 32 bytes hold 32 low nibbles of one x block, 32 high of another
+    const __m256i nibble = _mm256_set1_epi8(0xF);
+    __m256 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      float s[R];
       for (int r = 0; r < R; ++r) {
-        // 8 bytes -> 8 int32 lanes; low nibbles: elements j..j+7, high nibbles: j+G/2..j+G/2+7
-        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r] + g * half + j)));
-        __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
-        __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-        for (int m = 0; m < M; ++m) {
-          part[r][m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + m * K + j), lo, part[r][m][0]);
-          part[r][m][U - 1] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + m * K + half + j), hi, part[r][m][U - 1]);
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + g * half) + kPrefetchBytes, _MM_HINT_T0);
+        s[r] = bf16_to_float(scale[r][g]);
+      }
+      for (int64_t c = 0; c < half; c += 32) {
+        const int64_t lo_k = g * G + c, hi_k = lo_k + half;  // first elements of the two x blocks
+        for (int r = 0; r < R; ++r) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + g * half + c));
+          const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          for (int m = 0; m < M; ++m) {
+            const int8_t* xm = x.xq + m * K;
+            const float* dm = x.d + m * blocks;
+            const __m256i p_lo = dot32(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + lo_k)));
+            const __m256i p_hi = dot32(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + hi_k)));
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_lo), _mm256_set1_ps(s[r] * dm[lo_k / XB]), acc[r][m]);
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_hi), _mm256_set1_ps(s[r] * dm[hi_k / XB]), acc[r][m]);
+          }
         }
       }
-    for (int r = 0; r < R; ++r) {
-      const __m256 s = _mm256_set1_ps(bf16_to_float(scale[r][g]));
-      for (int m = 0; m < M; ++m) {
-        __m256 sum = U > 1 ? _mm256_add_ps(part[r][m][0], part[r][m][U - 1]) : part[r][m][0];
-        acc[r][m] = _mm256_fmadd_ps(sum, s, acc[r][m]);
+    }
+    for (; g0 + 8 <= groups; g0 += 8)  // the offsets, 8 groups at a time
+      for (int r = 0; r < R; ++r) {
+        const __m256 o = load8_bf16(offset[r] + g0);
+        for (int m = 0; m < M; ++m)
+          acc[r][m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(x.xs + m * groups + g0), acc[r][m]);
       }
-    }
-  }
-  for (; g0 + 8 <= groups; g0 += 8)  // the offsets, 8 groups at a time
-    for (int r = 0; r < R; ++r) {
-      const __m256 o = load8_bf16(offset[r] + g0);
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xsum + m * groups + g0), acc[r][m]);
-    }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) dots[r][m] = hsum(acc[r][m]);
-#else
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) {
-      float total = 0.0f;
-      for (int64_t g = 0; g < groups; ++g) {
-        float sum = 0.0f;
-        for (int64_t j = 0; j < half; ++j) {
-          uint8_t b = w[r][g * half + j];
-          sum += x[m * K + g * G + j] * float(b & 0xF) + x[m * K + g * G + half + j] * float(b >> 4);
-        }
-        total += bf16_to_float(scale[r][g]) * sum;
-      }
-      dots[r][m] = total;
-    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) dots[r][m] = hsum(acc[r][m]);
+  } else
 #endif
-  for (int r = 0; r < R; ++r)  // offsets of the groups left (all of them without AVX2)
+  {  // scalar: group sizes 16 and 32, or no AVX2 (byte j of a group: element j low, element j + G/2 high)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) {
+        float total = 0.0f;
+        for (int64_t g = 0; g < groups; ++g) {
+          float group_sum = 0.0f;
+          for (int64_t b = 0; b < G / XB; ++b) {  // x blocks of this group
+            int32_t isum = 0;
+            for (int64_t e = b * XB; e < (b + 1) * XB; ++e) {  // element e of the group
+              const uint8_t byte = w[r][g * half + e % half];
+              isum += (e < half ? byte & 0xF : byte >> 4) * x.xq[m * K + g * G + e];
+            }
+            group_sum += x.d[m * blocks + (g * G) / XB + b] * static_cast<float>(isum);
+          }
+          total += bf16_to_float(scale[r][g]) * group_sum;
+        }
+        dots[r][m] = total;
+      }
+  }
+  for (int r = 0; r < R; ++r)  // offsets of the groups left
     for (int m = 0; m < M; ++m)
-      for (int64_t g = g0; g < groups; ++g) dots[r][m] += bf16_to_float(offset[r][g]) * xsum[m * groups + g];
+      for (int64_t g = g0; g < groups; ++g) dots[r][m] += bf16_to_float(offset[r][g]) * x.xs[m * groups + g];
 }
 
 // y[m, n] for n in [begin, end): the int4 counterpart of rows() above (two streams for M <= 2).
 template <int M>
-__attribute__((noinline)) void rows_int4(const float* x, const float* xsum, const uint8_t* w, const uint16_t* scale,
+__attribute__((noinline)) void rows_int4(const QuantizedRows& x, const uint8_t* w, const uint16_t* scale,
                                          const uint16_t* offset, int64_t K, int64_t G, int64_t N, int64_t begin,
                                          int64_t end, at::BFloat16* y) {
   constexpr int R = M <= 2 ? 2 : 1;
@@ -269,7 +325,7 @@ __attribute__((noinline)) void rows_int4(const float* x, const float* xsum, cons
       sr[r] = scale + n[r] * groups;
       orr[r] = offset + n[r] * groups;
     }
-    dot_rows_int4<M, RR>(x, xsum, K, G, wr, sr, orr, dots);
+    dot_rows_int4<M, RR>(x, K, G, wr, sr, orr, dots);
     for (int r = 0; r < RR; ++r)
       for (int m = 0; m < M; ++m) y[m * N + n[r]] = at::BFloat16(dots[r][m]);  // one rounding, RNE
   };
@@ -373,29 +429,24 @@ torch::Tensor int4_gemv(const torch::Tensor& x_in, const torch::Tensor& packed_i
   torch::Tensor y = torch::empty({M, N}, x_in.options().dtype(at::kBFloat16));
   if (M == 0 || N == 0) return y;
 
-  // x in float32 and its sums over each group, once
-  std::vector<float> xf(M * K), xsum(M * groups, 0.0f);
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  for (int64_t i = 0; i < M * K; ++i) {
-    xf[i] = bf16_to_float(xb[i]);
-    xsum[(i / K) * groups + (i % K) / G] += xf[i];
-  }
+  // x quantised to int8 once (M rows of a few KB); each pass over the weights reads kMaxRowsInt4 of its rows
+  const QuantizedX xq = quantize_x(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, G);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
   const uint16_t* op = reinterpret_cast<const uint16_t*>(offset.data_ptr());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, K / 2));
+  const int64_t blocks = K / std::min(kBlockX, G);
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsInt4) {
     const int m_rows = static_cast<int>(std::min<int64_t>(kMaxRowsInt4, M - m0));
-    const float* xp = xf.data() + m0 * K;
-    const float* sums = xsum.data() + m0 * groups;
+    const QuantizedRows part{xq.xq.data() + m0 * K, xq.d.data() + m0 * blocks, xq.xs.data() + m0 * groups};
     at::BFloat16* yo = yp + m0 * N;
     at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
       switch (m_rows) {
-        case 1: return rows_int4<1>(xp, sums, wp, sp, op, K, G, N, begin, end, yo);
-        case 2: return rows_int4<2>(xp, sums, wp, sp, op, K, G, N, begin, end, yo);
-        case 3: return rows_int4<3>(xp, sums, wp, sp, op, K, G, N, begin, end, yo);
-        default: return rows_int4<4>(xp, sums, wp, sp, op, K, G, N, begin, end, yo);
+        case 1: return rows_int4<1>(part, wp, sp, op, K, G, N, begin, end, yo);
+        case 2: return rows_int4<2>(part, wp, sp, op, K, G, N, begin, end, yo);
+        case 3: return rows_int4<3>(part, wp, sp, op, K, G, N, begin, end, yo);
+        default: return rows_int4<4>(part, wp, sp, op, K, G, N, begin, end, yo);
       }
     });
   }
@@ -723,6 +774,14 @@ bool has_avx2() {
 #endif
 }
 
+bool has_vnni() {
+#if defined(NANOQWEN_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // The GIL is released while a kernel runs (it touches no Python objects), as torch's own ops do.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemv", &bf16_gemv, "y = x @ w.T + bias for few rows of x (bf16, float32 accumulation)",
@@ -749,4 +808,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
         py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
+  m.def("has_vnni", &has_vnni, "whether int4_gemv's integer dot products use AVX-512 VNNI (else AVX2)");
 }
