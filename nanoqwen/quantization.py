@@ -35,7 +35,8 @@ Numerics (symmetric, one scale per output row, no zero point), for W [out, in]:
                                           computes in float32, see ops/cpu.py)
 
 Kernels, chosen per call:
-- CPU without fast bf16 (ops/cpu.py), up to GEMV_MAX_ROWS bf16 rows: nanoqwen's own AVX2 kernel
+- CPU where nanoqwen's gemv kernels are on (ops/cpu.py: measured faster than torch's), up to as
+  many bf16 rows as they take there: nanoqwen's own AVX2 kernel
   (ops/cpu_gemv.py `int8_gemv`), which streams the int8 rows once for all the rows of x.
 - CPU, few rows (decode), bf16/fp16 activations: `torch.ops.aten._weight_int8pack_mm`, which reads
   the int8 matrix directly: half the bytes of a bf16 matrix-vector product, so batch-1 decode runs
@@ -76,10 +77,12 @@ AND and a shift (nanoqwen/ops/csrc/cpu_gemv.cpp). Bytes read per weight: 0.5 + 4
 = 64, as llama.cpp's q4_0). The group size was chosen by measured quality and speed
 (BENCHMARKS.md). Kernels: up to GEMV_MAX_ROWS bf16 rows on a CPU with AVX2, nanoqwen's own
 `int4_gemv` (whatever the matmul path: torch's int4 CPU kernel reads far below the bandwidth),
-which quantises the activations to int8 in blocks of 32 (one float32 scale each, as llama.cpp's
-q8_0 does for its q4_0 products) so that each group's dot product is an integer one: decode rows
-compute x' @ W4.T with x' = x rounded to that grid (ops/cpu_gemv.py int4_gemv_reference; its
-added error is small beside the weights', tests/test_int4.py);
+which quantises the activations to int8 in blocks of G (one float32 scale each, as llama.cpp's
+q8_0 does in blocks of 32 for its q4_0 products) so that each group's dot product is an integer
+one: decode rows compute x' @ W4.T with x' = x rounded to that grid (ops/cpu_gemv.py
+int4_gemv_reference; its added error is small beside the weights', tests/test_int4.py; blocks of
+32 measured 1.7e-4 of KL against unquantised activations, blocks of 64 2.0e-4 and a faster
+kernel, BENCHMARKS.md);
 otherwise (prefill, other dtypes, other devices) the weights are unpacked block by block to float32
 (`int4_to_float`, or the plain-torch `dequantize_int4` without the kernels) and multiplied there on
 a CPU whose bf16 matmuls are slow; where they are fast (native bf16) and on a GPU, W4 is rounded to

@@ -228,24 +228,24 @@ def test_int4_gemv_threads_leading_dims_and_unpacking(kernels):
     assert torch.equal(kernels.int4_to_float(packed, scale, offset), dequantize_int4(packed, scale, offset))
 
 
-def test_int4_gemv_quantises_x_to_int8_in_blocks_of_32(kernels):
+def test_int4_gemv_quantises_x_to_int8_in_blocks_of_the_group_size(kernels):
     """An outlier of 127 sets its block's scale to 1: the block's small values round to 0 and no longer
     count, while the next block (its own scale) keeps its small values."""
     x, packed, scale, offset = make_int4(1, 128, 5, 64)
     x = torch.zeros_like(x)
     x[0, 3] = 127
-    small = torch.linspace(0.01, 0.3, 32).to(torch.bfloat16)
+    small = torch.linspace(0.01, 0.3, 64).to(torch.bfloat16)
     with_small = x.clone()
-    with_small[0, :32] += small * (torch.arange(32) != 3)  # in the outlier's block: rounded away
-    with_small[0, 32:64] = small  # a block of its own: kept
+    with_small[0, :64] += small * (torch.arange(64) != 3)  # in the outlier's block: rounded away
+    with_small[0, 64:] = small  # a block of its own: kept
     only_second = x.clone()
-    only_second[0, 32:64] = small
+    only_second[0, 64:] = small
     got = check_int4(kernels, with_small, packed, scale, offset)
     assert torch.equal(got, kernels.int4_gemv(only_second, packed, scale, offset))
     assert not torch.equal(got, kernels.int4_gemv(x, packed, scale, offset))
-    x_read = cpu_gemv.quantize_activations(with_small, 32)
-    assert torch.equal(x_read[0, :32], x[0, :32].float())
-    assert (x_read[0, 32:64] - small.float()).abs().max() <= small.float().max() / 127 / 2 + 1e-6  # half a step
+    x_read = cpu_gemv.quantize_activations(with_small, 64)
+    assert torch.equal(x_read[0, :64], x[0, :64].float())
+    assert (x_read[0, 64:] - small.float()).abs().max() <= small.float().max() / 127 / 2 + 1e-6  # half a step
 
 
 def test_int4_gemv_without_vnni_matches_reference(tmp_path):

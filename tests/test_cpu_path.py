@@ -58,28 +58,45 @@ def test_auto_measures_once_and_caches_per_machine(bf16_gflops, expected, monkey
     assert "torch" in key and value["path"] == expected
 
 
-@pytest.mark.parametrize("own_gb_s, expected", [(37.0, True), (12.0, False)])
-def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expected, monkeypatch,
-                                                                 tmp_path):
-    """Few rows go through nanoqwen's gemv kernels where they read a matrix faster than torch's
-    F.linear does for one row (on a native-bf16 CPU too); measured once, then cached."""
+@pytest.mark.parametrize("own_gb_s, expected_rows", [((37.0, 30.0, 20.0, 9.0, 5.0), 4),
+                                                     ((12.0, 30.0, 20.0, 14.0, 9.0), 0),
+                                                     ((37.0, 30.0, 20.0, 14.0, 9.0), 16)])
+def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expected_rows,
+                                                                 monkeypatch, tmp_path):
+    """Few rows go through nanoqwen's gemv kernels up to the row count where torch's F.linear
+    overtakes them (on a native-bf16 CPU too: it can at a few rows); measured once, then cached."""
     from nanoqwen.ops import cpu_gemv
 
     monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "bf16")
     monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
     monkeypatch.setattr(cpu_gemv, "available", lambda: True)
+    torch_gb_s = (15.0, 15.0, 15.0, 10.0, 8.0)
     calls = []
-    monkeypatch.setattr(cpu, "gemv_probe", lambda: calls.append(1) or (own_gb_s, 15.0))
+
+    def probe():
+        calls.append(1)
+        return dict(zip(cpu.GEMV_PROBE_ROWS, zip(own_gb_s, torch_gb_s, strict=True), strict=True))
+
+    monkeypatch.setattr(cpu, "gemv_probe", probe)
     first = cpu.select_matmul_path(tmp_path)
-    assert first.path == "bf16" and first.gemv == expected and len(calls) == 1
-    assert f"{own_gb_s:.1f} GB/s, torch's 15.0" in first.gemv_reason
-    assert ("gemv kernels" in first.describe()) == expected
+    assert first.path == "bf16" and len(calls) == 1
+    assert first.gemv_max_rows == expected_rows and first.gemv == (expected_rows > 0)
+    assert "1: 37.0 vs 15.0" in first.gemv_reason or expected_rows == 0
+    assert (f"<= {expected_rows} rows: nanoqwen's gemv kernels" in first.describe()) == first.gemv
     again = cpu.select_matmul_path(tmp_path)
     assert again == first and len(calls) == 1  # from the cache
     monkeypatch.setenv("NANOQWEN_CPU_GEMV", "1")
-    assert cpu.select_matmul_path(tmp_path).gemv and len(calls) == 1
+    forced = cpu.select_matmul_path(tmp_path)
+    assert forced.gemv and forced.gemv_max_rows == cpu.GEMV_MAX_ROWS and len(calls) == 1
     monkeypatch.setenv("NANOQWEN_CPU_GEMV", "0")
     assert not cpu.select_matmul_path(tmp_path).gemv
+
+
+@pytest.mark.parametrize("max_rows", [4, 16])
+def test_gemv_rows_follow_the_measured_limit(max_rows, path_in_use):
+    cpu.use_matmul_path(cpu.MatmulPath("bf16", "test", gemv=True, gemv_max_rows=max_rows))
+    assert cpu.gemv_rows(torch.ones(4, 64, dtype=torch.bfloat16))
+    assert cpu.gemv_rows(torch.ones(8, 64, dtype=torch.bfloat16)) == (max_rows >= 8)
 
 
 def test_gemv_probe_measures_both_kernels():
@@ -87,8 +104,9 @@ def test_gemv_probe_measures_both_kernels():
 
     if not cpu_gemv.available():
         pytest.skip("nanoqwen's CPU kernels cannot be built here")
-    own, theirs = cpu.gemv_probe()
-    assert own > 0.5 and theirs > 0.5  # GB/s: every machine reads far faster than that
+    speeds = cpu.gemv_probe()
+    assert sorted(speeds) == list(cpu.GEMV_PROBE_ROWS)
+    assert all(own > 0.5 and theirs > 0.5 for own, theirs in speeds.values())  # GB/s: any machine reads faster
 
 
 @pytest.mark.parametrize("bias", [False, True])

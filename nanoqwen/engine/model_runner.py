@@ -224,7 +224,7 @@ class ModelRunner:
                                        self.device, paged_backend=self.attention_backend)
         input_ids = torch.tensor(step.input_ids, device=self.device)
         if (self.fused_decoder is not None and not step.prefill and meta.paged_decode is not None
-                and len(step.decode) <= cpu.GEMV_MAX_ROWS):
+                and len(step.decode) <= cpu.matmul_path().gemv_max_rows):
             hidden = self.fused_decoder(input_ids, self.kv_cache, meta)
         else:
             hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)

@@ -42,6 +42,7 @@ UPCAST_BLOCK_BYTES = 16 << 20  # the largest float32 copy of a weight block upca
 PROBE_SHAPE = (256, 1024, 1024)
 # out, in, copies: a Qwen3-0.6B qkv_proj, 8 copies (64 MiB) so that they come from memory
 GEMV_PROBE_SHAPE = (4096, 1024, 8)
+GEMV_PROBE_ROWS = (1, 2, 4, 8, 16)
 SLOW_BF16 = 0.5  # bf16 below half of float32's speed: compute in float32
 
 
@@ -55,10 +56,11 @@ class MatmulPath:
     bf16_gflops: float | None = None
     float32_gflops: float | None = None
     gemv: bool = False  # few rows (decode) through ops/cpu_gemv.py's kernels
-    gemv_reason: str = ""  # why gemv is on or off
+    gemv_max_rows: int = 0  # up to how many
+    gemv_reason: str = ""  # why
 
     def describe(self) -> str:
-        few = f"<= {GEMV_MAX_ROWS} rows: nanoqwen's gemv kernels ({self.gemv_reason}); " if self.gemv else ""
+        few = f"<= {self.gemv_max_rows} rows: nanoqwen's gemv kernels ({self.gemv_reason}); " if self.gemv else ""
         if self.path == "bf16":
             return f"{few}bf16 matmuls ({self.reason})"
         return (f"{few}>= {UPCAST_MIN_ROWS} rows: float32 compute from 16-bit weights "
@@ -91,7 +93,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     many 16-bit rows computed in float32 (on the float32 path), everything else torch's own
     F.linear."""
     rows = x.shape[0]
-    if _in_use.gemv and rows <= GEMV_MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16:
+    if _in_use.gemv and rows <= _in_use.gemv_max_rows and x.dtype == weight.dtype == torch.bfloat16:
         return _gemv_kernels.bf16_gemv(x, weight, bias)
     if rows >= UPCAST_MIN_ROWS and upcast_16bit(x):
         return upcast_linear(x, weight, bias)
@@ -101,7 +103,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 def gemv_rows(x: torch.Tensor) -> bool:
     """Whether a product over x's rows goes through the gemv kernels (bf16, few rows, the kernels
     on)."""
-    return _in_use.gemv and x.dtype == torch.bfloat16 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
+    return (_in_use.gemv and x.dtype == torch.bfloat16
+            and x.numel() <= _in_use.gemv_max_rows * x.shape[-1])
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -139,10 +142,12 @@ def isa_summary(flags: set[str]) -> str:
 
 def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     """This machine's path for 16-bit matmuls over many rows (forced, cached, or measured now and
-    cached), and whether few rows go through nanoqwen's gemv kernels: NANOQWEN_CPU_GEMV=1|0 forces
-    it; otherwise they are used where they read a weight matrix faster than torch's bf16 F.linear
-    does for one row (measured once per machine, cached beside the path). torch's one-row kernel is
-    far below the read bandwidth on AVX2-only CPUs, and on some native-bf16 ones too."""
+    cached), and up to how many rows nanoqwen's gemv kernels take: NANOQWEN_CPU_GEMV=1|0 forces them
+    on (up to GEMV_MAX_ROWS) or off; otherwise they take every row count of GEMV_PROBE_ROWS, from 1
+    up, at which they read a weight matrix faster than torch's bf16 F.linear (measured once per
+    machine, cached beside the path). torch's few-row kernel is far below the read bandwidth on
+    AVX2-only CPUs, and on some native-bf16 ones too, where its many-row kernel overtakes nanoqwen's
+    at a few rows."""
     choice = _select_path(cache_dir)
     wanted = os.environ.get("NANOQWEN_CPU_GEMV", "auto")
     if wanted == "0":
@@ -152,39 +157,43 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     if not cpu_gemv.available():
         return choice
     if wanted == "1":
-        choice.gemv, choice.gemv_reason = True, "NANOQWEN_CPU_GEMV=1"
+        choice.gemv, choice.gemv_max_rows, choice.gemv_reason = True, GEMV_MAX_ROWS, "NANOQWEN_CPU_GEMV=1"
         return choice
-    def measure() -> dict:
-        own, theirs = gemv_probe()
-        return {"own_gb_s": own, "torch_gb_s": theirs}
-
-    speeds = _cached(cache_dir, "gemv", measure)
-    own, theirs = speeds["own_gb_s"], speeds["torch_gb_s"]
-    choice.gemv = own > theirs
-    choice.gemv_reason = f"measured at 1 row: {own:.1f} GB/s, torch's {theirs:.1f}"
+    # {rows: [own GB/s, torch's GB/s]} (JSON keys are strings)
+    speeds = {int(m): v for m, v in _cached(cache_dir, "gemv rows", gemv_probe).items()}
+    for rows, (own, theirs) in sorted(speeds.items()):
+        if own <= theirs:
+            break
+        choice.gemv_max_rows = rows
+    choice.gemv = choice.gemv_max_rows > 0
+    shown = ", ".join(f"{m}: {own:.1f} vs {theirs:.1f}" for m, (own, theirs) in sorted(speeds.items()))
+    choice.gemv_reason = f"measured GB/s by rows, own vs torch's: {shown}"
     return choice
 
 
-def gemv_probe() -> tuple[float, float]:
-    """GB/s of weights read by nanoqwen's bf16_gemv and by torch's F.linear for one bf16 row, over
-    copies of a GEMV_PROBE_SHAPE matrix that together exceed the L3 cache (as a decode step reads
-    its weights from memory); best of three rounds."""
+def gemv_probe() -> dict[int, tuple[float, float]]:
+    """For each row count of GEMV_PROBE_ROWS, GB/s of weights read by nanoqwen's bf16_gemv and by
+    torch's F.linear, over copies of a GEMV_PROBE_SHAPE matrix that together exceed the L3 cache (as
+    a decode step reads its weights from memory); best of three rounds."""
     from nanoqwen.ops import cpu_gemv
 
     n, k, copies = GEMV_PROBE_SHAPE
     weights = [torch.ones(n, k, dtype=torch.bfloat16) for _ in range(copies)]  # written: real pages
-    x = torch.ones(1, k, dtype=torch.bfloat16)
-    speeds = []
-    for fn in (cpu_gemv.bf16_gemv, F.linear):
-        fn(x, weights[0])  # warm-up
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for w in weights:
-                fn(x, w)
-            best = min(best, time.perf_counter() - start)
-        speeds.append(copies * n * k * 2 / best / 1e9)
-    return speeds[0], speeds[1]
+    speeds = {}
+    for rows in GEMV_PROBE_ROWS:
+        x = torch.ones(rows, k, dtype=torch.bfloat16)
+        gb_s = []
+        for fn in (cpu_gemv.bf16_gemv, F.linear):
+            fn(x, weights[0])  # warm-up
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for w in weights:
+                    fn(x, w)
+                best = min(best, time.perf_counter() - start)
+            gb_s.append(round(copies * n * k * 2 / best / 1e9, 1))
+        speeds[rows] = (gb_s[0], gb_s[1])
+    return speeds
 
 
 def _select_path(cache_dir: Path | None) -> MatmulPath:

@@ -14,11 +14,11 @@ is read once, widened to float32 in AVX2 registers, multiplied with all rows of 
 float32 accumulators, and each output is rounded to bf16 once. Threads split the output rows. They compute
 exactly what `bf16_gemv_reference` and `int8_gemv_reference` below compute, up to the order of float32
 additions (tests/test_cpu_gemv.py checks this; bench/bench_gemv.py measures the speed). `int4_gemv` does
-less work per weight, as llama.cpp does for 4-bit weights: x is quantised to int8 in blocks of 32 once per
-call, and each group's products are integer dot products (AVX2 maddubs, or AVX-512 VNNI's vpdpbusd where
-the CPU has it), scaled in float32 once per block; it computes `int4_gemv_reference` (x quantised the same
-way) up to the order of float32 additions. Widening each nibble to float32 for an FMA, as it did before,
-kept it compute-bound at well under the read bandwidth.
+less work per weight, as llama.cpp does for 4-bit weights: x is quantised to int8 once per call, in blocks
+of the weights' group size (64), and each group's products are integer dot products (AVX2 maddubs, or
+AVX-512 VNNI's vpdpbusd where the CPU has it), scaled in float32 once per group; it computes
+`int4_gemv_reference` (x quantised the same way) up to the order of float32 additions. Widening each nibble
+to float32 for an FMA, as it did before, kept it compute-bound at well under the read bandwidth.
 
 The extension is compiled on first use with torch.utils.cpp_extension (a C++ compiler is needed; the build
 is cached in torch's extensions folder under a name that hashes the source and flags, so an edit rebuilds).
@@ -58,7 +58,6 @@ from nanoqwen.ops.cpu import cpu_name_and_flags
 logger = logging.getLogger("nanoqwen")
 SOURCE = Path(__file__).parent / "csrc" / "cpu_gemv.cpp"
 ENV = "NANOQWEN_CPU_GEMV"  # "0" disables the kernels (no build)
-INT4_X_BLOCK = 32  # elements of x per int8 scale in int4_gemv (kBlockX in csrc/cpu_gemv.cpp)
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None  # the built extension, once available() succeeded
@@ -88,11 +87,11 @@ def quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
 def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                         offset: torch.Tensor) -> torch.Tensor:
     """What int4_gemv computes: x' @ W.T in float32, rounded to bf16 once, where W = offset + scale * q
-    (quantization.py) and x' is x quantised to int8 in blocks of 32 (of G where the group size G is 16)."""
+    (quantization.py) and x' is x quantised to int8 in blocks of the group size G (quantize_activations)."""
     from nanoqwen.quantization import dequantize_int4
 
     group = 2 * packed.shape[-1] // scale.shape[-1]
-    x_rounded = quantize_activations(x, min(INT4_X_BLOCK, group))
+    x_rounded = quantize_activations(x, group)
     return F.linear(x_rounded, dequantize_int4(packed, scale, offset)).to(torch.bfloat16)
 
 
@@ -116,7 +115,8 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """y = x' @ W.T for bf16 x [..., K] and int4 W (packed [N, K/2], scale and offset [N, K/G]); y bf16 [..., N].
-    x' is x quantised to int8 in blocks of 32 (int4_gemv_reference): the dot products are integer ones."""
+    x' is x quantised to int8 in blocks of W's group size (int4_gemv_reference): the dot products are integer
+    ones."""
     if _ext is None:
         _require()
     if x.dim() == 2:

@@ -8,7 +8,8 @@ them (BENCHMARKS.md measures what this buys). `decode_layer` in csrc/cpu_gemv.cp
 the same order as `DecoderLayer.forward` does on this path, so the result is the same bits
 (tests/test_cpu_path.py compares them); only the embedding, the final norm and the LM head stay in Python.
 
-Used by ModelRunner for steps of decode rows only (no prompt chunk), up to cpu.GEMV_MAX_ROWS of them, when
+Used by ModelRunner for steps of decode rows only (no prompt chunk), up to the gemv kernels' row count
+(cpu.matmul_path().gemv_max_rows), when
 `FusedDecoder.supports(model)`: bf16 activations, the "cpu" paged attention backend, dense layers (not MoE),
 no attention bias, one rank. NANOQWEN_FUSED_DECODE=0 turns it off (the per-module path).
 """

@@ -3,7 +3,7 @@
 //   bf16_gemv(x [M,K] bf16, w [N,K] bf16, bias [N] bf16 or None) -> y [M,N] bf16,  y = x @ w.T + bias
 //   int8_gemv(x [M,K] bf16, q [N,K] int8, scale [N] bf16)        -> y [M,N] bf16,  y = (x @ q.T) * scale
 //   int4_gemv(x [M,K] bf16, packed [N,K/2] uint8, scale, offset [N,K/G] bf16) -> y [M,N] bf16,
-//                                  y = x' @ (offset + scale * q).T per group, x' = x quantised to int8 (below)
+//                                  y = x' @ (offset + scale * q).T per group, x' = x quantised to int8 per group (below)
 //   int4_to_float(packed, scale, offset) -> w [N,K] float32 (the same weights, for products over many rows)
 //
 // With few rows of x, every weight element is used M times, so the product is bound by how fast the weights
@@ -183,20 +183,19 @@ void rows_any_m(int m_rows, const float* x, const W* w, const uint16_t* scale, c
 // ---- int4 weights times int8-quantised activations (the q4 x q8 dot product llama.cpp uses).
 //
 // A float FMA per weight made the int4 kernel compute-bound, far below the read bandwidth (BENCHMARKS.md).
-// Instead, x is quantised once per call to int8 in blocks of kBlockX = 32 consecutive elements (symmetric,
-// one float32 scale d per block: d = max|x| / 127, xq = round(x / d)), and each group's dot product
+// Instead, x is quantised once per call to int8 in blocks of the weights' group size G (symmetric, one
+// float32 scale per block: d = max|x| / 127, xq = round(x / d)), and each group's dot product
 // sum_k q[k] * xq[k] is an integer one: 32 nibbles times 32 int8 in two instructions (maddubs: u8 x s8 pairs
-// summed to int16, at most 2 * 15 * 127; madd with ones: int16 pairs to int32), or one (vpdpbusd) with
-// AVX-512 VNNI. Per group g of row r and block b of x row m inside it:
-//     y[m, r] = sum_g scale[r, g] * sum_b d[m, b] * (sum_{k in b} q[r, k] xq[m, k])  +  sum_g offset[r, g] * xs[m, g]
-// with xs[m, g] = sum_{b in g} d[m, b] * sum_{k in b} xq[m, k] (once per call): exactly x' @ W4.T for the
-// dequantised activations x' = d * xq, which int4_gemv_reference in nanoqwen/ops/cpu_gemv.py computes.
+// summed to int16, at most 4 * 15 * 127 after adding the low and high nibbles' sums; madd with ones: int16
+// pairs to int32), or one (vpdpbusd) with AVX-512 VNNI. Per group g of row r and of x row m:
+//     y[m, r] = sum_g scale[r, g] * d[m, g] * (sum_{k in g} q[r, k] xq[m, k])  +  sum_g offset[r, g] * xs[m, g]
+// with xs[m, g] = d[m, g] * sum_{k in g} xq[m, k] (once per call): exactly x' @ W4.T for the dequantised
+// activations x' = d * xq, which int4_gemv_reference in nanoqwen/ops/cpu_gemv.py computes. One float
+// conversion and one FMA per group and row of x; the rest is integer work.
 
-constexpr int kMaxRowsInt4 = 4;  // rows of x per pass over the weights
-constexpr int64_t kBlockX = 32;  // elements of x per int8 scale (llama.cpp's q8_0 block)
+constexpr int kMaxRowsInt4 = 8;  // rows of x per pass over the weights
 
-// x quantised for int4_gemv: xq [M, K] int8, d [M, K / XB] float32 (XB = kBlockX, or G when G < kBlockX),
-// xs [M, K / G] float32 as above.
+// x quantised for int4_gemv: xq [M, K] int8; d and xs [M, K / G] float32 as above.
 struct QuantizedX {
   std::vector<int8_t> xq;
   std::vector<float> d, xs;
@@ -210,32 +209,33 @@ struct QuantizedRows {
 };
 
 QuantizedX quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t G) {
-  const int64_t XB = std::min(kBlockX, G), blocks = K / XB, per_group = G / XB;
-  QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * (K / G), 0.0f)};
-  for (int64_t b = 0; b < M * blocks; ++b) {
-    const uint16_t* xb = x + b * XB;
+  const int64_t blocks = M * (K / G);
+  QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(blocks), std::vector<float>(blocks)};
+  for (int64_t b = 0; b < blocks; ++b) {  // block b: group b % (K / G) of row b / (K / G)
+    const uint16_t* xb = x + b * G;
     float amax = 0.0f;
-    for (int64_t k = 0; k < XB; ++k) amax = std::max(amax, std::fabs(bf16_to_float(xb[k])));
+    for (int64_t k = 0; k < G; ++k) amax = std::max(amax, std::fabs(bf16_to_float(xb[k])));
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
     int32_t sum = 0;
-    for (int64_t k = 0; k < XB; ++k) {
+    for (int64_t k = 0; k < G; ++k) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(bf16_to_float(xb[k]) * inv));  // half to even
-      out.xq[b * XB + k] = static_cast<int8_t>(v);
+      out.xq[b * G + k] = static_cast<int8_t>(v);
       sum += v;
     }
     out.d[b] = d;
-    out.xs[b / per_group] += d * static_cast<float>(sum);  // b / per_group = m * groups + g
+    out.xs[b] = d * static_cast<float>(sum);
   }
   return out;
 }
 
 #ifdef NANOQWEN_AVX2
-// The 32 products q[k] * xq[k] of 32 unsigned nibbles and 32 int8, summed to 8 int32 lanes.
-inline __m256i dot32(__m256i q, __m256i xq) {
+// acc + the 64 products of 32 low nibbles with xq_lo and 32 high nibbles with xq_hi, summed to 8 int32 lanes.
+inline __m256i dot64(__m256i acc, __m256i lo, __m256i xq_lo, __m256i hi, __m256i xq_hi) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xq);
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, xq_lo), hi, xq_hi);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), _mm256_set1_epi16(1));
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xq_lo), _mm256_maddubs_epi16(hi, xq_hi));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
 #endif
@@ -244,34 +244,35 @@ inline __m256i dot32(__m256i q, __m256i xq) {
 template <int M, int R>
 inline void dot_rows_int4(const QuantizedRows& x, int64_t K, int64_t G, const uint8_t* const* w,
                           const uint16_t* const* scale, const uint16_t* const* offset, float (*dots)[M]) {
-  const int64_t groups = K / G, half = G / 2, XB = std::min(kBlockX, G), blocks = K / XB;
+  const int64_t groups = K / G, half = G / 2;
   int64_t g0 = 0;  // groups whose offsets the vector loop covered
 #ifdef NANOQWEN_AVX2
-  if (half % 32 == 0) {  // G a multiple of 64: 32 bytes hold 32 low nibbles of one x block, 32 high of another
+  if (half % 32 == 0) {  // G a multiple of 64: 32 bytes hold 32 low and 32 high nibbles of the group
     const __m256i nibble = _mm256_set1_epi8(0xF);
     __m256 acc[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      float s[R];
+      __m256i isum[R][M];
       for (int r = 0; r < R; ++r) {
         _mm_prefetch(reinterpret_cast<const char*>(w[r] + g * half) + kPrefetchBytes, _MM_HINT_T0);
-        s[r] = bf16_to_float(scale[r][g]);
+        for (int m = 0; m < M; ++m) isum[r][m] = _mm256_setzero_si256();
       }
-      for (int64_t c = 0; c < half; c += 32) {
-        const int64_t lo_k = g * G + c, hi_k = lo_k + half;  // first elements of the two x blocks
+      for (int64_t c = 0; c < half; c += 32)
         for (int r = 0; r < R; ++r) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + g * half + c));
           const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
           for (int m = 0; m < M; ++m) {
-            const int8_t* xm = x.xq + m * K;
-            const float* dm = x.d + m * blocks;
-            const __m256i p_lo = dot32(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + lo_k)));
-            const __m256i p_hi = dot32(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + hi_k)));
-            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_lo), _mm256_set1_ps(s[r] * dm[lo_k / XB]), acc[r][m]);
-            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_hi), _mm256_set1_ps(s[r] * dm[hi_k / XB]), acc[r][m]);
+            const int8_t* xg = x.xq + m * K + g * G + c;  // elements c.. (low nibbles) and c + G/2.. (high)
+            isum[r][m] = dot64(isum[r][m], lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)), hi,
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + half)));
           }
         }
+      for (int r = 0; r < R; ++r) {
+        const float s = bf16_to_float(scale[r][g]);
+        for (int m = 0; m < M; ++m)
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][m]), _mm256_set1_ps(s * x.d[m * groups + g]),
+                                      acc[r][m]);
       }
     }
     for (; g0 + 8 <= groups; g0 += 8)  // the offsets, 8 groups at a time
@@ -289,16 +290,12 @@ inline void dot_rows_int4(const QuantizedRows& x, int64_t K, int64_t G, const ui
       for (int m = 0; m < M; ++m) {
         float total = 0.0f;
         for (int64_t g = 0; g < groups; ++g) {
-          float group_sum = 0.0f;
-          for (int64_t b = 0; b < G / XB; ++b) {  // x blocks of this group
-            int32_t isum = 0;
-            for (int64_t e = b * XB; e < (b + 1) * XB; ++e) {  // element e of the group
-              const uint8_t byte = w[r][g * half + e % half];
-              isum += (e < half ? byte & 0xF : byte >> 4) * x.xq[m * K + g * G + e];
-            }
-            group_sum += x.d[m * blocks + (g * G) / XB + b] * static_cast<float>(isum);
+          int32_t isum = 0;
+          for (int64_t j = 0; j < half; ++j) {
+            const uint8_t byte = w[r][g * half + j];
+            isum += (byte & 0xF) * x.xq[m * K + g * G + j] + (byte >> 4) * x.xq[m * K + g * G + half + j];
           }
-          total += bf16_to_float(scale[r][g]) * group_sum;
+          total += bf16_to_float(scale[r][g]) * x.d[m * groups + g] * static_cast<float>(isum);
         }
         dots[r][m] = total;
       }
@@ -436,17 +433,20 @@ torch::Tensor int4_gemv(const torch::Tensor& x_in, const torch::Tensor& packed_i
   const uint16_t* op = reinterpret_cast<const uint16_t*>(offset.data_ptr());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, K / 2));
-  const int64_t blocks = K / std::min(kBlockX, G);
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsInt4) {
     const int m_rows = static_cast<int>(std::min<int64_t>(kMaxRowsInt4, M - m0));
-    const QuantizedRows part{xq.xq.data() + m0 * K, xq.d.data() + m0 * blocks, xq.xs.data() + m0 * groups};
+    const QuantizedRows part{xq.xq.data() + m0 * K, xq.d.data() + m0 * groups, xq.xs.data() + m0 * groups};
     at::BFloat16* yo = yp + m0 * N;
     at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
       switch (m_rows) {
         case 1: return rows_int4<1>(part, wp, sp, op, K, G, N, begin, end, yo);
         case 2: return rows_int4<2>(part, wp, sp, op, K, G, N, begin, end, yo);
         case 3: return rows_int4<3>(part, wp, sp, op, K, G, N, begin, end, yo);
-        default: return rows_int4<4>(part, wp, sp, op, K, G, N, begin, end, yo);
+        case 4: return rows_int4<4>(part, wp, sp, op, K, G, N, begin, end, yo);
+        case 5: return rows_int4<5>(part, wp, sp, op, K, G, N, begin, end, yo);
+        case 6: return rows_int4<6>(part, wp, sp, op, K, G, N, begin, end, yo);
+        case 7: return rows_int4<7>(part, wp, sp, op, K, G, N, begin, end, yo);
+        default: return rows_int4<8>(part, wp, sp, op, K, G, N, begin, end, yo);
       }
     });
   }
