@@ -55,7 +55,8 @@ Kernels, chosen per call:
 The two CPU kernels round differently (and differently from the bf16 model), so with int8 a
 sequence's greedy tokens can depend on the batch it runs in, where a near-tie is flipped: a prompt
 of <= INT8PACK_MAX_ROWS tokens prefilled alone takes int8pack, prefilled beside others the
-dequantise kernel. Decode rows take the same kernel at any batch size up to INT8PACK_MAX_ROWS.
+dequantise kernel. Decode rows take the same kernel at any batch size up to INT8PACK_MAX_ROWS
+(where the gemv kernels are on: up to their measured row limit, then int8pack).
 
 int4 (`Int4Linear`, `Int4Experts`): the same matrices (and, as with int8, the router and the
 embedding stay as they are), asymmetric, one scale and one offset per group of G consecutive inputs

@@ -58,13 +58,16 @@ def test_auto_measures_once_and_caches_per_machine(bf16_gflops, expected, monkey
     assert "torch" in key and value["path"] == expected
 
 
-@pytest.mark.parametrize("own_gb_s, expected_rows", [((37.0, 30.0, 20.0, 9.0, 5.0), 4),
-                                                     ((12.0, 30.0, 20.0, 14.0, 9.0), 0),
-                                                     ((37.0, 30.0, 20.0, 14.0, 9.0), 16)])
+# torch's GB/s at 1, 2, 4, 8, 16 rows: 15, 15, 15, 10, 8; nanoqwen's kernels take a row count while
+# they reach 0.8 of that
+@pytest.mark.parametrize("own_gb_s, expected_rows", [((37.0, 30.0, 20.0, 7.9, 5.0), 4),
+                                                     ((11.9, 30.0, 20.0, 14.0, 9.0), 0),
+                                                     ((37.0, 30.0, 12.0, 8.0, 6.4), 16)])
 def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expected_rows,
                                                                  monkeypatch, tmp_path):
     """Few rows go through nanoqwen's gemv kernels up to the row count where torch's F.linear
-    overtakes them (on a native-bf16 CPU too: it can at a few rows); measured once, then cached."""
+    clearly overtakes them (on a native-bf16 CPU too: it can at a few rows); measured once, then
+    cached."""
     from nanoqwen.ops import cpu_gemv
 
     monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "bf16")

@@ -43,6 +43,11 @@ PROBE_SHAPE = (256, 1024, 1024)
 # out, in, copies: a Qwen3-0.6B qkv_proj, 8 copies (64 MiB) so that they come from memory
 GEMV_PROBE_SHAPE = (4096, 1024, 8)
 GEMV_PROBE_ROWS = (1, 2, 4, 8, 16)
+# The gemv kernels take a row count while their bf16 product reaches this share of torch's: with them
+# come the one-call C++ decode step and the int8 kernel, which gain more than that loses (measured with
+# the AVX2 limits on an AVX-512 CPU, where torch's one-row bf16 kernel ties with nanoqwen's: int8
+# batch-1 decode 13.2 tok/s through torch's int8pack, 31.9 through nanoqwen's kernel; BENCHMARKS.md).
+GEMV_MIN_SHARE = 0.8
 SLOW_BF16 = 0.5  # bf16 below half of float32's speed: compute in float32
 
 
@@ -144,8 +149,8 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     """This machine's path for 16-bit matmuls over many rows (forced, cached, or measured now and
     cached), and up to how many rows nanoqwen's gemv kernels take: NANOQWEN_CPU_GEMV=1|0 forces them
     on (up to GEMV_MAX_ROWS) or off; otherwise they take every row count of GEMV_PROBE_ROWS, from 1
-    up, at which they read a weight matrix faster than torch's bf16 F.linear (measured once per
-    machine, cached beside the path). torch's few-row kernel is far below the read bandwidth on
+    up, at which they read a weight matrix at least GEMV_MIN_SHARE as fast as torch's bf16 F.linear
+    (measured once per machine, cached beside the path). torch's few-row kernel is far below the read bandwidth on
     AVX2-only CPUs, and on some native-bf16 ones too, where its many-row kernel overtakes nanoqwen's
     at a few rows."""
     choice = _select_path(cache_dir)
@@ -162,7 +167,7 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     # {rows: [own GB/s, torch's GB/s]} (JSON keys are strings)
     speeds = {int(m): v for m, v in _cached(cache_dir, "gemv rows", gemv_probe).items()}
     for rows, (own, theirs) in sorted(speeds.items()):
-        if own <= theirs:
+        if own < GEMV_MIN_SHARE * theirs:
             break
         choice.gemv_max_rows = rows
     choice.gemv = choice.gemv_max_rows > 0
@@ -174,7 +179,7 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
 def gemv_probe() -> dict[int, tuple[float, float]]:
     """For each row count of GEMV_PROBE_ROWS, GB/s of weights read by nanoqwen's bf16_gemv and by
     torch's F.linear, over copies of a GEMV_PROBE_SHAPE matrix that together exceed the L3 cache (as
-    a decode step reads its weights from memory); best of three rounds."""
+    a decode step reads its weights from memory); best of five rounds."""
     from nanoqwen.ops import cpu_gemv
 
     n, k, copies = GEMV_PROBE_SHAPE
@@ -186,7 +191,7 @@ def gemv_probe() -> dict[int, tuple[float, float]]:
         for fn in (cpu_gemv.bf16_gemv, F.linear):
             fn(x, weights[0])  # warm-up
             best = float("inf")
-            for _ in range(3):
+            for _ in range(5):
                 start = time.perf_counter()
                 for w in weights:
                     fn(x, w)
