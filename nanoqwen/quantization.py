@@ -35,8 +35,8 @@ Numerics (symmetric, one scale per output row, no zero point), for W [out, in]:
                                           computes in float32, see ops/cpu.py)
 
 Kernels, chosen per call:
-- CPU where nanoqwen's gemv kernels are on (ops/cpu.py: measured faster than torch's), up to as
-  many bf16 rows as they take there: nanoqwen's own AVX2 kernel
+- CPU where nanoqwen's gemv kernels are on (ops/cpu.py: measured against torch's), up to
+  GEMV_MAX_ROWS bf16 rows (int8pack was slower at each row count): nanoqwen's own AVX2 kernel
   (ops/cpu_gemv.py `int8_gemv`), which streams the int8 rows once for all the rows of x.
 - CPU, few rows (decode), bf16/fp16 activations: `torch.ops.aten._weight_int8pack_mm`, which reads
   the int8 matrix directly: half the bytes of a bf16 matrix-vector product, so batch-1 decode runs
@@ -55,8 +55,7 @@ Kernels, chosen per call:
 The two CPU kernels round differently (and differently from the bf16 model), so with int8 a
 sequence's greedy tokens can depend on the batch it runs in, where a near-tie is flipped: a prompt
 of <= INT8PACK_MAX_ROWS tokens prefilled alone takes int8pack, prefilled beside others the
-dequantise kernel. Decode rows take the same kernel at any batch size up to INT8PACK_MAX_ROWS
-(where the gemv kernels are on: up to their measured row limit, then int8pack).
+dequantise kernel. Decode rows take the same kernel at any batch size up to INT8PACK_MAX_ROWS.
 
 int4 (`Int4Linear`, `Int4Experts`): the same matrices (and, as with int8, the router and the
 embedding stay as they are), asymmetric, one scale and one offset per group of G consecutive inputs
@@ -442,8 +441,8 @@ def pick_kernel(x: torch.Tensor, in_features: int
     docstring)."""
     if x.device.type != "cpu":
         return dequantized_linear
-    if cpu.gemv_rows(x):
-        # CPUs without fast bf16: nanoqwen's own kernel (ops/cpu_gemv.py) reads the int8 rows
+    if cpu.int8_gemv_rows(x):
+        # where nanoqwen's gemv kernels are on: its own kernel (ops/cpu_gemv.py) reads the int8 rows
         return cpu.int8_gemv
     rows = x.numel() // in_features if in_features else 0
     if rows <= INT8PACK_MAX_ROWS and int8pack_supported(x.dtype, in_features):

@@ -105,15 +105,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight, bias)
 
 
-def gemv_rows(x: torch.Tensor) -> bool:
-    """Whether a product over x's rows goes through the gemv kernels (bf16, few rows, the kernels
-    on)."""
-    return (_in_use.gemv and x.dtype == torch.bfloat16
-            and x.numel() <= _in_use.gemv_max_rows * x.shape[-1])
+def int8_gemv_rows(x: torch.Tensor) -> bool:
+    """Whether an int8 product over x's rows goes through nanoqwen's int8 kernel: the gemv kernels on,
+    bf16 x, up to GEMV_MAX_ROWS rows whatever the bf16 limit, because its alternative for few rows,
+    torch's int8pack, was slower at every row count up to 16 (bench/bench_gemv.py, BENCHMARKS.md)."""
+    return _in_use.gemv and x.dtype == torch.bfloat16 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """nanoqwen's int8 matrix-vector kernel (ops/cpu_gemv.py); call where gemv_rows(x) is True."""
+    """nanoqwen's int8 matrix-vector kernel (ops/cpu_gemv.py); call where int8_gemv_rows(x) is True."""
     return _gemv_kernels.int8_gemv(x, q, scale)
 
 
