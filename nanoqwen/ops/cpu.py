@@ -16,7 +16,9 @@ bf16's tolerance.
 The choice (`select_matmul_path`): NANOQWEN_CPU_MATMUL=bf16|float32 forces it; otherwise a probe
 times a bf16 and a float32 matmul of a prompt-sized shape (about a second, once) and the result is
 cached per CPU model, CPU flags, torch version and thread count in
-~/.cache/nanoqwen/cpu-matmul.json.
+~/.cache/nanoqwen/cpu-matmul.json. A second probe, cached beside it, times nanoqwen's bf16 gemv
+kernel against torch's F.linear at 1 to 16 rows and sets how many rows (decode) the gemv kernels
+take, on any CPU (NANOQWEN_CPU_GEMV=0|1 forces them off or on).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -150,9 +153,9 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     cached), and up to how many rows nanoqwen's gemv kernels take: NANOQWEN_CPU_GEMV=1|0 forces them
     on (up to GEMV_MAX_ROWS) or off; otherwise they take every row count of GEMV_PROBE_ROWS, from 1
     up, at which they read a weight matrix at least GEMV_MIN_SHARE as fast as torch's bf16 F.linear
-    (measured once per machine, cached beside the path). torch's few-row kernel is far below the read bandwidth on
-    AVX2-only CPUs, and on some native-bf16 ones too, where its many-row kernel overtakes nanoqwen's
-    at a few rows."""
+    (measured once per machine, cached beside the path). torch's few-row kernel is far below the read
+    bandwidth on AVX2-only CPUs, and on some native-bf16 ones too, where its many-row kernel
+    overtakes nanoqwen's at a few rows."""
     choice = _select_path(cache_dir)
     wanted = os.environ.get("NANOQWEN_CPU_GEMV", "auto")
     if wanted == "0":
@@ -212,7 +215,7 @@ def _select_path(cache_dir: Path | None) -> MatmulPath:
     return MatmulPath(**{k: v for k, v in found.items() if not k.startswith("gemv")})
 
 
-def _cached(cache_dir: Path | None, what: str, measure) -> dict:
+def _cached(cache_dir: Path | None, what: str, measure: Callable[[], dict]) -> dict:
     """measure()'s result, cached per CPU model, CPU flags, torch version and thread count in
     cpu-matmul.json (measured now where the cache has none)."""
     name, flags = cpu_name_and_flags()
