@@ -22,6 +22,7 @@ compiler, an unsupported platform).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -59,8 +60,24 @@ def compile_kernels(device: torch.device, dtype: torch.dtype, own_kernels: bool 
     return compiled is not None
 
 
+def _inductor_cache_per_cpu_capability() -> None:
+    """One torch.compile disk cache per torch CPU capability, unless the user chose another folder
+    than the default one (TORCHINDUCTOR_CACHE_DIR). The default folder is shared by every process of the user, and a CPU
+    kernel compiled under one capability was reused under another: on an AVX-512 CPU, processes
+    limited with ATEN_CPU_CAPABILITY=avx2 after unlimited ones got NaN from the compiled RMSNorm
+    (tests/test_cpu_path.py and the int8 quality tests, run under those limits); with a fresh folder, never."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = default_cache_dir()  # (importing torch._dynamo already sets the variable to it)
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
+        capability = torch.backends.cpu.get_cpu_capability().lower()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-{capability}"
+
+
 def _compile(device: torch.device, dtype: torch.dtype
              ) -> dict[str, Callable[..., torch.Tensor]] | None:
+    if device.type == "cpu":
+        _inductor_cache_per_cpu_capability()
     # one compiled graph per (dtype, rank of x): allow more than dynamo's default of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = {name: torch.compile(getattr(qwen3, name), dynamic=True) for name in FUNCTIONS}

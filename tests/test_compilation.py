@@ -4,6 +4,7 @@ compute."""
 from __future__ import annotations
 
 import logging
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -111,3 +112,23 @@ def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch, caplog)
     monkeypatch.undo()
     use_eager_kernels()
     assert compile_kernels(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("chosen", [None, "default", "/somewhere/else"])
+def test_torch_compile_keeps_one_disk_cache_per_cpu_capability(chosen, monkeypatch):
+    """A kernel cached under one ATEN_CPU_CAPABILITY gave NaN when reused under another, so the
+    default torch.compile cache folder gets the capability appended; a folder the user chose stays."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from nanoqwen import compilation
+
+    default = default_cache_dir()
+    value = {None: None, "default": default}.get(chosen, chosen)
+    if value is None:
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", value)
+    compilation._inductor_cache_per_cpu_capability()
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    expected = "/somewhere/else" if chosen == "/somewhere/else" else f"{default}-{capability}"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == expected
