@@ -62,10 +62,11 @@ def compile_kernels(device: torch.device, dtype: torch.dtype, own_kernels: bool 
 
 def _inductor_cache_per_cpu_capability() -> None:
     """One torch.compile disk cache per torch CPU capability, unless the user chose another folder
-    than the default one (TORCHINDUCTOR_CACHE_DIR). The default folder is shared by every process of the user, and a CPU
-    kernel compiled under one capability was reused under another: on an AVX-512 CPU, processes
-    limited with ATEN_CPU_CAPABILITY=avx2 after unlimited ones got NaN from the compiled RMSNorm
-    (tests/test_cpu_path.py and the int8 quality tests, run under those limits); with a fresh folder, never."""
+    than the default one (TORCHINDUCTOR_CACHE_DIR). The default folder is shared by every process
+    of the user, and a CPU kernel compiled under one capability was reused under another: on an
+    AVX-512 CPU, processes limited with ATEN_CPU_CAPABILITY=avx2 after unlimited ones got NaN from
+    the compiled RMSNorm (tests/test_cpu_path.py and the int8 quality tests, run under those
+    limits); with a fresh folder, never."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     default = default_cache_dir()  # (importing torch._dynamo already sets the variable to it)

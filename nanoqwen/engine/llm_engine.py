@@ -142,9 +142,10 @@ class LLMEngine:
         logger.info("weights: %.2f GiB in memory (%s)", self.weight_bytes / 2**30,
                     self.quantization or str(self.dtype).removeprefix("torch."))
         self.kernel_path = select_kernels(self.device, self.dtype, config.enforce_eager)
-        if self.quantization == "int4" and self.device.type == "cpu" and int4_kernels() is not None:
+        kernels = int4_kernels() if self.quantization == "int4" and self.device.type == "cpu" else None
+        if kernels is not None:
             self.kernel_path += (f"; int4 decode rows: int8 activations, "
-                                 f"{int4_kernels().int4_dot_instructions()} integer dot products")
+                                 f"{kernels.int4_dot_instructions()} integer dot products")
         logger.info("kernels: %s", self.kernel_path)
         # The KV pool: as many blocks as the budget holds; it must fit at least one full-length
         # sequence. With tensor parallelism the budget is per rank, and a rank's block holds only
