@@ -6,9 +6,15 @@ batch-1 decode, at 16, 8 and 4 bits (bf16, int8 / q8_0, int4 / q4_0), each as a 
 
 Needs llama-cpp-python (an optional benchmark dependency, never a test one): build it once with
 `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python` (15-25 minutes on 2 cores; pip keeps the wheel),
-plus `pip install sentencepiece`. The checkpoint is converted with the `convert_hf_to_gguf.py` and `gguf-py`
-of the installed version's source (downloaded once with pip into bench/.models/llama-cpp-src) to a bf16 GGUF,
-then quantised to q8_0 and q4_0 with llama_cpp.llama_model_quantize.
+plus `pip install sentencepiece`. To compare on AVX2 only on a bigger CPU, run nanoqwen with the AVX2 limits
+(`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`) against a llama.cpp built
+for AVX2 into a folder of its own, put first on PYTHONPATH:
+`CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
+pip install --no-cache-dir --target bench/.models/llama-cpp-avx2 llama-cpp-python` (the table names the
+instruction sets the llama.cpp in use was built for).
+The checkpoint is converted with the `convert_hf_to_gguf.py` and `gguf-py` of the installed version's source
+(downloaded once with pip into bench/.models/llama-cpp-src) to a bf16 GGUF, then quantised to q8_0 and q4_0
+with llama_cpp.llama_model_quantize.
 
 Procedure, the same for both (each system in its own process, the same thread count): prompt processing is
 the best time of one 512-token forward (llama.cpp: one `eval` of the tokens, batch 512; nanoqwen: a generate
@@ -37,6 +43,18 @@ GGUF_DIR = ROOT / "bench" / ".models" / "gguf"
 SRC_DIR = ROOT / "bench" / ".models" / "llama-cpp-src"
 FORMATS = ("bf16", "q8_0", "q4_0")
 DECODE_PROMPT, DECODE_TOKENS = 32, 64
+
+
+def llama_instructions() -> list[str]:
+    """The x86 instruction sets the installed llama.cpp was built to use (from llama_print_system_info),
+    e.g. ["AVX2", "FMA", "F16C", "AVX512", ...]: a GGML_NATIVE build on an AVX-512 CPU uses AVX-512 even
+    when nanoqwen is limited to AVX2, so the table names them."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    wanted = ("AVX", "AVX2", "FMA", "F16C", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI", "AMX_INT8")
+    flags = dict(part.split(" = ") for part in info.replace("CPU : ", "").split(" | ") if " = " in part)
+    return [f for f in wanted if flags.get(f) == "1"]
 
 
 def llama_source() -> Path:
@@ -191,7 +209,9 @@ def main() -> None:
         print(f"{system}: {json.dumps(results[system])}", file=sys.stderr, flush=True)
     if "ceilings" not in results or "nanoqwen" not in results:
         sys.exit("no table: the ceilings or nanoqwen failed")
-    body = (f"### nanoqwen vs llama.cpp (llama-cpp-python {llama_cpp.__version__}, GGML_NATIVE), CPU\n\n"
+    instructions = llama_instructions()
+    body = (f"### nanoqwen vs llama.cpp (llama-cpp-python {llama_cpp.__version__}), CPU\n\n"
+            f"llama.cpp built for: {' '.join(instructions)}.\n\n"
             f"`python bench/bench_llamacpp.py` on "
             f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}, "
             f"converted to GGUF bf16 and quantised to q8_0 / q4_0; nanoqwen int8 and int4 are made at load "
@@ -199,7 +219,10 @@ def main() -> None:
             f"{bench_model.machine_line('cpu')}\n\n" + table(results, results["ceilings"]))
     print(body)
     if args.write:
-        bench_model.write_benchmarks(bench_model.section_name("bench_llamacpp", "cpu"), body)
+        # a llama.cpp built without AVX-512 (an AVX2-only build, for a like-for-like AVX2 comparison) gets its
+        # own table beside the native build's
+        suffix = "" if "AVX512" in instructions else "-llama-avx2"
+        bench_model.write_benchmarks(bench_model.section_name("bench_llamacpp", "cpu") + suffix, body)
 
 
 if __name__ == "__main__":

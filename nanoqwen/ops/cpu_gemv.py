@@ -218,7 +218,7 @@ def compile_flags() -> list[str]:
 
 def int4_dot_instructions() -> str:
     """How int4_gemv multiplies (for the log line and `nanoqwen bench`): "AVX-512 VNNI" or "AVX2"."""
-    return "AVX-512 VNNI" if _ext is not None and _ext.has_vnni() else "AVX2"
+    return "AVX-512 VNNI" if available() and _ext.has_vnni() else "AVX2"
 
 
 def _build() -> ModuleType:

@@ -213,13 +213,35 @@ QuantizedX quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t G) {
   QuantizedX out{std::vector<int8_t>(M * K), std::vector<float>(blocks), std::vector<float>(blocks)};
   for (int64_t b = 0; b < blocks; ++b) {  // block b: group b % (K / G) of row b / (K / G)
     const uint16_t* xb = x + b * G;
+    int8_t* qb = out.xq.data() + b * G;
+    int64_t k = 0;
     float amax = 0.0f;
-    for (int64_t k = 0; k < G; ++k) amax = std::max(amax, std::fabs(bf16_to_float(xb[k])));
+#ifdef NANOQWEN_AVX2
+    __m256 vmax = _mm256_setzero_ps();
+    for (; k + 8 <= G; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), load8_bf16(xb + k)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#endif
+    for (; k < G; ++k) amax = std::max(amax, std::fabs(bf16_to_float(xb[k])));
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
     int32_t sum = 0;
-    for (int64_t k = 0; k < G; ++k) {
+    k = 0;
+#ifdef NANOQWEN_AVX2
+    __m256i vsum = _mm256_setzero_si256();
+    for (; k + 8 <= G; k += 8) {  // cvtps rounds half to even (the default rounding mode), as nearbyint does
+      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(load8_bf16(xb + k), _mm256_set1_ps(inv)));
+      vsum = _mm256_add_epi32(vsum, v);
+      const __m128i v16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + k), _mm_packs_epi16(v16, v16));  // |v| <= 127: exact
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+#endif
+    for (; k < G; ++k) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(bf16_to_float(xb[k]) * inv));  // half to even
-      out.xq[b * G + k] = static_cast<int8_t>(v);
+      qb[k] = static_cast<int8_t>(v);
       sum += v;
     }
     out.d[b] = d;
