@@ -5,3 +5,11 @@ cd "$(dirname "$0")"
 scripts/setup.sh --test
 .venv/bin/ruff check .
 .venv/bin/python -m pytest "$@"
+# On a CPU with more than AVX2 (and a full run: no arguments), the parity, engine, CPU-path and int4 tests
+# again with torch and nanoqwen limited to AVX2, so the paths an AVX2-only CPU takes (float32 compute from
+# 16-bit weights for many rows, the AVX2 kernels without VNNI) are tested on every machine.
+if [ $# -eq 0 ] && grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
+  echo "== the same CPU limited to AVX2: parity, engine, CPU-path and int4 tests =="
+  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+    .venv/bin/python -m pytest -q tests/test_parity.py tests/test_engine.py tests/test_cpu_path.py tests/test_int4.py
+fi
