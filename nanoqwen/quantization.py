@@ -35,14 +35,10 @@ Numerics (symmetric, one scale per output row, no zero point), for W [out, in]:
                                           computes in float32, see ops/cpu.py)
 
 Kernels, chosen per call:
-- CPU where nanoqwen's kernels run, up to the int8 row limit measured per machine (ops/cpu.py:
-  `int8_gemv_max_rows`, where dequantising overtakes it): nanoqwen's own AVX2 kernel
-  (ops/cpu_gemv.py `int8_gemv`), which streams the int8 rows once for all the rows of x. Past that
-  limit these CPUs dequantise: int8pack was slower than both at every row count up to 16 (bench_gemv;
-  at 16 rows on the AVX-512 machine of 2026-12-01, 1.34 / 2.10 / 0.81 ms for qkv / gate_up / down,
-  against the own kernel's 1.50 / 2.28 / 1.23 and dequantising's 0.89 / 1.34 / 0.61).
-- CPU without nanoqwen's kernels, few rows (decode), bf16/fp16 activations:
-  `torch.ops.aten._weight_int8pack_mm`, which reads
+- CPU where nanoqwen's gemv kernels are on (ops/cpu.py: measured against torch's), up to
+  GEMV_MAX_ROWS bf16 rows (int8pack was slower at each row count): nanoqwen's own AVX2 kernel
+  (ops/cpu_gemv.py `int8_gemv`), which streams the int8 rows once for all the rows of x.
+- CPU, few rows (decode), bf16/fp16 activations: `torch.ops.aten._weight_int8pack_mm`, which reads
   the int8 matrix directly: half the bytes of a bf16 matrix-vector product, so batch-1 decode runs
   faster. Its cost grows with every 4 rows while a bf16 matmul's barely grows, so above
   INT8PACK_MAX_ROWS rows (measured; see there) the matmul dequantises instead. The kernel needs a
@@ -59,8 +55,7 @@ Kernels, chosen per call:
 The two CPU kernels round differently (and differently from the bf16 model), so with int8 a
 sequence's greedy tokens can depend on the batch it runs in, where a near-tie is flipped: a prompt
 of <= INT8PACK_MAX_ROWS tokens prefilled alone takes int8pack, prefilled beside others the
-dequantise kernel. Decode rows take the same kernel at any batch size up to INT8PACK_MAX_ROWS
-(where nanoqwen's kernels run: up to the measured int8 row limit).
+dequantise kernel. Decode rows take the same kernel at any batch size up to INT8PACK_MAX_ROWS.
 
 int4 (`Int4Linear`, `Int4Experts`): the same matrices (and, as with int8, the router and the
 embedding stay as they are), asymmetric, one scale and one offset per group of G consecutive inputs
@@ -442,15 +437,15 @@ def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
 
 def pick_kernel(x: torch.Tensor, in_features: int
                 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The kernel for this input: nanoqwen's int8 kernel up to its measured row limit, else int8pack for
-    few rows on a CPU where nanoqwen's kernels do not run, else dequantise (module docstring)."""
+    """The kernel for this input: int8pack for few rows on CPU, dequantise otherwise (module
+    docstring)."""
     if x.device.type != "cpu":
         return dequantized_linear
     if cpu.int8_gemv_rows(x):
+        # where nanoqwen's gemv kernels are on: its own kernel (ops/cpu_gemv.py) reads the int8 rows
         return cpu.int8_gemv
     rows = x.numel() // in_features if in_features else 0
-    if (rows <= INT8PACK_MAX_ROWS and int8pack_supported(x.dtype, in_features)
-            and not cpu.matmul_path().int8_gemv_max_rows):
+    if rows <= INT8PACK_MAX_ROWS and int8pack_supported(x.dtype, in_features):
         return int8pack_linear
     return dequantized_linear
 

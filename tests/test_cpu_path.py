@@ -81,12 +81,9 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
         return dict(zip(cpu.GEMV_PROBE_ROWS, zip(own_gb_s, torch_gb_s, strict=True), strict=True))
 
     monkeypatch.setattr(cpu, "gemv_probe", probe)
-    monkeypatch.setattr(cpu, "int8_gemv_probe", lambda: {m: (1.0, 2.0) for m in cpu.GEMV_PROBE_ROWS})
     first = cpu.select_matmul_path(tmp_path)
     assert first.path == "bf16" and len(calls) == 1
     assert first.gemv_max_rows == expected_rows and first.gemv == (expected_rows > 0)
-    # the int8 kernel, slower than dequantising at every row count here, still takes the gemv rows
-    assert first.int8_gemv_max_rows == expected_rows
     assert "1: 37.0 vs 15.0" in first.gemv_reason or expected_rows == 0
     assert (f"<= {expected_rows} rows: nanoqwen's gemv kernels" in first.describe()) == first.gemv
     again = cpu.select_matmul_path(tmp_path)
@@ -98,45 +95,13 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
     assert not cpu.select_matmul_path(tmp_path).gemv
 
 
-# own int8 kernel's GB/s at 1, 2, 4, 8, 16 rows against the dequantising path's 10, 10, 10, 20, 40
-@pytest.mark.parametrize("own_gb_s, bf16_rows, expected_rows", [((30.0, 25.0, 15.0, 20.0, 30.0), 4, 8),
-                                                               ((30.0, 25.0, 15.0, 20.0, 30.0), 16, 16),
-                                                               ((30.0, 25.0, 15.0, 20.0, 30.0), 0, 8),
-                                                               ((9.0, 25.0, 15.0, 20.0, 30.0), 0, 0),
-                                                               ((30.0, 25.0, 15.0, 19.0, 50.0), 2, 4)])
-def test_int8_rows_take_the_own_kernel_while_it_beats_dequantising(own_gb_s, bf16_rows, expected_rows,
-                                                                   monkeypatch, tmp_path, path_in_use):
-    """int8 weights go through nanoqwen's int8 kernel up to the row count where the dequantising path
-    (int8 converted to the matmul dtype, torch's matmul) overtakes it, measured on the chosen path, and
-    at least as far as the bf16 gemv kernels go (the one-call decode step uses it)."""
-    from nanoqwen.ops import cpu_gemv
-
-    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "float32")
-    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
-    monkeypatch.setattr(cpu_gemv, "available", lambda: True)
-    bf16 = [(30.0 if m <= bf16_rows else 1.0, 10.0) for m in cpu.GEMV_PROBE_ROWS]
-    monkeypatch.setattr(cpu, "gemv_probe", lambda: dict(zip(cpu.GEMV_PROBE_ROWS, bf16, strict=True)))
-    paths = []
-
-    def int8_probe():
-        paths.append(cpu.matmul_path().path)  # measured with the chosen path in use
-        return dict(zip(cpu.GEMV_PROBE_ROWS, zip(own_gb_s, (10.0, 10.0, 10.0, 20.0, 40.0), strict=True),
-                        strict=True))
-
-    monkeypatch.setattr(cpu, "int8_gemv_probe", int8_probe)
-    choice = cpu.select_matmul_path(tmp_path)
-    assert paths == ["float32"] and choice.gemv_max_rows == bf16_rows
-    assert choice.int8_gemv_max_rows == expected_rows
-    assert f"int8 up to {expected_rows} rows" in choice.gemv_reason
-    assert cpu.select_matmul_path(tmp_path) == choice and len(paths) == 1  # from the cache
-    cpu.use_matmul_path(choice)
-    for rows in (1, 4, 8, 16):
-        assert cpu.int8_gemv_rows(torch.ones(rows, 64, dtype=torch.bfloat16)) == (rows <= expected_rows)
-    assert not cpu.int8_gemv_rows(torch.ones(1, 64, dtype=torch.float32))
-    if expected_rows and not choice.gemv:
-        assert "nanoqwen's int8 kernel" in choice.describe()
-        from nanoqwen.quantization import pick_kernel
-        assert pick_kernel(torch.ones(1, 64, dtype=torch.bfloat16), 64) is cpu.int8_gemv
+@pytest.mark.parametrize("gemv", [True, False])
+def test_int8_rows_take_the_own_kernel_up_to_16_whatever_the_bf16_limit(gemv, path_in_use):
+    cpu.use_matmul_path(cpu.MatmulPath("bf16", "test", gemv=gemv, gemv_max_rows=4 if gemv else 0))
+    assert cpu.int8_gemv_rows(torch.ones(8, 64, dtype=torch.bfloat16)) == gemv
+    assert cpu.int8_gemv_rows(torch.ones(16, 64, dtype=torch.bfloat16)) == gemv
+    assert not cpu.int8_gemv_rows(torch.ones(17, 64, dtype=torch.bfloat16))
+    assert not cpu.int8_gemv_rows(torch.ones(8, 64, dtype=torch.float32))
 
 
 def test_gemv_probe_measures_both_kernels():
@@ -144,9 +109,9 @@ def test_gemv_probe_measures_both_kernels():
 
     if not cpu_gemv.available():
         pytest.skip("nanoqwen's CPU kernels cannot be built here")
-    for speeds in (cpu.gemv_probe(), cpu.int8_gemv_probe()):
-        assert sorted(speeds) == list(cpu.GEMV_PROBE_ROWS)
-        assert all(own > 0.5 and theirs > 0.5 for own, theirs in speeds.values())  # GB/s: any machine reads faster
+    speeds = cpu.gemv_probe()
+    assert sorted(speeds) == list(cpu.GEMV_PROBE_ROWS)
+    assert all(own > 0.5 and theirs > 0.5 for own, theirs in speeds.values())  # GB/s: any machine reads faster
 
 
 @pytest.mark.parametrize("bias", [False, True])

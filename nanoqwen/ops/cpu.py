@@ -18,8 +18,7 @@ times a bf16 and a float32 matmul of a prompt-sized shape (about a second, once)
 cached per CPU model, CPU flags, torch version and thread count in
 ~/.cache/nanoqwen/cpu-matmul.json. A second probe, cached beside it, times nanoqwen's bf16 gemv
 kernel against torch's F.linear at 1 to 16 rows and sets how many rows (decode) the gemv kernels
-take, on any CPU (NANOQWEN_CPU_GEMV=0|1 forces them off or on); a third times the int8 kernel against
-the dequantising path (int8 converted block by block, torch's matmul) for int8 weights.
+take, on any CPU (NANOQWEN_CPU_GEMV=0|1 forces them off or on).
 """
 
 from __future__ import annotations
@@ -52,9 +51,6 @@ GEMV_PROBE_ROWS = (1, 2, 4, 8, 16)
 # the AVX2 limits on an AVX-512 CPU, where torch's one-row bf16 kernel ties with nanoqwen's: int8
 # batch-1 decode 13.2 tok/s through torch's int8pack, 31.9 through nanoqwen's kernel; BENCHMARKS.md).
 GEMV_MIN_SHARE = 0.8
-# int8 rows take nanoqwen's int8 kernel while it is at least as fast as dequantising (and always where the
-# bf16 gemv kernels are on: the one-call decode step uses it)
-INT8_GEMV_MIN_SHARE = 1.0
 SLOW_BF16 = 0.5  # bf16 below half of float32's speed: compute in float32
 
 
@@ -70,12 +66,9 @@ class MatmulPath:
     gemv: bool = False  # few rows (decode) through ops/cpu_gemv.py's kernels
     gemv_max_rows: int = 0  # up to how many
     gemv_reason: str = ""  # why
-    int8_gemv_max_rows: int = 0  # int8 weights: up to how many rows nanoqwen's int8 kernel takes
 
     def describe(self) -> str:
         few = f"<= {self.gemv_max_rows} rows: nanoqwen's gemv kernels ({self.gemv_reason}); " if self.gemv else ""
-        if not self.gemv and self.int8_gemv_max_rows:
-            few = f"int8 <= {self.int8_gemv_max_rows} rows: nanoqwen's int8 kernel ({self.gemv_reason}); "
         if self.path == "bf16":
             return f"{few}bf16 matmuls ({self.reason})"
         return (f"{few}>= {UPCAST_MIN_ROWS} rows: float32 compute from 16-bit weights "
@@ -96,7 +89,7 @@ _gemv_kernels = None  # nanoqwen/ops/cpu_gemv.py, imported once when a path swit
 def use_matmul_path(path: MatmulPath) -> None:
     global _in_use, _gemv_kernels
     _in_use = path
-    if (path.gemv or path.int8_gemv_max_rows) and _gemv_kernels is None:  # (here, not on every decode call)
+    if path.gemv and _gemv_kernels is None:  # (imported here, not on every decode call)
         from nanoqwen.ops import cpu_gemv
 
         _gemv_kernels = cpu_gemv
@@ -116,10 +109,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 def int8_gemv_rows(x: torch.Tensor) -> bool:
-    """Whether an int8 product over x's rows goes through nanoqwen's int8 kernel: bf16 x, up to the
-    path's int8_gemv_max_rows rows (measured: its alternatives, torch's int8pack and the dequantising
-    path, can be slower well past the bf16 limit; bench/bench_gemv.py, BENCHMARKS.md)."""
-    return x.dtype == torch.bfloat16 and x.numel() <= _in_use.int8_gemv_max_rows * x.shape[-1]
+    """Whether an int8 product over x's rows goes through nanoqwen's int8 kernel: the gemv kernels on,
+    bf16 x, up to GEMV_MAX_ROWS rows whatever the bf16 limit, because its alternative for few rows,
+    torch's int8pack, was slower at every row count up to 16 (bench/bench_gemv.py, BENCHMARKS.md)."""
+    return _in_use.gemv and x.dtype == torch.bfloat16 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -173,38 +166,17 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
         return choice
     if wanted == "1":
         choice.gemv, choice.gemv_max_rows, choice.gemv_reason = True, GEMV_MAX_ROWS, "NANOQWEN_CPU_GEMV=1"
-        choice.int8_gemv_max_rows = GEMV_MAX_ROWS
         return choice
     # {rows: [own GB/s, torch's GB/s]} (JSON keys are strings)
     speeds = {int(m): v for m, v in _cached(cache_dir, "gemv rows", gemv_probe).items()}
-    choice.gemv_max_rows = _rows_while_fast(speeds, GEMV_MIN_SHARE)
-    choice.gemv = choice.gemv_max_rows > 0
-    choice.gemv_reason = f"measured GB/s by rows, own vs torch's: {_shown(speeds)}"
-    # the dequantising path computes in this path's dtype: measured with it in use
-    before = matmul_path()
-    use_matmul_path(choice)
-    try:
-        int8 = _cached(cache_dir, f"int8 gemv rows, {choice.path} path", int8_gemv_probe)
-    finally:
-        use_matmul_path(before)
-    int8 = {int(m): v for m, v in int8.items()}
-    choice.int8_gemv_max_rows = max(choice.gemv_max_rows, _rows_while_fast(int8, INT8_GEMV_MIN_SHARE))
-    choice.gemv_reason += f"; int8 up to {choice.int8_gemv_max_rows} rows (own vs dequantising: {_shown(int8)})"
-    return choice
-
-
-def _rows_while_fast(speeds: dict[int, list[float]], share: float) -> int:
-    """The largest row count up to which (from 1 up) own >= share * theirs in {rows: [own, theirs]}."""
-    max_rows = 0
     for rows, (own, theirs) in sorted(speeds.items()):
-        if own < share * theirs:
+        if own < GEMV_MIN_SHARE * theirs:
             break
-        max_rows = rows
-    return max_rows
-
-
-def _shown(speeds: dict[int, list[float]]) -> str:
-    return ", ".join(f"{m}: {own:.1f} vs {theirs:.1f}" for m, (own, theirs) in sorted(speeds.items()))
+        choice.gemv_max_rows = rows
+    choice.gemv = choice.gemv_max_rows > 0
+    shown = ", ".join(f"{m}: {own:.1f} vs {theirs:.1f}" for m, (own, theirs) in sorted(speeds.items()))
+    choice.gemv_reason = f"measured GB/s by rows, own vs torch's: {shown}"
+    return choice
 
 
 def gemv_probe() -> dict[int, tuple[float, float]]:
@@ -214,41 +186,21 @@ def gemv_probe() -> dict[int, tuple[float, float]]:
     from nanoqwen.ops import cpu_gemv
 
     n, k, copies = GEMV_PROBE_SHAPE
-    weights = [(torch.ones(n, k, dtype=torch.bfloat16),) for _ in range(copies)]  # written: real pages
-    return _time_rows((cpu_gemv.bf16_gemv, F.linear), weights, k)
-
-
-def int8_gemv_probe() -> dict[int, tuple[float, float]]:
-    """As gemv_probe, for int8 weights (twice the copies: the same bytes): nanoqwen's int8_gemv against
-    quantization.dequantized_linear on the matmul path in use."""
-    from nanoqwen.ops import cpu_gemv
-    from nanoqwen.quantization import dequantized_linear
-
-    n, k, copies = GEMV_PROBE_SHAPE
-    weights = [(torch.ones(n, k, dtype=torch.int8), torch.ones(n, dtype=torch.bfloat16)) for _ in range(2 * copies)]
-    return _time_rows((cpu_gemv.int8_gemv, dequantized_linear), weights, k)
-
-
-def _time_rows(kernels: tuple[Callable, ...], weights: list[tuple[torch.Tensor, ...]], k: int
-               ) -> dict[int, tuple[float, ...]]:
-    """{rows: GB/s of weights each kernel reads} for each row count of GEMV_PROBE_ROWS: kernel(x, *w) over
-    all of `weights` (copies that together exceed the L3 cache, as a decode step reads its weights from
-    memory), best of five rounds."""
-    total_bytes = sum(w[0].numel() * w[0].element_size() for w in weights)
+    weights = [torch.ones(n, k, dtype=torch.bfloat16) for _ in range(copies)]  # written: real pages
     speeds = {}
     for rows in GEMV_PROBE_ROWS:
         x = torch.ones(rows, k, dtype=torch.bfloat16)
         gb_s = []
-        for fn in kernels:
-            fn(x, *weights[0])  # warm-up
+        for fn in (cpu_gemv.bf16_gemv, F.linear):
+            fn(x, weights[0])  # warm-up
             best = float("inf")
             for _ in range(5):
                 start = time.perf_counter()
                 for w in weights:
-                    fn(x, *w)
+                    fn(x, w)
                 best = min(best, time.perf_counter() - start)
-            gb_s.append(round(total_bytes / best / 1e9, 1))
-        speeds[rows] = tuple(gb_s)
+            gb_s.append(round(copies * n * k * 2 / best / 1e9, 1))
+        speeds[rows] = (gb_s[0], gb_s[1])
     return speeds
 
 
@@ -260,7 +212,7 @@ def _select_path(cache_dir: Path | None) -> MatmulPath:
         logger.warning("NANOQWEN_CPU_MATMUL=%s is not one of auto, %s: measuring instead",
                        forced, ", ".join(PATHS))
     found = _cached(cache_dir, "matmul", lambda: asdict(probe()))
-    return MatmulPath(**{k: found[k] for k in ("path", "reason", "bf16_gflops", "float32_gflops") if k in found})
+    return MatmulPath(**{k: v for k, v in found.items() if not k.startswith("gemv")})
 
 
 def _cached(cache_dir: Path | None, what: str, measure: Callable[[], dict]) -> dict:
