@@ -11,5 +11,5 @@ scripts/setup.sh --test
 if [ $# -eq 0 ] && grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
   echo "== the same CPU limited to AVX2: parity, engine, CPU-path and int4 tests =="
   ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-    .venv/bin/python -m pytest -q tests/test_parity.py tests/test_engine.py tests/test_cpu_path.py tests/test_int4.py
+    .venv/bin/python -m pytest tests/test_parity.py tests/test_engine.py tests/test_cpu_path.py tests/test_int4.py
 fi

@@ -20,8 +20,9 @@ Procedure, the same for both (each system in its own process, the same thread co
 the best time of one 512-token forward (llama.cpp: one `eval` of the tokens, batch 512; nanoqwen: a generate
 of 1 token); batch-1 decode is 64 tokens after a 32-token prompt (llama.cpp: 64 one-token `eval` calls, as
 llama-bench's tg does, no sampling; nanoqwen: generate 65 tokens minus generate 1, greedy).
-The bound of a decode row is the read bandwidth over the bytes a step reads (every matrix once, the tied
-embedding as the LM head); of prefill, the faster of the bf16 and float32 matmul rates over its FLOPs.
+The bound of a decode row is the read bandwidth (measured in that system's own process, before and after its
+run: the higher) over the bytes a step reads (every matrix once, the tied embedding as the LM head); of
+prefill, the faster of the bf16 and float32 matmul rates over its FLOPs.
 """
 
 from __future__ import annotations
@@ -123,12 +124,25 @@ def run_llama(gguf: str, repeats: int) -> dict:
             "file_bytes": os.path.getsize(gguf)}
 
 
+def read_bandwidth() -> float:
+    """GB/s of a torch sum over 1 GiB of float32, best of five: the numerator of a decode bound."""
+    import torch
+
+    x = torch.ones(1 << 28)
+    x.sum()
+    return x.numel() * 4 / bench_model.best_of(x.sum, 5) / 1e9
+
+
 def child(system: str, model: str, repeats: int) -> None:
+    # A shared machine's bandwidth drifts within a run (one reading at the start made shares above 100%), so
+    # each system's bound uses the higher of two readings taken in its own process, just before and after it.
+    before = read_bandwidth()
     if system.startswith("nanoqwen"):  # prefill and batch-1 decode only (bench_model.py measures batch 16)
         quantization = system.partition("-")[2] or None
         result = bench_model.run_nanoqwen(model, "cpu", repeats, quantization=quantization, batches=(1,))
     else:
         result = run_llama(model, repeats)
+    result["read_gb_s"] = max(before, read_bandwidth())
     print("RESULT " + json.dumps(result))
 
 
@@ -142,13 +156,12 @@ def run_child(system: str, model: str, repeats: int) -> dict:
 
 
 def table(results: dict, ceil: dict) -> str:
-    read = ceil["read_gb_s"] * 1e9
     matmul = max(ceil["bf16_tflop_s"], ceil.get("f32_tflop_s", 0.0)) * 1e12
     ours = results["nanoqwen"]
     flops_per_token = 2 * ours["layer_params"]
 
     def decode_bound(r: dict) -> float:  # every matrix read once a step (llama.cpp: the whole file)
-        return read / r.get("decode_read_bytes", r.get("file_bytes"))
+        return r.get("read_gb_s", ceil["read_gb_s"]) * 1e9 / r.get("decode_read_bytes", r.get("file_bytes"))
 
     rows = [("16-bit", "llama.cpp bf16", "llama-bf16", "nanoqwen bf16", "nanoqwen"),
             ("8-bit", "llama.cpp q8_0", "llama-q8_0", "nanoqwen int8", "nanoqwen-int8"),
@@ -168,7 +181,10 @@ def table(results: dict, ceil: dict) -> str:
             lines.append(f"| {bits} | {label} | {r['prefill_tok_s']:.1f} | {ratio['prefill_tok_s']} | "
                          f"{r['prefill_tok_s'] * flops_per_token / matmul:.0%} | {r['decode_b1_tok_s']:.1f} | "
                          f"{ratio['decode_b1_tok_s']} | {r['decode_b1_tok_s'] / bound:.0%} ({bound:.1f}) |")
-    lines += ["", f"Bounds measured in the same run: read bandwidth {ceil['read_gb_s']:.1f} GB/s (sum of 1 GiB); "
+    reads = [r["read_gb_s"] for key, r in results.items() if key != "ceilings" and "read_gb_s" in r]
+    lines += ["", f"Bounds measured in the same run: read bandwidth (sum of 1 GiB) {ceil['read_gb_s']:.1f} GB/s "
+              f"at the start, {min(reads, default=0):.1f}–{max(reads, default=0):.1f} GB/s in the systems' own "
+              "processes (each decode bound uses its own: the higher of a reading before and after it); "
               f"matmul {ceil['bf16_tflop_s'] * 1e3:.0f} GFLOP/s in bf16, {ceil.get('f32_tflop_s', 0) * 1e3:.0f} in "
               f"float32 (prefill's bound: the faster, over {flops_per_token / 1e9:.2f} GFLOP a token); decode: the "
               "read bandwidth over the bytes a step reads (nanoqwen: every projection and the LM head; "
