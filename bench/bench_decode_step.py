@@ -66,7 +66,7 @@ def measure(model_dir: Path, quantization: str | None, repeats: int) -> dict[str
         setattr(kernels, name, own[name])
     if quantization is None:
         path = cpu.matmul_path()
-        cpu.use_matmul_path(cpu.MatmulPath(path.path, path.reason, gemv=False))
+        cpu.use_matmul_path(cpu.MatmulPath(path.path, path.reason))
         results["per module, torch gemv"] = step_ms(llm, repeats)
         cpu.use_matmul_path(path)
     for module in llm.llm_engine.model.modules():

@@ -124,25 +124,16 @@ def run_llama(gguf: str, repeats: int) -> dict:
             "file_bytes": os.path.getsize(gguf)}
 
 
-def read_bandwidth() -> float:
-    """GB/s of a torch sum over 1 GiB of float32, best of five: the numerator of a decode bound."""
-    import torch
-
-    x = torch.ones(1 << 28)
-    x.sum()
-    return x.numel() * 4 / bench_model.best_of(x.sum, 5) / 1e9
-
-
 def child(system: str, model: str, repeats: int) -> None:
     # A shared machine's bandwidth drifts within a run (one reading at the start made shares above 100%), so
     # each system's bound uses the higher of two readings taken in its own process, just before and after it.
-    before = read_bandwidth()
+    before = bench_model.read_bandwidth()
     if system.startswith("nanoqwen"):  # prefill and batch-1 decode only (bench_model.py measures batch 16)
         quantization = system.partition("-")[2] or None
         result = bench_model.run_nanoqwen(model, "cpu", repeats, quantization=quantization, batches=(1,))
     else:
         result = run_llama(model, repeats)
-    result["read_gb_s"] = max(before, read_bandwidth())
+    result["read_gb_s"] = max(before, bench_model.read_bandwidth())
     print("RESULT " + json.dumps(result))
 
 

@@ -122,6 +122,18 @@ def measure(gen, repeats: int, batches: tuple[int, ...] = (1, 16)) -> dict:
     return result
 
 
+def read_bandwidth(device: str = "cpu") -> float:
+    """GB/s of a torch sum over 1 GiB of float32, best of five after a warm-up: the read bandwidth that
+    bounds decode."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    x = torch.ones(1 << 28, dtype=torch.float32, device=device)
+    x.sum()
+    sync()
+    return x.numel() * 4 / best_of(lambda: (x.sum(), sync()), 5) / 1e9
+
+
 def ceilings(device: str) -> dict:
     """This machine's limits: read bandwidth (sum of 1 GiB), copy bandwidth (1 GiB, read + write), the bf16
     matrix-vector rate that decode at batch 1 is made of (GB of weights read per second), bf16 matmul TFLOP/s."""
@@ -135,8 +147,8 @@ def ceilings(device: str) -> dict:
         sync()
         return best_of(lambda: (fn(), sync()), 5)
 
+    read = read_bandwidth(device)
     x = torch.ones(1 << 28, dtype=torch.float32, device=device)
-    read = x.numel() * 4 / timed(x.sum) / 1e9
     y = torch.empty_like(x).fill_(0)  # touched, so the copy measures memory, not page faults
     copy = 2 * x.numel() * 4 / timed(partial(y.copy_, x)) / 1e9  # bytes read + bytes written
     del x, y

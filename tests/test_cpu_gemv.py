@@ -272,6 +272,14 @@ def test_int4_gemv_without_vnni_matches_reference(tmp_path):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+def test_int4_dot_instructions_names_the_build_before_any_kernel_ran(kernels, monkeypatch):
+    """The log line's instruction name matches the build's flags even when asked before any kernel was
+    loaded (it said "AVX2" on a VNNI CPU then)."""
+    want = "AVX-512 VNNI" if "-mavx512vnni" in kernels.compile_flags() else "AVX2"
+    monkeypatch.setattr(kernels, "_ext", None)  # as in a fresh process: available() loads it again
+    assert kernels.int4_dot_instructions() == want
+
+
 def test_int4_wrong_inputs_raise(kernels):
     x, packed, scale, offset = make_int4(2, 64, 8, 32)
     with pytest.raises(RuntimeError, match="packed must be uint8"):

@@ -97,7 +97,7 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
 
 @pytest.mark.parametrize("gemv", [True, False])
 def test_int8_rows_take_the_own_kernel_up_to_16_whatever_the_bf16_limit(gemv, path_in_use):
-    cpu.use_matmul_path(cpu.MatmulPath("bf16", "test", gemv=gemv, gemv_max_rows=4 if gemv else 0))
+    cpu.use_matmul_path(cpu.MatmulPath("bf16", "test", gemv_max_rows=4 if gemv else 0))
     assert cpu.int8_gemv_rows(torch.ones(8, 64, dtype=torch.bfloat16)) == gemv
     assert cpu.int8_gemv_rows(torch.ones(16, 64, dtype=torch.bfloat16)) == gemv
     assert not cpu.int8_gemv_rows(torch.ones(17, 64, dtype=torch.bfloat16))

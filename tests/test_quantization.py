@@ -155,7 +155,7 @@ def test_kernel_choice(monkeypatch):
     assert pick_kernel(torch.empty(1, 40, dtype=bf16), 40) is dequantized_linear
     # not CPU
     assert pick_kernel(torch.empty(1, 64, dtype=bf16, device="meta"), 64) is dequantized_linear
-    monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("bf16", "test", gemv=True, gemv_max_rows=4))
+    monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("bf16", "test", gemv_max_rows=4))
     assert pick_kernel(torch.empty(cpu.GEMV_MAX_ROWS, 64, dtype=bf16), 64) is cpu.int8_gemv
     assert pick_kernel(torch.empty(cpu.GEMV_MAX_ROWS + 1, 64, dtype=bf16), 64) is dequantized_linear
 

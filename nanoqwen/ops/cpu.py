@@ -63,9 +63,13 @@ class MatmulPath:
     reason: str  # why, for the log line and `nanoqwen bench`
     bf16_gflops: float | None = None
     float32_gflops: float | None = None
-    gemv: bool = False  # few rows (decode) through ops/cpu_gemv.py's kernels
-    gemv_max_rows: int = 0  # up to how many
+    gemv_max_rows: int = 0  # few rows (decode), up to this many, through ops/cpu_gemv.py's kernels
     gemv_reason: str = ""  # why
+
+    @property
+    def gemv(self) -> bool:
+        """Whether nanoqwen's gemv kernels take any rows."""
+        return self.gemv_max_rows > 0
 
     def describe(self) -> str:
         few = f"<= {self.gemv_max_rows} rows: nanoqwen's gemv kernels ({self.gemv_reason}); " if self.gemv else ""
@@ -165,7 +169,7 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     if not cpu_gemv.available():
         return choice
     if wanted == "1":
-        choice.gemv, choice.gemv_max_rows, choice.gemv_reason = True, GEMV_MAX_ROWS, "NANOQWEN_CPU_GEMV=1"
+        choice.gemv_max_rows, choice.gemv_reason = GEMV_MAX_ROWS, "NANOQWEN_CPU_GEMV=1"
         return choice
     # {rows: [own GB/s, torch's GB/s]} (JSON keys are strings)
     speeds = {int(m): v for m, v in _cached(cache_dir, "gemv rows", gemv_probe).items()}
@@ -173,7 +177,6 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
         if own < GEMV_MIN_SHARE * theirs:
             break
         choice.gemv_max_rows = rows
-    choice.gemv = choice.gemv_max_rows > 0
     shown = ", ".join(f"{m}: {own:.1f} vs {theirs:.1f}" for m, (own, theirs) in sorted(speeds.items()))
     choice.gemv_reason = f"measured GB/s by rows, own vs torch's: {shown}"
     return choice

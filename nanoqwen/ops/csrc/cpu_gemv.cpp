@@ -74,6 +74,20 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));                                            // 1 lane
   return _mm_cvtss_f32(s);
 }
+
+// The largest of the 8 lanes of v.
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The sum of the 8 int32 lanes of v.
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));  // swap 64-bit halves
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));  // swap 32-bit pairs
+}
 #endif
 
 inline float to_float(uint16_t v) { return bf16_to_float(v); }
@@ -218,10 +232,9 @@ QuantizedX quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t G) {
     float amax = 0.0f;
 #ifdef NANOQWEN_AVX2
     __m256 vmax = _mm256_setzero_ps();
-    for (; k + 8 <= G; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), load8_bf16(xb + k)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (; k + 8 <= G; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, load8_bf16(xb + k)));  // |x|
+    amax = hmax(vmax);
 #endif
     for (; k < G; ++k) amax = std::max(amax, std::fabs(bf16_to_float(xb[k])));
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
@@ -229,15 +242,14 @@ QuantizedX quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t G) {
     k = 0;
 #ifdef NANOQWEN_AVX2
     __m256i vsum = _mm256_setzero_si256();
+    const __m256 inv8 = _mm256_set1_ps(inv);
     for (; k + 8 <= G; k += 8) {  // cvtps rounds half to even (the default rounding mode), as nearbyint does
-      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(load8_bf16(xb + k), _mm256_set1_ps(inv)));
+      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(load8_bf16(xb + k), inv8));
       vsum = _mm256_add_epi32(vsum, v);
       const __m128i v16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + k), _mm_packs_epi16(v16, v16));  // |v| <= 127: exact
     }
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+    sum = hsum_epi32(vsum);
 #endif
     for (; k < G; ++k) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(bf16_to_float(xb[k]) * inv));  // half to even
