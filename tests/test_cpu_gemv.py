@@ -95,10 +95,17 @@ def test_mostly_bit_exact(kernels):
         assert (got == want).float().mean().item() > 0.95
 
 
-def test_more_than_8_rows_and_leading_dims(kernels):
-    x, w, bias, q, scale = make(11, 100, 33)
+@pytest.mark.parametrize("m", (9, 11, 13, 16, 17, 35))
+def test_many_rows(kernels, m):
+    # Up to 16 rows go in one pass over the weights, in register groups of up to 4 (9 -> 3 + 3 + 3,
+    # 11 -> 3 + 4 + 4, 16 -> 4 * 4); more rows take further passes (17 -> 16 + 1, 35 -> 16 + 16 + 3).
+    x, w, bias, q, scale = make(m, 100, 33)
     check_bf16(kernels, x, w, bias)
     check_int8(kernels, x, q, scale)
+
+
+def test_leading_dims(kernels):
+    x, w, bias, q, scale = make(11, 100, 33)
     x3 = x[:10].reshape(2, 5, 100)
     y = kernels.int8_gemv(x3, q, scale)
     assert y.shape == (2, 5, 33)
@@ -107,7 +114,7 @@ def test_more_than_8_rows_and_leading_dims(kernels):
 
 def test_multithreaded_split_matches(kernels):
     # Enough rows that at::parallel_for splits N over threads (a task reads >= 256 KB of weights); an odd
-    # count, so a thread's range does not split evenly into the kernel's two streams.
+    # count, so a thread's range does not split evenly into the kernel's three streams.
     x, w, bias, q, scale = make(2, 1024, 1001)
     check_bf16(kernels, x, w, bias)
     check_int8(kernels, x, q, scale)

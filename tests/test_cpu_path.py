@@ -93,6 +93,9 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
     assert forced.gemv and forced.gemv_max_rows == cpu.GEMV_MAX_ROWS and len(calls) == 1
     monkeypatch.setenv("NANOQWEN_CPU_GEMV", "0")
     assert not cpu.select_matmul_path(tmp_path).gemv
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
+    monkeypatch.setattr(cpu_gemv, "build_digest", lambda: "changed kernels")
+    assert cpu.select_matmul_path(tmp_path) == first and len(calls) == 2  # measured again
 
 
 @pytest.mark.parametrize("gemv", [True, False])

@@ -172,7 +172,9 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
         choice.gemv_max_rows, choice.gemv_reason = GEMV_MAX_ROWS, "NANOQWEN_CPU_GEMV=1"
         return choice
     # {rows: [own GB/s, torch's GB/s]} (JSON keys are strings)
-    speeds = {int(m): v for m, v in _cached(cache_dir, "gemv rows", gemv_probe).items()}
+    # Keyed by the kernels' build too: a changed kernel is measured again.
+    what = f"gemv rows, kernels {cpu_gemv.build_digest()}"
+    speeds = {int(m): v for m, v in _cached(cache_dir, what, gemv_probe).items()}
     for rows, (own, theirs) in sorted(speeds.items()):
         if own < GEMV_MIN_SHARE * theirs:
             break

@@ -33,8 +33,8 @@ reference in models/qwen3.py or ops/paged_attention.py computes, rounding where 
 are loaded), where the CPU lacks AVX2/FMA, or where the build fails (one warning with the reason, then False
 for the rest of the process).
 
-Inputs: x bf16 [..., K] (any leading shape, M = their product; groups of 8 rows re-read the weights, so the
-kernels are meant for M <= 8), weights bf16 / int8 [N, K], bias / scale bf16 [N], all on the CPU; int4:
+Inputs: x bf16 [..., K] (any leading shape, M = their product; groups of 16 rows (int4: 8) re-read the
+weights, so the kernels are meant for M <= 16), weights bf16 / int8 [N, K], bias / scale bf16 [N], all on the CPU; int4:
 packed uint8 [N, K/2], scale and offset bf16 [N, K/G] (the format of nanoqwen/quantization.py, groups of 4
 rows). `int4_to_float` unpacks int4 weights to float32 in one pass, for products over many rows.
 Non-contiguous inputs are copied to contiguous ones first (correct, but a copied weight costs an extra pass);
@@ -221,13 +221,16 @@ def int4_dot_instructions() -> str:
     return "AVX-512 VNNI" if available() and _ext.has_vnni() else "AVX2"
 
 
+def build_digest() -> str:
+    """A hash of the kernels' source and compile flags: names the build, and keys the speeds measured with it."""
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_flags()).encode()).hexdigest()[:12]
+
+
 def _build() -> ModuleType:
     from torch.utils import cpp_extension  # imported here: it pulls in setuptools, needed only to build
 
-    cflags = compile_flags()
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
-    ext = cpp_extension.load(name=f"nanoqwen_cpu_gemv_{digest}", sources=[str(SOURCE)], extra_cflags=cflags,
-                             extra_ldflags=["-fopenmp"], verbose=False)
+    ext = cpp_extension.load(name=f"nanoqwen_cpu_gemv_{build_digest()}", sources=[str(SOURCE)],
+                             extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"], verbose=False)
     if not ext.has_avx2():
         raise RuntimeError("the extension was built without AVX2/FMA")
     return ext

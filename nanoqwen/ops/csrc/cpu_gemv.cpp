@@ -14,9 +14,10 @@
 // references in nanoqwen/ops/cpu_gemv.py up to the order of the float32 additions.
 //
 // Threads split the output rows N into contiguous chunks (at::parallel_for); each thread streams its slice of
-// the weight matrix as two sequential streams (its first and second half) for more requests in flight.
+// the weight matrix as three sequential streams (its thirds) for more requests in flight.
 //
-// More than 8 rows of x are processed in groups of 8 (each group reads the weights again).
+// Up to 16 rows of x are handled in one pass over the weights (more rows: passes of 16, each reading the
+// weights again).
 //
 // int4 layout (nanoqwen/quantization.py): row n is cut into groups of G consecutive elements (G % 16 == 0);
 // group g has G/2 bytes, byte j holding element j in its low nibble and element j + G/2 in its high nibble,
@@ -30,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -39,7 +41,9 @@
 
 namespace {
 
-constexpr int kMaxRows = 8;                  // rows of x handled per pass over the weights
+constexpr int kMaxRows = 16;                 // rows of x handled per pass over the weights
+constexpr int kStreams = 3;                  // weight rows read at once (rows() below)
+constexpr int kGroupRows = 4;                // rows of x per register block (rows() below)
 constexpr int64_t kTaskBytes = 256 << 10;    // weight bytes a parallel task reads at least
 constexpr int kPrefetchBytes = 4096;         // how far ahead of the current weight line to prefetch (tuned)
 
@@ -145,54 +149,66 @@ inline void dot_rows(const float* x, int64_t K, const W* const* w, float (*dots)
     }
 }
 
-// y[m, n] = dot(x[m], w[n]) * scale[n] + bias[n] for n in [begin, end); scale, bias may be null.
-//
-// For M <= 4 the range is read as two streams at once, its first and its second half, row by row: two
-// independent sequential streams per thread keep more memory requests in flight than one (measured: clearly
-// faster at M = 1 and 2 than one stream, whose speed stayed below a plain sum's). For larger M the
-// accumulators of two rows would not fit the registers.
+// dots[r][m0 + m] = dot(x[m0 + m], w[r]) for the MG rows of x from m0 on (one group, below).
 // noinline: compiled as its own function, GCC keeps the accumulators in registers; inlined into the
-// dispatching lambda with the seven other M, it spilled them to the stack (several times slower).
-template <int M, typename W>
-__attribute__((noinline)) void rows(const float* x, const W* w, const uint16_t* scale, const uint16_t* bias,
-                                    int64_t K, int64_t N, int64_t begin, int64_t end, at::BFloat16* y) {
-  constexpr int R = M <= 4 ? 2 : 1;
-  float dots[R][M];
+// dispatching code with the other group sizes, it spilled them to the stack (several times slower).
+template <int MG, int R, typename W>
+__attribute__((noinline)) void dot_group(const float* x, int64_t K, const W* const* w, int m0,
+                                         float (*dots)[kMaxRows]) {
+  float d[R][MG];
+  dot_rows<MG, R>(x + m0 * K, K, w, d);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MG; ++m) dots[r][m0 + m] = d[r][m];
+}
+
+// y[m, n] = dot(x[m], w[n]) * scale[n] + bias[n] for the m_rows (<= kMaxRows) rows of x and n in [begin, end);
+// scale, bias may be null.
+//
+// kStreams weight rows at a time, one from each kStreams-th of the range: independent sequential streams keep
+// more memory requests in flight than one (measured: clearly faster at M = 1 and 2 than one stream, whose
+// speed stayed below a plain sum's). The rows of x go in near-equal groups of at most kGroupRows; a group's
+// kStreams * kGroupRows = 12 accumulators, the 3 widened weight vectors and one x vector fill the 16 AVX2
+// registers, and every x vector loaded serves 3 weight rows. The weight rows stay in L1 across the groups, so
+// memory sees them once; x (M * K floats) comes from L2, and loading it, not the FMAs, is what limits
+// the speed at 8 and 16 rows: of the blockings measured (streams x group: 2 x 6, 3 x 3, 3 x 4, 4 x 2, 4 x 3),
+// 3 x 4 was the fastest, 1.2-1.7x the previous one weight row against 8 rows of x (BENCHMARKS.md).
+template <typename W>
+void rows(int m_rows, const float* x, const W* w, const uint16_t* scale, const uint16_t* bias, int64_t K,
+          int64_t N, int64_t begin, int64_t end, at::BFloat16* y) {
+  float dots[kStreams][kMaxRows];
+  const int groups = (m_rows + kGroupRows - 1) / kGroupRows;
+  // dots for R weight rows against every group of x rows.
+  auto dot_all = [&](auto r_count, const W* const* wr) {
+    constexpr int R = decltype(r_count)::value;
+    for (int g = 0, m0 = 0; g < groups; ++g) {
+      const int mg = (m_rows - m0) / (groups - g);  // near-equal groups: 6 rows -> 3 + 3, 13 -> 3 + 3 + 3 + 4
+      switch (mg) {
+        case 1: dot_group<1, R>(x, K, wr, m0, dots); break;
+        case 2: dot_group<2, R>(x, K, wr, m0, dots); break;
+        case 3: dot_group<3, R>(x, K, wr, m0, dots); break;
+        default: dot_group<kGroupRows, R>(x, K, wr, m0, dots); break;
+      }
+      m0 += mg;
+    }
+  };
   auto store = [&](int64_t n, const float* d) {
     float s = scale ? bf16_to_float(scale[n]) : 1.0f;
     float b = bias ? bf16_to_float(bias[n]) : 0.0f;
-    for (int m = 0; m < M; ++m) y[m * N + n] = at::BFloat16(d[m] * s + b);  // one rounding, RNE
+    for (int m = 0; m < m_rows; ++m) y[m * N + n] = at::BFloat16(d[m] * s + b);  // one rounding, RNE
   };
-  const int64_t part = (end - begin) / R;  // rows per stream
+  const int64_t part = (end - begin) / kStreams;  // rows per stream
   for (int64_t i = 0; i < part; ++i) {
-    const W* wr[R];
-    for (int r = 0; r < R; ++r) wr[r] = w + (begin + r * part + i) * K;
-    dot_rows<M, R>(x, K, wr, dots);
-    for (int r = 0; r < R; ++r) store(begin + r * part + i, dots[r]);
+    const W* wr[kStreams];
+    for (int r = 0; r < kStreams; ++r) wr[r] = w + (begin + r * part + i) * K;
+    dot_all(std::integral_constant<int, kStreams>{}, wr);
+    for (int r = 0; r < kStreams; ++r) store(begin + r * part + i, dots[r]);
   }
-  for (int64_t n = begin + R * part; n < end; ++n) {  // the row left over when R does not divide the range
+  for (int64_t n = begin + kStreams * part; n < end; ++n) {  // rows left over when kStreams does not divide
     const W* wr[1] = {w + n * K};
-    dot_rows<M, 1>(x, K, wr, dots);
+    dot_all(std::integral_constant<int, 1>{}, wr);
     store(n, dots[0]);
   }
 }
-
-// The M of this group as a template argument (1..8), so the accumulator arrays have a fixed size.
-template <typename W>
-void rows_any_m(int m_rows, const float* x, const W* w, const uint16_t* scale, const uint16_t* bias, int64_t K,
-                int64_t N, int64_t begin, int64_t end, at::BFloat16* y) {
-  switch (m_rows) {
-    case 1: return rows<1>(x, w, scale, bias, K, N, begin, end, y);
-    case 2: return rows<2>(x, w, scale, bias, K, N, begin, end, y);
-    case 3: return rows<3>(x, w, scale, bias, K, N, begin, end, y);
-    case 4: return rows<4>(x, w, scale, bias, K, N, begin, end, y);
-    case 5: return rows<5>(x, w, scale, bias, K, N, begin, end, y);
-    case 6: return rows<6>(x, w, scale, bias, K, N, begin, end, y);
-    case 7: return rows<7>(x, w, scale, bias, K, N, begin, end, y);
-    default: return rows<8>(x, w, scale, bias, K, N, begin, end, y);
-  }
-}
-
 
 // ---- int4 weights times int8-quantised activations (the q4 x q8 dot product llama.cpp uses).
 //
@@ -412,7 +428,7 @@ torch::Tensor gemv(const torch::Tensor& x_in, const torch::Tensor& w_in, at::Sca
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
     const int m_rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
     at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-      rows_any_m<W>(m_rows, xp + m0 * K, wp, sp, bp, K, N, begin, end, yp + m0 * N);
+      rows<W>(m_rows, xp + m0 * K, wp, sp, bp, K, N, begin, end, yp + m0 * N);
     });
   }
   return y;
