@@ -4,7 +4,11 @@ float32 matmul path of nanoqwen/ops/cpu.py (`select_kernels`).
 
 In eager PyTorch each of these is 5-8 separate passes over memory (cast, square, mean, rsqrt,
 multiply, cast back, ...); compiled, each becomes one fused kernel (C++/OpenMP; used on CPU only).
-On the 2-core development machine that made prefill faster (BENCHMARKS.md). Matmuls and attention
+On the 2-core development machine with native bf16 that made prefill faster (BENCHMARKS.md). Not
+on CPUs whose bf16 matmuls are slow (AVX2 only): there inductor's bf16 code moves 8 elements at a
+time through a temporary buffer (torch's 256-bit bf16 vector holds 16, and a partial load is a
+memcpy), and the compiled SwiGLU and RoPE took 6.8x and 4.7x the plain ops' time on a 512-token
+prompt, so the engine runs those CPUs eager (`select_kernels`). Matmuls and attention
 stay on torch's own kernels, and the plain functions in models/qwen3.py stay the reference the
 compiled ones are tested against.
 
@@ -137,8 +141,9 @@ def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool
     """The engine's choice for this process (each tensor-parallel rank makes the same), and a line
     saying it.
 
-    Elementwise: the compiled functions on CPU unless enforce_eager, else the plain ones. Matmuls:
-    on a CPU whose bf16 matmuls are slow, 16-bit products over many rows compute in float32
+    Elementwise: the compiled functions on CPU, except with enforce_eager and on the float32 matmul
+    path, else the plain ones (with nanoqwen's C++ ones for few tokens where its kernels are on).
+    Matmuls: on a CPU whose bf16 matmuls are slow, 16-bit products over many rows compute in float32
     (nanoqwen/ops/cpu.py).
     """
     path = cpu.MatmulPath("bf16", "native")
@@ -147,10 +152,11 @@ def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool
     cpu.use_matmul_path(path)
     qwen3.kernels.linear = cpu.linear if path.path == "float32" or path.gemv else F.linear
     compiled = False
-    if device.type == "cpu" and not enforce_eager:
+    if device.type == "cpu" and not enforce_eager and path.path != "float32":
         compiled = compile_kernels(device, dtype, own_kernels=path.gemv)
-    elif device.type == "cpu" and path.gemv:
-        _install(_few_token_kernels(True))
+    elif device.type == "cpu" and path.gemv:  # the C++ functions for few tokens, the plain ones for many
+        few = _few_token_kernels(True)
+        _install({name: _by_size(few[name], getattr(qwen3, name)) for name in FUNCTIONS})
     else:
         # (a GPU engine after a CPU one in the same process must not keep the CPU's compiled
         # kernels)
@@ -159,6 +165,8 @@ def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool
         return f"{device.type}: torch's kernels"
     name, flags = cpu.cpu_name_and_flags()
     elementwise = "compiled elementwise kernels" if compiled else "eager elementwise ops"
+    if path.path == "float32" and not enforce_eager:
+        elementwise += " (faster than compiled ones where bf16 matmuls are slow)"
     if path.gemv and dtype == torch.bfloat16:
         elementwise += ("; decode steps: nanoqwen's C++ RMSNorm/RoPE/SwiGLU and paged attention, "
                         "one call per decoder layer where the model allows")

@@ -132,3 +132,33 @@ def test_torch_compile_keeps_one_disk_cache_per_cpu_capability(chosen, monkeypat
     capability = torch.backends.cpu.get_cpu_capability().lower()
     expected = "/somewhere/else" if chosen == "/somewhere/else" else f"{default}-{capability}"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == expected
+
+
+@pytest.mark.parametrize("gemv_max_rows", [0, 16])
+def test_slow_bf16_cpus_run_the_elementwise_math_eager(gemv_max_rows, monkeypatch):
+    """Where bf16 matmuls go through float32 (AVX2-only CPUs), inductor's bf16 code was several times
+    slower than the plain ops: calls on many tokens take the plain functions, few tokens the C++ ones
+    where nanoqwen's kernels are on."""
+    from nanoqwen.ops import cpu, cpu_gemv
+
+    before_path = cpu.matmul_path()
+    before = {name: getattr(qwen3.kernels, name) for name in FUNCTIONS}
+    monkeypatch.setattr(cpu, "select_matmul_path",
+                        lambda: cpu.MatmulPath("float32", "test", gemv_max_rows=gemv_max_rows))
+    monkeypatch.setattr(cpu_gemv, "available", lambda: True)
+    calls = []
+    monkeypatch.setattr(cpu_gemv, "swiglu", lambda x: calls.append(tuple(x.shape)) or qwen3.swiglu(x))
+    try:
+        line = select_kernels(torch.device("cpu"), torch.bfloat16, enforce_eager=False)
+        assert "eager elementwise ops (faster than compiled ones where bf16 matmuls are slow)" in line
+        for name in FUNCTIONS:  # many tokens: the plain function (all calls, with the kernels off)
+            kernel = getattr(qwen3.kernels, name)
+            assert getattr(kernel, "compiled", kernel) is getattr(qwen3, name)
+        with torch.inference_mode():
+            qwen3.kernels.swiglu(torch.ones(2, 8, dtype=torch.bfloat16))
+            qwen3.kernels.swiglu(torch.ones(MIN_COMPILED_TOKENS, 8, dtype=torch.bfloat16))
+        assert calls == ([(2, 8)] if gemv_max_rows else [])
+    finally:
+        cpu.use_matmul_path(before_path)
+        for name, fn in before.items():
+            setattr(qwen3.kernels, name, fn)
