@@ -84,7 +84,7 @@ int4_gemv_reference; its added error is small beside the weights', tests/test_in
 32 measured 1.7e-4 of KL against unquantised activations, blocks of 64 2.0e-4 and a faster
 kernel, BENCHMARKS.md);
 otherwise (prefill, other dtypes, other devices) the weights are unpacked block by block to float32
-(`int4_to_float`, or the plain-torch `dequantize_int4` without the kernels) and multiplied there on
+(`int4_unpack`, or the plain-torch `dequantize_int4` without the kernels) and multiplied there on
 a CPU whose bf16 matmuls are slow; where they are fast (native bf16) and on a GPU, W4 is rounded to
 the activation dtype and multiplied in it (as the bf16 model's own matmuls are).
 """
@@ -379,13 +379,16 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     out_features, in_features = packed.shape[0], 2 * packed.shape[1]
     compute = torch.float32 if cpu.upcast_16bit(x) else x.dtype
     kernels = int4_kernels() if x.device.type == "cpu" and scale.dtype == torch.bfloat16 else None
-    unpack = kernels.int4_to_float if kernels is not None else dequantize_int4
     xc = x.to(compute)
     step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * 4))
     out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
     for start in range(0, out_features, step):
         rows = slice(start, min(start + step, out_features))
-        w = unpack(packed[rows], scale[rows], offset[rows]).to(compute)
+        if kernels is not None and compute in (torch.float32, torch.bfloat16):
+            # (bf16: rounded in the unpacking pass, not from a float32 copy)
+            w = kernels.int4_unpack(packed[rows], scale[rows], offset[rows], compute)
+        else:
+            w = dequantize_int4(packed[rows], scale[rows], offset[rows]).to(compute)
         out[..., rows] = F.linear(xc, w)
     return out
 
