@@ -191,9 +191,10 @@ __attribute__((noinline)) void dot_group(const float* x, int64_t K, const W* con
 // speed stayed below a plain sum's). The rows of x go in near-equal groups of at most kGroupRows; a group's
 // kStreams * kGroupRows = 12 accumulators, the 3 widened weight vectors and one x vector fill the 16 AVX2
 // registers, and every x vector loaded serves 3 weight rows. The weight rows stay in L1 across the groups, so
-// memory sees them once; x (M * K floats) comes from L2, and loading it, not the FMAs, is what limits
-// the speed at 8 and 16 rows: of the blockings measured (streams x group: 2 x 6, 3 x 3, 3 x 4, 4 x 2, 4 x 3),
-// 3 x 4 was the fastest, 1.2-1.7x the previous one weight row against 8 rows of x (BENCHMARKS.md).
+// memory sees them once; x (M * K floats) comes from L2 (keeping it in L1 instead, by blocking weight rows
+// in L2, measured no faster). Of the blockings measured (weight rows x rows of x: 2 x 6, 3 x 3, 3 x 4, 4 x 2,
+// 4 x 3), 3 x 4 was the fastest: 1.14-1.72x the previous 1 x 8 at 8 and 16 rows (BENCHMARKS.md), 60-71% of
+// the FMA peak at 16.
 template <typename W>
 void rows(int m_rows, const float* x, const W* w, const uint16_t* scale, const uint16_t* bias, int64_t K,
           int64_t N, int64_t begin, int64_t end, at::BFloat16* y) {
