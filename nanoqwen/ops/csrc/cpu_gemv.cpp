@@ -198,6 +198,7 @@ __attribute__((noinline)) void dot_group(const float* x, int64_t K, const W* con
 template <typename W>
 void rows(int m_rows, const float* x, const W* w, const uint16_t* scale, const uint16_t* bias, int64_t K,
           int64_t N, int64_t begin, int64_t end, at::BFloat16* y) {
+  static_assert(kGroupRows == 4, "dot_all's switch below dispatches group sizes 1 to 4");
   float dots[kStreams][kMaxRows];
   const int groups = (m_rows + kGroupRows - 1) / kGroupRows;
   // dots for R weight rows against every group of x rows.
