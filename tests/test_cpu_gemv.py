@@ -318,9 +318,10 @@ def test_rms_norm_rope_and_swiglu_round_where_the_reference_rounds(kernels):
         got, want = kernels.rms_norm(x, w, 1e-6), qwen3.rms_norm(x, w, 1e-6)
         assert_within_one_ulp(got, want, torch.zeros(()))
         assert (got == want).float().mean() > 0.99  # only the order of the float32 sum differs
-    x = torch.randn(3, 5, 24, generator=g).bfloat16()
-    cos, sin = torch.randn(2, 3, 24, generator=g).bfloat16()
-    assert torch.equal(kernels.apply_rope(x, cos, sin), qwen3.apply_rope(x, cos, sin))
+    for n, heads, d in ((3, 5, 24), (2, 16, 128), (1, 2, 6)):  # vectors and a scalar tail, vectors only, no vector
+        xr = (4 * torch.randn(n, heads, d, generator=g)).bfloat16()
+        cos, sin = torch.randn(2, n, d, generator=g).bfloat16()
+        assert torch.equal(kernels.apply_rope(xr, cos, sin), qwen3.apply_rope(xr, cos, sin))
     gate_up = (3 * torch.randn(2, 2 * 3072, generator=g)).bfloat16()
     got, want = kernels.swiglu(gate_up), qwen3.swiglu(gate_up)
     assert_within_one_ulp(got, want, torch.zeros(()))

@@ -600,28 +600,74 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
-// sum_i a[i] * b[i] for float32 a and bf16 b
+// sum_i a[i] * b[i] for float32 a and bf16 b. Four accumulators: with one, each FMA waits for the previous
+// one's result, and a head's 128-element dot product was a chain of 16 FMA latencies.
 inline float dot_bf16(const float* a, const uint16_t* b, int64_t D) {
   int64_t i = 0;
   float total = 0.0f;
 #ifdef NANOQWEN_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8_bf16(b + i), acc);
-  total = hsum(acc);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (; i + 32 <= D; i += 32)
+    for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), load8_bf16(b + i + 8 * u), acc[u]);
+  for (; i + 8 <= D; i += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8_bf16(b + i), acc[0]);
+  total = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 #endif
   for (; i < D; ++i) total += a[i] * bf16_to_float(b[i]);
   return total;
 }
 
-// acc[i] += w * v[i] for bf16 v
-inline void axpy_bf16(float w, const uint16_t* v, float* acc, int64_t D) {
+// s[p] = dot(q, k[p]) * scale for the len positions p (float32 q, bf16 key vectors of D elements): eight
+// positions at a time, each with its own accumulator (eight independent FMA chains, q loaded once for all
+// eight), their lanes then summed by a transpose-add into one vector of eight scores.
+inline void attention_scores(const float* q, const uint16_t* const* k, int64_t len, int64_t D, float scale, float* s) {
+  int64_t p = 0;
+#ifdef NANOQWEN_AVX2
+  if (D % 8 == 0)
+    for (; p + 8 <= len; p += 8) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8_bf16(k[p + j] + i), acc[j]);
+      }
+      // hadd pairs lanes within each 128-bit half: after two rounds, half h of s0123 holds the sums of half h
+      // of acc[0..3] (in that order), likewise s4567; adding the halves gives the eight totals in order.
+      const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+      const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+      const __m256 total = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                         _mm256_permute2f128_ps(s0123, s4567, 0x31));
+      _mm256_storeu_ps(s + p, _mm256_mul_ps(total, _mm256_set1_ps(scale)));
+    }
+#endif
+  for (; p < len; ++p) s[p] = dot_bf16(q, k[p], D) * scale;
+}
+
+// out[i] = sum_p w[p] * v[p][i] for i < D, the positions p = 0 .. len - 1 added in order (each output element
+// its own chain of FMAs, as a running sum over the positions would give). The sums of 64 elements at a time
+// stay in registers while the positions stream by, instead of a load and a store of the sum per position.
+inline void weighted_sum_bf16(const float* w, const uint16_t* const* v, int64_t len, float* out, int64_t D) {
   int64_t i = 0;
 #ifdef NANOQWEN_AVX2
-  const __m256 wv = _mm256_set1_ps(w);
-  for (; i + 8 <= D; i += 8)
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, load8_bf16(v + i), _mm256_loadu_ps(acc + i)));
+  for (; i + 64 <= D; i += 64) {
+    __m256 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < len; ++p) {
+      const __m256 wp = _mm256_set1_ps(w[p]);
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(wp, load8_bf16(v[p] + i + 8 * u), acc[u]);
+    }
+    for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + i + 8 * u, acc[u]);
+  }
+  for (; i + 8 <= D; i += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t p = 0; p < len; ++p) acc = _mm256_fmadd_ps(_mm256_set1_ps(w[p]), load8_bf16(v[p] + i), acc);
+    _mm256_storeu_ps(out + i, acc);
+  }
 #endif
-  for (; i < D; ++i) acc[i] += w * bf16_to_float(v[i]);
+  for (; i < D; ++i) {
+    float acc = 0.0f;
+    for (int64_t p = 0; p < len; ++p) acc = std::fma(w[p], bf16_to_float(v[p][i]), acc);
+    out[i] = acc;
+  }
 }
 
 void check_bf16(const torch::Tensor& t, const char* name) {
@@ -683,13 +729,26 @@ torch::Tensor apply_rope(const torch::Tensor& x_in, const torch::Tensor& cos, co
   uint16_t* yp = bf16_ptr_mut(y);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) {
-      const uint16_t* xr = xp + (n * H + h) * D;
+      const uint16_t *xr = xp + (n * H + h) * D, *c = cp + n * D, *s = sp + n * D;
       uint16_t* yr = yp + (n * H + h) * D;
-      for (int64_t i = 0; i < D; ++i) {
-        const float rotated = i < half ? -bf16_to_float(xr[i + half]) : bf16_to_float(xr[i - half]);
-        const float a = round_bf16(bf16_to_float(xr[i]) * bf16_to_float(cp[n * D + i]));
-        const float b = round_bf16(rotated * bf16_to_float(sp[n * D + i]));
-        yr[i] = float_to_bf16(a + b);
+      // Element i < half pairs with i + half: y[i] = x[i] cos[i] - x[i + half] sin[i],
+      // y[i + half] = x[i + half] cos[i + half] + x[i] sin[i + half].
+      int64_t i = 0;
+#ifdef NANOQWEN_AVX2
+      for (; i + 8 <= half; i += 8) {
+        const __m256 x1 = load8_bf16(xr + i), x2 = load8_bf16(xr + half + i);
+        const __m256 neg_x2 = _mm256_xor_ps(x2, _mm256_set1_ps(-0.0f));
+        store8_bf16(yr + i, _mm256_add_ps(round_bf16(_mm256_mul_ps(x1, load8_bf16(c + i))),
+                                          round_bf16(_mm256_mul_ps(neg_x2, load8_bf16(s + i)))));
+        store8_bf16(yr + half + i, _mm256_add_ps(round_bf16(_mm256_mul_ps(x2, load8_bf16(c + half + i))),
+                                                 round_bf16(_mm256_mul_ps(x1, load8_bf16(s + half + i)))));
+      }
+#endif
+      for (; i < half; ++i) {
+        const float x1 = bf16_to_float(xr[i]), x2 = bf16_to_float(xr[half + i]);
+        yr[i] = float_to_bf16(round_bf16(x1 * bf16_to_float(c[i])) + round_bf16(-x2 * bf16_to_float(s[i])));
+        yr[half + i] = float_to_bf16(round_bf16(x2 * bf16_to_float(c[half + i])) +
+                                     round_bf16(x1 * bf16_to_float(s[half + i])));
       }
     }
   return y;
@@ -759,23 +818,24 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Ten
   for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
   at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 2048 / max_len), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores, acc(G * D);
+    std::vector<const uint16_t*> k_rows, v_rows;  // position p's key and value vectors (kv head h)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv, len = lens[b];
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < D; ++i) qf[g * D + i] = bf16_to_float(qp[(b * Hq + h * G + g) * D + i]);
-      scores.assign(G * len, 0.0f);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      auto slot = [&](int64_t p) {  // offset of position p's (kv head h) vector in the cache
+      k_rows.resize(len);
+      v_rows.resize(len);
+      for (int64_t p = 0; p < len; ++p) {  // position p: slot p % block_size of block block_tables[b, p / bs]
         const int64_t block = tables[b * W + p / bs];
         TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", b, "] names block ", block);
-        return ((block * bs + p % bs) * Hkv + h) * D;
-      };
-      for (int64_t p = 0; p < len; ++p) {
-        const uint16_t* k = kp + slot(p);
-        for (int64_t g = 0; g < G; ++g) scores[g * len + p] = dot_bf16(qf.data() + g * D, k, D) * float(scale);
+        const int64_t offset = ((block * bs + p % bs) * Hkv + h) * D;
+        k_rows[p] = kp + offset;
+        v_rows[p] = vp + offset;
       }
+      scores.resize(G * len);
       for (int64_t g = 0; g < G; ++g) {
         float* s = scores.data() + g * len;
+        attention_scores(qf.data() + g * D, k_rows.data(), len, D, float(scale), s);
         float mx = -INFINITY, sum = 0.0f;
         for (int64_t p = 0; p < len; ++p) mx = std::max(mx, s[p]);
         int64_t p = 0;
@@ -790,10 +850,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Ten
 #endif
         for (; p < len; ++p) sum += (s[p] = std::exp(s[p] - mx));
         for (p = 0; p < len; ++p) s[p] /= sum;
-      }
-      for (int64_t p = 0; p < len; ++p) {
-        const uint16_t* v = vp + slot(p);
-        for (int64_t g = 0; g < G; ++g) axpy_bf16(scores[g * len + p], v, acc.data() + g * D, D);
+        weighted_sum_bf16(s, v_rows.data(), len, acc.data() + g * D, D);
       }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < D; ++i) op[(b * Hq + h * G + g) * D + i] = float_to_bf16(acc[g * D + i]);
