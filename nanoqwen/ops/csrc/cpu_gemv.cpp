@@ -326,27 +326,40 @@ inline void dot_rows_int4(const QuantizedRows& x, int64_t K, int64_t G, const ui
     __m256 acc[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256i isum[R][M];
-      for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(w[r] + g * half) + kPrefetchBytes, _MM_HINT_T0);
-        for (int m = 0; m < M; ++m) isum[r][m] = _mm256_setzero_si256();
-      }
-      for (int64_t c = 0; c < half; c += 32)
-        for (int r = 0; r < R; ++r) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + g * half + c));
-          const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-          for (int m = 0; m < M; ++m) {
-            const int8_t* xg = x.xq + m * K + g * G + c;  // elements c.. (low nibbles) and c + G/2.. (high)
-            isum[r][m] = dot64(isum[r][m], lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)), hi,
-                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + half)));
+    for (int64_t g8 = 0; g8 < groups; g8 += 8) {
+      // scale[r, g] * d[m, g] for the next 8 groups, 8 at a time: each group then broadcasts its factor
+      // from memory (a load), where a scalar conversion, multiply and shuffle per group and row cost more
+      // than the group's integer dot product itself.
+      const int64_t n8 = std::min<int64_t>(8, groups - g8);
+      alignas(32) float sd[R][M][8];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) {
+          if (n8 == 8) {
+            _mm256_store_ps(sd[r][m], _mm256_mul_ps(load8_bf16(scale[r] + g8), _mm256_loadu_ps(x.d + m * groups + g8)));
+          } else {
+            for (int64_t j = 0; j < n8; ++j) sd[r][m][j] = bf16_to_float(scale[r][g8 + j]) * x.d[m * groups + g8 + j];
           }
         }
-      for (int r = 0; r < R; ++r) {
-        const float s = bf16_to_float(scale[r][g]);
-        for (int m = 0; m < M; ++m)
-          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][m]), _mm256_set1_ps(s * x.d[m * groups + g]),
-                                      acc[r][m]);
+      for (int64_t j = 0; j < n8; ++j) {
+        const int64_t g = g8 + j;
+        __m256i isum[R][M];
+        for (int r = 0; r < R; ++r) {
+          _mm_prefetch(reinterpret_cast<const char*>(w[r] + g * half) + kPrefetchBytes, _MM_HINT_T0);
+          for (int m = 0; m < M; ++m) isum[r][m] = _mm256_setzero_si256();
+        }
+        for (int64_t c = 0; c < half; c += 32)
+          for (int r = 0; r < R; ++r) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + g * half + c));
+            const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            for (int m = 0; m < M; ++m) {
+              const int8_t* xg = x.xq + m * K + g * G + c;  // elements c.. (low nibbles) and c + G/2.. (high)
+              isum[r][m] = dot64(isum[r][m], lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)), hi,
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + half)));
+            }
+          }
+        for (int r = 0; r < R; ++r)
+          for (int m = 0; m < M; ++m)
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][m]), _mm256_broadcast_ss(&sd[r][m][j]), acc[r][m]);
       }
     }
     for (; g0 + 8 <= groups; g0 += 8)  // the offsets, 8 groups at a time
@@ -608,7 +621,8 @@ inline float dot_bf16(const float* a, const uint16_t* b, int64_t D) {
 #ifdef NANOQWEN_AVX2
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (; i + 32 <= D; i += 32)
-    for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), load8_bf16(b + i + 8 * u), acc[u]);
+    for (int u = 0; u < 4; ++u)
+      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), load8_bf16(b + i + 8 * u), acc[u]);
   for (; i + 8 <= D; i += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8_bf16(b + i), acc[0]);
   total = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 #endif
