@@ -380,16 +380,20 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     compute = torch.float32 if cpu.upcast_16bit(x) else x.dtype
     kernels = int4_kernels() if x.device.type == "cpu" and scale.dtype == torch.bfloat16 else None
     xc = x.to(compute)
-    step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * 4))
-    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
-    for start in range(0, out_features, step):
-        rows = slice(start, min(start + step, out_features))
+
+    def unpacked(start: int, end: int) -> torch.Tensor:  # W4[start:end] in the compute dtype
         if kernels is not None and compute in (torch.float32, torch.bfloat16):
             # (bf16: rounded in the unpacking pass, not from a float32 copy)
-            w = kernels.int4_unpack(packed[rows], scale[rows], offset[rows], compute)
-        else:
-            w = dequantize_int4(packed[rows], scale[rows], offset[rows]).to(compute)
-        out[..., rows] = F.linear(xc, w)
+            return kernels.int4_unpack(packed[start:end], scale[start:end], offset[start:end], compute)
+        return dequantize_int4(packed[start:end], scale[start:end], offset[start:end]).to(compute)
+
+    step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * xc.element_size()))
+    if out_features <= step:  # one block: its product is the output, with no copy into a preallocated one
+        return F.linear(xc, unpacked(0, out_features)).to(x.dtype)
+    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+    for start in range(0, out_features, step):
+        end = min(start + step, out_features)
+        out[..., start:end] = F.linear(xc, unpacked(start, end))
     return out
 
 
