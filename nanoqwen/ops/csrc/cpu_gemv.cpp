@@ -327,17 +327,18 @@ inline void dot_rows_int4(const QuantizedRows& x, int64_t K, int64_t G, const ui
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
     for (int64_t g8 = 0; g8 < groups; g8 += 8) {
-      // scale[r, g] * d[m, g] for the next 8 groups, 8 at a time: each group then broadcasts its factor
-      // from memory (a load), where a scalar conversion, multiply and shuffle per group and row cost more
-      // than the group's integer dot product itself.
+      // scale[r, g] * d[m, g] for the next 8 groups, computed 8 at a time; each group then broadcasts its
+      // factor with one load, in place of a scalar bf16 conversion, multiply and broadcast per group and row
+      // of x, a large share of a group's instructions next to its two integer dot products.
       const int64_t n8 = std::min<int64_t>(8, groups - g8);
       alignas(32) float sd[R][M][8];
       for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) {
+          const float* d = x.d + m * groups + g8;
           if (n8 == 8) {
-            _mm256_store_ps(sd[r][m], _mm256_mul_ps(load8_bf16(scale[r] + g8), _mm256_loadu_ps(x.d + m * groups + g8)));
+            _mm256_store_ps(sd[r][m], _mm256_mul_ps(load8_bf16(scale[r] + g8), _mm256_loadu_ps(d)));
           } else {
-            for (int64_t j = 0; j < n8; ++j) sd[r][m][j] = bf16_to_float(scale[r][g8 + j]) * x.d[m * groups + g8 + j];
+            for (int64_t j = 0; j < n8; ++j) sd[r][m][j] = bf16_to_float(scale[r][g8 + j]) * d[j];
           }
         }
       for (int64_t j = 0; j < n8; ++j) {
@@ -350,7 +351,8 @@ inline void dot_rows_int4(const QuantizedRows& x, int64_t K, int64_t G, const ui
         for (int64_t c = 0; c < half; c += 32)
           for (int r = 0; r < R; ++r) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + g * half + c));
-            const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            const __m256i lo = _mm256_and_si256(v, nibble);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
             for (int m = 0; m < M; ++m) {
               const int8_t* xg = x.xq + m * K + g * G + c;  // elements c.. (low nibbles) and c + G/2.. (high)
               isum[r][m] = dot64(isum[r][m], lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)), hi,
@@ -359,7 +361,8 @@ inline void dot_rows_int4(const QuantizedRows& x, int64_t K, int64_t G, const ui
           }
         for (int r = 0; r < R; ++r)
           for (int m = 0; m < M; ++m)
-            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][m]), _mm256_broadcast_ss(&sd[r][m][j]), acc[r][m]);
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][m]), _mm256_broadcast_ss(&sd[r][m][j]),
+                                        acc[r][m]);
       }
     }
     for (; g0 + 8 <= groups; g0 += 8)  // the offsets, 8 groups at a time
@@ -633,7 +636,8 @@ inline float dot_bf16(const float* a, const uint16_t* b, int64_t D) {
 // s[p] = dot(q, k[p]) * scale for the len positions p (float32 q, bf16 key vectors of D elements): eight
 // positions at a time, each with its own accumulator (eight independent FMA chains, q loaded once for all
 // eight), their lanes then summed by a transpose-add into one vector of eight scores.
-inline void attention_scores(const float* q, const uint16_t* const* k, int64_t len, int64_t D, float scale, float* s) {
+inline void attention_scores(const float* q, const uint16_t* const* k, int64_t len, int64_t D, float scale,
+                             float* s) {
   int64_t p = 0;
 #ifdef NANOQWEN_AVX2
   if (D % 8 == 0)
