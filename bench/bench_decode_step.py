@@ -3,8 +3,10 @@ to torch's ops, one at a time, in one process and one run (nanoqwen/ops/cpu_gemv
 
     python bench/bench_decode_step.py            # random Qwen3-0.6B-shaped checkpoint, bf16 and int4
     python bench/bench_decode_step.py --write    # also record the table in BENCHMARKS.md
+    python bench/bench_decode_step.py --prompt-len 2000   # a long context: attention's share grows
 
-Configurations (each a decode step of one sequence, 32-token prompt, 32 steps, best of --repeats):
+Configurations (each a decode step of one sequence after a --prompt-len prompt (32 tokens unless given),
+32 steps, best of --repeats):
 - all own kernels: what the engine chooses on a CPU without fast bf16 (one C++ call per decoder layer,
   ops/decode_step.py);
 - per-module calls: the same kernels called from the model's modules, one by one (NANOQWEN_FUSED_DECODE=0);
@@ -25,13 +27,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model  # noqa: E402  (its checkpoint, machine line and BENCHMARKS.md sections)
 
-PROMPT_LEN, STEPS = 32, 32
+STEPS = 32
 
 
-def step_ms(llm, repeats: int) -> float:
+def step_ms(llm, repeats: int, prompt_len: int) -> float:
     from nanoqwen import SamplingParams
 
-    prompt = bench_model.prompts(1, PROMPT_LEN)
+    prompt = bench_model.prompts(1, prompt_len)
 
     def gen(n: int) -> float:
         start = time.perf_counter()
@@ -42,60 +44,66 @@ def step_ms(llm, repeats: int) -> float:
     return min(gen(1 + STEPS) - gen(1) for _ in range(repeats)) / STEPS * 1e3
 
 
-def measure(model_dir: Path, quantization: str | None, repeats: int) -> dict[str, float]:
+def measure(model_dir: Path, quantization: str | None, repeats: int, prompt_len: int) -> dict[str, float]:
     from nanoqwen import LLM
     from nanoqwen.models import qwen3
     from nanoqwen.ops import cpu
 
-    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=256, enable_prefix_caching=False,
+    llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=prompt_len + STEPS + 64, enable_prefix_caching=False,
               quantization=quantization)
     runner, kernels = llm.llm_engine.runner, qwen3.kernels
     if runner.attention_backend != "cpu":
         sys.exit(f"nanoqwen's own decode kernels are not on here ({llm.llm_engine.kernel_path})")
     own = {name: getattr(kernels, name) for name in ("rms_norm", "apply_rope", "swiglu", "linear")}
-    results = {"all own kernels": step_ms(llm, repeats)}
+    results = {"all own kernels": step_ms(llm, repeats, prompt_len)}
     runner.fused_decoder = None
-    results["per-module calls"] = step_ms(llm, repeats)
+    results["per-module calls"] = step_ms(llm, repeats, prompt_len)
     runner.attention_backend = None
-    results["per module, torch attention"] = step_ms(llm, repeats)
+    results["per module, torch attention"] = step_ms(llm, repeats, prompt_len)
     runner.attention_backend = "cpu"
     for name in ("rms_norm", "apply_rope", "swiglu"):
         setattr(kernels, name, getattr(qwen3, name))
-    results["per module, torch elementwise"] = step_ms(llm, repeats)
+    results["per module, torch elementwise"] = step_ms(llm, repeats, prompt_len)
     for name in ("rms_norm", "apply_rope", "swiglu"):
         setattr(kernels, name, own[name])
     if quantization is None:
         path = cpu.matmul_path()
         cpu.use_matmul_path(cpu.MatmulPath(path.path, path.reason))
-        results["per module, torch gemv"] = step_ms(llm, repeats)
+        results["per module, torch gemv"] = step_ms(llm, repeats, prompt_len)
         cpu.use_matmul_path(path)
     for module in llm.llm_engine.model.modules():
         if isinstance(module, qwen3.Linear):
             module.matmul = (lambda m: lambda x, bias: x.new_empty(*x.shape[:-1], m.weight.shape[0]))(module)
-    results["per-module calls, no matmuls"] = step_ms(llm, repeats)
+    results["per-module calls, no matmuls"] = step_ms(llm, repeats, prompt_len)
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens in the context before the decode steps")
     parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
     args = parser.parse_args()
     model_dir = bench_model.DEFAULT_DIR
     bench_model.ensure_checkpoint(model_dir)
-    columns = {"bf16": measure(model_dir, None, args.repeats), "int4": measure(model_dir, "int4", args.repeats)}
+    columns = {"bf16": measure(model_dir, None, args.repeats, args.prompt_len),
+               "int4": measure(model_dir, "int4", args.repeats, args.prompt_len)}
     rows = list(columns["bf16"])
     lines = ["| batch-1 decode step (ms) | bf16 | int4 |", "|---|---:|---:|"]
     for row in rows:
         cells = [f"{c[row]:.1f}" if row in c else "–" for c in columns.values()]
         lines.append(f"| {row} | {' | '.join(cells)} |")
-    body = ("### What nanoqwen's own CPU decode kernels buy\n\n`python bench/bench_decode_step.py`: the decode step "
-            f"of one sequence (Qwen3-0.6B shape, random weights, {PROMPT_LEN}-token prompt, {STEPS} steps, best of "
+    command = "python bench/bench_decode_step.py"
+    if args.prompt_len != 32:
+        command += f" --prompt-len {args.prompt_len}"
+    body = (f"### What nanoqwen's own CPU decode kernels buy\n\n`{command}`: the decode step of one sequence "
+            f"(Qwen3-0.6B shape, random weights, {args.prompt_len}-token prompt, {STEPS} steps, best of "
             f"{args.repeats}), each kernel switched back to torch's ops in turn, in one process.\n\n"
             f"{bench_model.machine_line('cpu')}\n\n" + "\n".join(lines))
     print(body)
     if args.write:
-        bench_model.write_benchmarks(bench_model.section_name("bench_decode_step", "cpu"), body)
+        name = "bench_decode_step" if args.prompt_len == 32 else f"bench_decode_step-context{args.prompt_len}"
+        bench_model.write_benchmarks(bench_model.section_name(name, "cpu"), body)
 
 
 if __name__ == "__main__":
