@@ -381,20 +381,16 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     kernels = int4_kernels() if x.device.type == "cpu" and scale.dtype == torch.bfloat16 else None
     xc = x.to(compute)
 
-    def unpacked(start: int, end: int) -> torch.Tensor:  # W4[start:end] in the compute dtype
+    def product(start: int, end: int) -> torch.Tensor:  # x @ W4[start:end].T, W4 unpacked to the compute dtype
         if kernels is not None and compute in (torch.float32, torch.bfloat16):
             # (bf16: rounded in the unpacking pass, not from a float32 copy)
-            return kernels.int4_unpack(packed[start:end], scale[start:end], offset[start:end], compute)
-        return dequantize_int4(packed[start:end], scale[start:end], offset[start:end]).to(compute)
+            w = kernels.int4_unpack(packed[start:end], scale[start:end], offset[start:end], compute)
+        else:
+            w = dequantize_int4(packed[start:end], scale[start:end], offset[start:end]).to(compute)
+        return F.linear(xc, w)
 
     step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * xc.element_size()))
-    if out_features <= step:  # one block: its product is the output, with no copy into a preallocated one
-        return F.linear(xc, unpacked(0, out_features)).to(x.dtype)
-    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
-    for start in range(0, out_features, step):
-        end = min(start + step, out_features)
-        out[..., start:end] = F.linear(xc, unpacked(start, end))
-    return out
+    return cpu.linear_in_row_blocks(x, out_features, step, product)
 
 
 _int4_state: list = []  # [cpu_gemv module or None], once looked up
@@ -433,13 +429,11 @@ def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     compute = torch.float32 if cpu.upcast_16bit(x) else x.dtype
     xc = x.to(compute)
     step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * xc.element_size()))
-    if out_features <= step:
-        return (F.linear(xc, q.to(compute)) * scale.to(compute)).to(x.dtype)
-    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
-    for start in range(0, out_features, step):
-        end = min(start + step, out_features)
-        out[..., start:end] = F.linear(xc, q[start:end].to(compute)) * scale[start:end].to(compute)
-    return out
+
+    def product(start: int, end: int) -> torch.Tensor:
+        return F.linear(xc, q[start:end].to(compute)) * scale[start:end].to(compute)
+
+    return cpu.linear_in_row_blocks(x, out_features, step, product)
 
 
 def pick_kernel(x: torch.Tensor, in_features: int

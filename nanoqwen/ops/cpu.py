@@ -264,6 +264,21 @@ def _gflops(dtype: torch.dtype) -> float:
     return 2 * rows * n_in * n_out / best / 1e9
 
 
+def linear_in_row_blocks(x: torch.Tensor, out_features: int, block_rows: int,
+                         product: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """x @ W.T of x's dtype, W taken in blocks of at most block_rows output rows: product(start, end) gives
+    x @ W[start:end].T in whatever dtype it computes in (so only one block of a converted weight exists at
+    a time). One block: its product is the output, converted once, with no copy into a preallocated one.
+    Any device (the int8 and int4 layers use it on GPUs too)."""
+    if out_features <= block_rows:
+        return product(0, out_features).to(x.dtype)
+    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+    for start in range(0, out_features, block_rows):
+        end = min(start + block_rows, out_features)
+        out[..., start:end] = product(start, end)
+    return out
+
+
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for 16-bit x and weight, computed in float32: the weight converted
@@ -271,16 +286,11 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor,
     output rounded to x's dtype once."""
     out_features, in_features = weight.shape
     x32 = x.float()
-    step = max(1, UPCAST_BLOCK_BYTES // (4 * max(in_features, 1)))
-    if out_features <= step:
-        y = F.linear(x32, weight.float(), None if bias is None else bias.float())
-        return y.to(x.dtype)
-    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
-    for start in range(0, out_features, step):
-        end = min(start + step, out_features)
-        b = None if bias is None else bias[start:end].float()
-        out[..., start:end] = F.linear(x32, weight[start:end].float(), b)
-    return out
+
+    def product(start: int, end: int) -> torch.Tensor:
+        return F.linear(x32, weight[start:end].float(), None if bias is None else bias[start:end].float())
+
+    return linear_in_row_blocks(x, out_features, max(1, UPCAST_BLOCK_BYTES // (4 * max(in_features, 1))), product)
 
 
 def _cache_dir() -> Path:

@@ -543,7 +543,6 @@ torch::Tensor int4_gemv(const torch::Tensor& x_in, const torch::Tensor& packed_i
   return y;
 }
 
-// The float32 weights offset + scale * q [N, K] (for a product over many rows, computed in float32 by torch).
 // W = offset + scale * q for packed int4 rows, into out [N, K] of float32 (float) or bf16 (uint16_t): each
 // weight computed in float32 (exactly: a bf16 scale times a 4-bit q fits float32's mantissa) and, for bf16,
 // rounded once.
@@ -616,18 +615,14 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
-// sum_i a[i] * b[i] for float32 a and bf16 b. Four accumulators: with one, each FMA waits for the previous
-// one's result, and a head's 128-element dot product was a chain of 16 FMA latencies.
+// sum_i a[i] * b[i] for float32 a and bf16 b (the positions attention_scores leaves over, fewer than eight).
 inline float dot_bf16(const float* a, const uint16_t* b, int64_t D) {
   int64_t i = 0;
   float total = 0.0f;
 #ifdef NANOQWEN_AVX2
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (; i + 32 <= D; i += 32)
-    for (int u = 0; u < 4; ++u)
-      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), load8_bf16(b + i + 8 * u), acc[u]);
-  for (; i + 8 <= D; i += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8_bf16(b + i), acc[0]);
-  total = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8_bf16(b + i), acc);
+  total = hsum(acc);
 #endif
   for (; i < D; ++i) total += a[i] * bf16_to_float(b[i]);
   return total;
