@@ -348,3 +348,21 @@ def test_paged_decode_attention_matches_reference(kernels):
         assert torch.equal(got[3], torch.zeros_like(got[3]))
     with pytest.raises(RuntimeError, match="past its block table"):
         kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens + 17, d**-0.5)
+
+
+def test_paged_decode_attention_long_contexts(kernels):
+    """Contexts of several spans (the kernel splits a row's positions into spans of at most 256 and
+    combines their softmax sums): uneven spans, shuffled blocks, GQA 2, and a padding row among them."""
+    from nanoqwen.ops.paged_attention import paged_decode_attention_reference
+
+    g = torch.Generator().manual_seed(2)
+    hq, hkv, d, block_size = 16, 8, 128, 16
+    lens = torch.tensor([700, 257, 0, 1500], dtype=torch.int32)
+    blocks = int((lens + block_size - 1).div(block_size, rounding_mode="floor").sum())
+    k_cache, v_cache = (3 * torch.randn(2, blocks, block_size, hkv, d, generator=g)).bfloat16()
+    tables = torch.randint(blocks, (4, 94), generator=g, dtype=torch.int32)  # (rows may share blocks)
+    q = torch.randn(4, hq, d, generator=g).bfloat16()
+    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, d**-0.5)
+    torch.testing.assert_close(got, want, atol=4e-3, rtol=8e-3)  # 1 bf16 ulp
+    assert torch.equal(got[2], torch.zeros_like(got[2]))

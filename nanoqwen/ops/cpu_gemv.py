@@ -161,7 +161,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """ops/paged_attention.py's paged_decode_attention_reference for bf16 on CPU, reading the cache
-    blocks in place."""
+    blocks in place: threads take spans of up to 256 positions of a sequence, all heads at once (a
+    position's heads lie side by side in the cache), and each sequence's spans are combined as flash
+    decoding combines them."""
     if _ext is None:
         _require()
     result = _ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)

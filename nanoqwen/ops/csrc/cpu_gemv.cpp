@@ -628,11 +628,12 @@ inline float dot_bf16(const float* a, const uint16_t* b, int64_t D) {
   return total;
 }
 
-// s[p] = dot(q, k[p]) * scale for the len positions p (float32 q, bf16 key vectors of D elements): eight
-// positions at a time, each with its own accumulator (eight independent FMA chains, q loaded once for all
-// eight), their lanes then summed by a transpose-add into one vector of eight scores.
-inline void attention_scores(const float* q, const uint16_t* const* k, int64_t len, int64_t D, float scale,
-                             float* s) {
+// s[p] = dot(q, k[p] + offset) * scale for the len positions p (float32 q, bf16 key vectors of D elements,
+// offset elements into each position's row): eight positions at a time, each with its own accumulator (eight
+// independent FMA chains, q loaded once for all eight), their lanes then summed by a transpose-add into one
+// vector of eight scores.
+inline void attention_scores(const float* q, const uint16_t* const* k, int64_t offset, int64_t len, int64_t D,
+                             float scale, float* s) {
   int64_t p = 0;
 #ifdef NANOQWEN_AVX2
   if (D % 8 == 0)
@@ -641,7 +642,7 @@ inline void attention_scores(const float* q, const uint16_t* const* k, int64_t l
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
       for (int64_t i = 0; i < D; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8_bf16(k[p + j] + i), acc[j]);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8_bf16(k[p + j] + offset + i), acc[j]);
       }
       // hadd pairs lanes within each 128-bit half: after two rounds, half h of s0123 holds the sums of half h
       // of acc[0..3] (in that order), likewise s4567; adding the halves gives the eight totals in order.
@@ -652,33 +653,36 @@ inline void attention_scores(const float* q, const uint16_t* const* k, int64_t l
       _mm256_storeu_ps(s + p, _mm256_mul_ps(total, _mm256_set1_ps(scale)));
     }
 #endif
-  for (; p < len; ++p) s[p] = dot_bf16(q, k[p], D) * scale;
+  for (; p < len; ++p) s[p] = dot_bf16(q, k[p] + offset, D) * scale;
 }
 
-// out[i] = sum_p w[p] * v[p][i] for i < D, the positions p = 0 .. len - 1 added in order (each output element
-// its own chain of FMAs, as a running sum over the positions would give). The sums of 64 elements at a time
-// stay in registers while the positions stream by, instead of a load and a store of the sum per position.
-inline void weighted_sum_bf16(const float* w, const uint16_t* const* v, int64_t len, float* out, int64_t D) {
+// out[i] += sum_p w[p] * (v[p] + offset)[i] for i < D, the positions p = 0 .. len - 1 added in order (each
+// output element its own chain of FMAs, as a running sum over the positions would give). The sums of 64
+// elements at a time stay in registers while the positions stream by, instead of a load and a store of the
+// sum per position.
+inline void weighted_sum_bf16(const float* w, const uint16_t* const* v, int64_t offset, int64_t len, float* out,
+                              int64_t D) {
   int64_t i = 0;
 #ifdef NANOQWEN_AVX2
   for (; i + 64 <= D; i += 64) {
     __m256 acc[8];
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_loadu_ps(out + i + 8 * u);
     for (int64_t p = 0; p < len; ++p) {
       const __m256 wp = _mm256_set1_ps(w[p]);
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(wp, load8_bf16(v[p] + i + 8 * u), acc[u]);
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(wp, load8_bf16(v[p] + offset + i + 8 * u), acc[u]);
     }
     for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + i + 8 * u, acc[u]);
   }
   for (; i + 8 <= D; i += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t p = 0; p < len; ++p) acc = _mm256_fmadd_ps(_mm256_set1_ps(w[p]), load8_bf16(v[p] + i), acc);
+    __m256 acc = _mm256_loadu_ps(out + i);
+    for (int64_t p = 0; p < len; ++p)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(w[p]), load8_bf16(v[p] + offset + i), acc);
     _mm256_storeu_ps(out + i, acc);
   }
 #endif
   for (; i < D; ++i) {
-    float acc = 0.0f;
-    for (int64_t p = 0; p < len; ++p) acc = std::fma(w[p], bf16_to_float(v[p][i]), acc);
+    float acc = out[i];
+    for (int64_t p = 0; p < len; ++p) acc = std::fma(w[p], bf16_to_float(v[p][offset + i]), acc);
     out[i] = acc;
   }
 }
@@ -800,6 +804,17 @@ torch::Tensor swiglu(const torch::Tensor& gate_up_in) {
 // block_tables[b, p / block_size]); the G = Hq / Hkv query heads of a kv head share its keys. Scores,
 // softmax and the weighted sum are float32, the output rounded to bf16 once (as
 // paged_decode_attention_reference). A row with context_len 0 gets zeros.
+//
+// Split-context ("flash decoding"): each row's positions are cut into equal spans of at most kSpan, and a
+// task takes one span of one row for all heads. The cache holds a position's Hkv heads side by side (Hkv * D values), so a
+// task reads its span's keys, then its values, as contiguous runs, eight positions at a time, all heads of
+// those eight before the next eight: one head at a time over the whole context would read D values every
+// Hkv * D, which waits on memory once the cache is larger than the caches (long contexts). A task leaves, per
+// query head, its span's largest score m, the sum l of exp(s - m) and the sum o of exp(s - m) * v; the spans
+// of a row are then combined: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c.
+constexpr int64_t kSpan = 256;  // positions per task
+constexpr int64_t kGroup = 16;
+
 torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables_in,
                                      const torch::Tensor& context_lens_in, double scale) {
@@ -820,55 +835,92 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Ten
   const int64_t G = Hq / Hkv, num_blocks = k_cache.size(0);
   const int* tables = block_tables.data_ptr<int>();
   const int* lens = context_lens.data_ptr<int>();
-  for (int64_t b = 0; b < B; ++b)
+  // row b: spans of span[b] positions, tasks first_task[b] .. first_task[b + 1] - 1
+  std::vector<int64_t> first_task(B + 1, 0), span(B);
+  for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 0 && lens[b] <= W * bs, "context_lens[", b, "]=", lens[b], " is past its block table");
+    for (int64_t p = 0; p < lens[b]; p += bs) {
+      const int64_t block = tables[b * W + p / bs];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", b, "] names block ", block);
+    }
+    const int64_t spans = (lens[b] + kSpan - 1) / kSpan;
+    first_task[b + 1] = first_task[b] + spans;
+    span[b] = spans == 0 ? 0 : (lens[b] + spans - 1) / spans;
+  }
+  const int64_t tasks = first_task[B], row = Hkv * D;  // row: one position's values in the cache
   torch::Tensor out = torch::empty_like(q);
   const uint16_t *qp = bf16_ptr(q), *kp = bf16_ptr(k_cache), *vp = bf16_ptr(v_cache);
   uint16_t* op = bf16_ptr_mut(out);
+  std::vector<float> span_o(tasks * Hq * D, 0.0f), span_m(tasks * Hq), span_l(tasks * Hq);
+  int64_t longest = 1;
+  for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, span[b]);
   // Threads only when there is enough to share: waking a sleeping OpenMP thread costs more than a short
-  // context's attention (tasks of at least 2048 key positions).
-  int64_t max_len = 1;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
-  at::parallel_for(0, B * Hkv, std::max<int64_t>(1, 2048 / max_len), [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores, acc(G * D);
-    std::vector<const uint16_t*> k_rows, v_rows;  // position p's key and value vectors (kv head h)
+  // context's attention (a thread's share at least 2048 keys of one head).
+  at::parallel_for(0, tasks, std::max<int64_t>(1, 2048 / (longest * Hkv)), [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Hq * D), scores(Hq * longest);
+    std::vector<const uint16_t*> k_rows(longest), v_rows(longest);  // the span's positions' rows, all heads
+    int64_t b = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, len = lens[b];
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < D; ++i) qf[g * D + i] = bf16_to_float(qp[(b * Hq + h * G + g) * D + i]);
-      k_rows.resize(len);
-      v_rows.resize(len);
-      for (int64_t p = 0; p < len; ++p) {  // position p: slot p % block_size of block block_tables[b, p / bs]
-        const int64_t block = tables[b * W + p / bs];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", b, "] names block ", block);
-        const int64_t offset = ((block * bs + p % bs) * Hkv + h) * D;
-        k_rows[p] = kp + offset;
-        v_rows[p] = vp + offset;
+      while (task >= first_task[b + 1]) ++b;
+      const int64_t start = (task - first_task[b]) * span[b], len = std::min<int64_t>(span[b], lens[b] - start);
+      for (int64_t i = 0; i < Hq * D; ++i) qf[i] = bf16_to_float(qp[b * Hq * D + i]);
+      for (int64_t j = 0; j < len; ++j) {  // position p: slot p % bs of block block_tables[b, p / bs]
+        const int64_t p = start + j, offset = (tables[b * W + p / bs] * bs + p % bs) * row;
+        k_rows[j] = kp + offset;
+        v_rows[j] = vp + offset;
       }
-      scores.resize(G * len);
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * len;
-        attention_scores(qf.data() + g * D, k_rows.data(), len, D, float(scale), s);
+      // scores[hq * longest + j]: query head hq = h * G + g against position start + j (kv head h)
+      for (int64_t j = 0; j < len; j += 8)
+        for (int64_t hq = 0; hq < Hq; ++hq)
+          attention_scores(qf.data() + hq * D, k_rows.data() + j, (hq / G) * D, std::min<int64_t>(8, len - j), D,
+                           float(scale), scores.data() + hq * longest + j);
+      float* m = span_m.data() + task * Hq;
+      float* l = span_l.data() + task * Hq;
+      for (int64_t hq = 0; hq < Hq; ++hq) {  // scores -> exp(s - m), their sum l
+        float* s = scores.data() + hq * longest;
         float mx = -INFINITY, sum = 0.0f;
-        for (int64_t p = 0; p < len; ++p) mx = std::max(mx, s[p]);
-        int64_t p = 0;
+        for (int64_t j = 0; j < len; ++j) mx = std::max(mx, s[j]);
+        int64_t j = 0;
 #ifdef NANOQWEN_AVX2
         __m256 total = _mm256_setzero_ps();
-        for (; p + 8 <= len; p += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), _mm256_set1_ps(mx)));
-          _mm256_storeu_ps(s + p, e);
+        for (; j + 8 <= len; j += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
+          _mm256_storeu_ps(s + j, e);
           total = _mm256_add_ps(total, e);
         }
         sum = hsum(total);
 #endif
-        for (; p < len; ++p) sum += (s[p] = std::exp(s[p] - mx));
-        for (p = 0; p < len; ++p) s[p] /= sum;
-        weighted_sum_bf16(s, v_rows.data(), len, acc.data() + g * D, D);
+        for (; j < len; ++j) sum += (s[j] = std::exp(s[j] - mx));
+        m[hq] = mx;
+        l[hq] = sum;
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < D; ++i) op[(b * Hq + h * G + g) * D + i] = float_to_bf16(acc[g * D + i]);
+      float* o = span_o.data() + task * Hq * D;
+      for (int64_t j = 0; j < len; j += kGroup)
+        for (int64_t hq = 0; hq < Hq; ++hq)
+          weighted_sum_bf16(scores.data() + hq * longest + j, v_rows.data() + j, (hq / G) * D,
+                            std::min<int64_t>(kGroup, len - j), o + hq * D, D);
     }
   });
+  std::vector<float> total(D);
+  for (int64_t b = 0; b < B; ++b)  // combine each row's spans
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const int64_t first = first_task[b], last = first_task[b + 1];
+      float M = -INFINITY, denominator = 0.0f;
+      for (int64_t c = first; c < last; ++c) M = std::max(M, span_m[c * Hq + hq]);
+      for (int64_t c = first; c < last; ++c) denominator += std::exp(span_m[c * Hq + hq] - M) * span_l[c * Hq + hq];
+      std::fill(total.begin(), total.end(), 0.0f);
+      for (int64_t c = first; c < last; ++c) {
+        const float w = std::exp(span_m[c * Hq + hq] - M) / denominator;
+        const float* o = span_o.data() + (c * Hq + hq) * D;
+        for (int64_t i = 0; i < D; ++i) total[i] += w * o[i];
+      }
+      uint16_t* dst = op + (b * Hq + hq) * D;
+      int64_t i = 0;
+#ifdef NANOQWEN_AVX2
+      for (; i + 8 <= D; i += 8) store8_bf16(dst + i, _mm256_loadu_ps(total.data() + i));
+#endif
+      for (; i < D; ++i) dst[i] = float_to_bf16(total[i]);  // (zeros for a row with nothing to attend to)
+    }
   return out;
 }
 
