@@ -205,8 +205,9 @@ def available() -> bool:
 
 def compile_flags() -> list[str]:
     """-O3, OpenMP and the ISA flags this CPU reports (the kernels need AVX2 and FMA; F16C where present;
-    AVX-512 VNNI, one instruction for int4_gemv's 32-element integer dot products, where present and the CPU
-    is not limited to AVX2 with ATEN_CPU_CAPABILITY=avx2, as when measuring an AVX2-only CPU's speed).
+    AVX-512 VNNI, one instruction for int4_gemv's 32-element integer dot products, and AVX-512 BF16, one for
+    bf16_gemv's 16 bf16 products, where present and the CPU is not limited to AVX2 with
+    ATEN_CPU_CAPABILITY=avx2, as when measuring an AVX2-only CPU's speed).
 
     -fopenmp matters: at::parallel_for is a header template that runs on OpenMP threads only when the
     extension itself is compiled with OpenMP (else it silently runs on one thread). The extension then uses
@@ -217,8 +218,8 @@ def compile_flags() -> list[str]:
         raise RuntimeError(f"this CPU lacks {' and '.join(missing).upper()} (or /proc/cpuinfo is unreadable)")
     cflags = ["-O3", "-fopenmp", "-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in flags else [])
     limited = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2")
-    if {"avx512_vnni", "avx512vl"} <= set(flags) and not limited:
-        cflags += ["-mavx512vnni", "-mavx512vl"]
+    if "avx512vl" in flags and not limited:  # AVX-512 instructions on 256-bit vectors, where the CPU has them
+        cflags += ["-mavx512vl"] + [f"-mavx512{isa}" for isa in ("vnni", "bf16") if f"avx512_{isa}" in flags]
     return cflags
 
 

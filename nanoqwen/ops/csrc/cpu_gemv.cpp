@@ -38,6 +38,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define NANOQWEN_AVX2 1
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define NANOQWEN_BF16_DOT 1  // vdpbf16ps: 16 bf16 products summed into 8 float32 lanes, one instruction
+#endif
 #endif
 
 namespace {
@@ -171,11 +174,48 @@ inline void dot_rows(const float* x, int64_t K, const W* const* w, float (*dots)
     }
 }
 
+#ifdef NANOQWEN_BF16_DOT
+// dots[r][m] = sum_k x[m, k] * w[r][k] for bf16 x and bf16 weight rows, on CPUs with AVX-512 BF16: vdpbf16ps
+// multiplies 16 bf16 pairs exactly and adds each pair's two products into one of 8 float32 lanes, so a
+// weight vector needs no widening and x stays bf16 (half the bytes of its float32 copy). The same R x M
+// blocking as above, one accumulator per output: R * M = 12 chains for the usual 3 x 4.
+inline __m256bh load16_bf16(const uint16_t* p) {
+  return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+template <int M, int R>
+inline void dot_rows(const uint16_t* x, int64_t K, const uint16_t* const* w, float (*dots)[M]) {
+  __m256 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {  // one 64-byte line of each weight row
+    for (int r = 0; r < R; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kPrefetchBytes, _MM_HINT_T0);
+    for (int v = 0; v < 2; ++v)
+      for (int r = 0; r < R; ++r) {
+        const __m256bh wv = load16_bf16(w[r] + k + 16 * v);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_dpbf16_ps(acc[r][m], load16_bf16(x + m * K + k + 16 * v), wv);
+      }
+  }
+  for (; k + 16 <= K; k += 16)
+    for (int r = 0; r < R; ++r) {
+      const __m256bh wv = load16_bf16(w[r] + k);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_dpbf16_ps(acc[r][m], load16_bf16(x + m * K + k), wv);
+    }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) dots[r][m] = hsum(acc[r][m]);
+  for (; k < K; ++k)  // K mod 16 elements
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) dots[r][m] += bf16_to_float(x[m * K + k]) * bf16_to_float(w[r][k]);
+}
+#endif
+
 // dots[r][m0 + m] = dot(x[m0 + m], w[r]) for the MG rows of x from m0 on (one group, below).
 // noinline: compiled as its own function, GCC keeps the accumulators in registers; inlined into the
 // dispatching code with the other group sizes, it spilled them to the stack (several times slower).
-template <int MG, int R, typename W>
-__attribute__((noinline)) void dot_group(const float* x, int64_t K, const W* const* w, int m0,
+template <int MG, int R, typename W, typename X>
+__attribute__((noinline)) void dot_group(const X* x, int64_t K, const W* const* w, int m0,
                                          float (*dots)[kMaxRows]) {
   float d[R][MG];
   dot_rows<MG, R>(x + m0 * K, K, w, d);
@@ -195,8 +235,8 @@ __attribute__((noinline)) void dot_group(const float* x, int64_t K, const W* con
 // in L2, measured no faster). Of the blockings measured (weight rows x rows of x: 2 x 6, 3 x 3, 3 x 4, 4 x 2,
 // 4 x 3), 3 x 4 was the fastest: 1.14-1.72x the previous 1 x 8 at 8 and 16 rows (BENCHMARKS.md), 60-71% of
 // the FMA peak at 16.
-template <typename W>
-void rows(int m_rows, const float* x, const W* w, const uint16_t* scale, const uint16_t* bias, int64_t K,
+template <typename W, typename X>
+void rows(int m_rows, const X* x, const W* w, const uint16_t* scale, const uint16_t* bias, int64_t K,
           int64_t N, int64_t begin, int64_t end, at::BFloat16* y) {
   static_assert(kGroupRows == 4, "dot_all's switch below dispatches group sizes 1 to 4");
   float dots[kStreams][kMaxRows];
@@ -452,12 +492,7 @@ torch::Tensor gemv(const torch::Tensor& x_in, const torch::Tensor& w_in, at::Sca
   torch::Tensor y = torch::empty({M, N}, x_in.options().dtype(at::kBFloat16));
   if (M == 0 || N == 0) return y;
 
-  // x in float32, once (a plain buffer: cheaper than a torch tensor for these few KB).
-  std::vector<float> xf(M * K);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xb[i]);
-
-  const float* xp = xf.data();
   const W* wp = reinterpret_cast<const W*>(w.data_ptr());
   const uint16_t* sp = scale.defined() ? reinterpret_cast<const uint16_t*>(scale.data_ptr()) : nullptr;
   const uint16_t* bp = bias.defined() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
@@ -465,12 +500,24 @@ torch::Tensor gemv(const torch::Tensor& x_in, const torch::Tensor& w_in, at::Sca
   // Enough rows per task that it reads kTaskBytes of weights: small matrices stay on one thread.
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, K * int64_t(sizeof(W))));
 
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-    const int m_rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-      rows<W>(m_rows, xp + m0 * K, wp, sp, bp, K, N, begin, end, yp + m0 * N);
-    });
+  auto passes = [&](const auto* xp) {  // passes of kMaxRows rows of x over the weights
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int m_rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+      at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+        rows<W>(m_rows, xp + m0 * K, wp, sp, bp, K, N, begin, end, yp + m0 * N);
+      });
+    }
+  };
+#ifdef NANOQWEN_BF16_DOT
+  if constexpr (std::is_same_v<W, uint16_t>) {  // bf16 x against bf16 weights as they are
+    passes(xb);
+    return y;
   }
+#endif
+  // x in float32, once (a plain buffer: cheaper than a torch tensor for these few KB).
+  std::vector<float> xf(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xb[i]);
+  passes(static_cast<const float*>(xf.data()));
   return y;
 }
 
@@ -968,6 +1015,14 @@ bool has_avx2() {
 #endif
 }
 
+bool has_bf16_dot() {
+#ifdef NANOQWEN_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool has_vnni() {
 #if defined(NANOQWEN_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return true;
@@ -1004,4 +1059,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
   m.def("has_vnni", &has_vnni, "whether int4_gemv's integer dot products use AVX-512 VNNI (else AVX2)");
+  m.def("has_bf16_dot", &has_bf16_dot, "whether bf16_gemv multiplies with AVX-512 BF16 dot products (else widened FMAs)");
 }
