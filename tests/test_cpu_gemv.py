@@ -274,6 +274,7 @@ def test_int4_gemv_without_vnni_matches_reference(tmp_path):
         "from test_cpu_gemv import make_int4, check_int4\n"
         "from nanoqwen.ops import cpu_gemv as k\n"
         "assert k.available() and k.int4_dot_instructions() == 'AVX2', k.compile_flags()\n"
+        "assert k.bf16_dot_instructions() == 'AVX2 FMA', k.compile_flags()\n"
         "for m, kk, group, n in [(1, 1024 + 64, 64, 257), (3, 256, 128, 3), (5, 96, 32, 7), (9, 1024, 64, 65)]:\n"
         "    check_int4(k, *make_int4(m, kk, n, group))\n"
         "print('ok')\n")
@@ -290,6 +291,15 @@ def test_int4_dot_instructions_names_the_build_before_any_kernel_ran(kernels, mo
     want = "AVX-512 VNNI" if "-mavx512vnni" in kernels.compile_flags() else "AVX2"
     monkeypatch.setattr(kernels, "_ext", None)  # as in a fresh process: available() loads it again
     assert kernels.int4_dot_instructions() == want
+
+
+def test_bf16_dot_instructions_name_the_build(kernels, monkeypatch):
+    """bf16_gemv's instructions, as the log line names them, follow the build's flags: AVX-512 BF16 dot
+    products where the CPU has them (and is not limited to AVX2), else FMAs on widened weights."""
+    want = "AVX-512 BF16 dot products" if "-mavx512bf16" in kernels.compile_flags() else "AVX2 FMA"
+    monkeypatch.setattr(kernels, "_ext", None)  # as in a fresh process: available() loads it again
+    assert kernels.bf16_dot_instructions() == want
+    assert kernels._ext.has_bf16_dot() == (want != "AVX2 FMA")
 
 
 def test_int4_wrong_inputs_raise(kernels):

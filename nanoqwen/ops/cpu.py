@@ -169,7 +169,8 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     if not cpu_gemv.available():
         return choice
     if wanted == "1":
-        choice.gemv_max_rows, choice.gemv_reason = GEMV_MAX_ROWS, "NANOQWEN_CPU_GEMV=1"
+        choice.gemv_max_rows = GEMV_MAX_ROWS
+        choice.gemv_reason = f"{cpu_gemv.bf16_dot_instructions()}; NANOQWEN_CPU_GEMV=1"
         return choice
     # {rows: [own GB/s, torch's GB/s]} (JSON keys are strings)
     # Keyed by the kernels' build too: a changed kernel is measured again.
@@ -180,7 +181,7 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
             break
         choice.gemv_max_rows = rows
     shown = ", ".join(f"{m}: {own:.1f} vs {theirs:.1f}" for m, (own, theirs) in sorted(speeds.items()))
-    choice.gemv_reason = f"measured GB/s by rows, own vs torch's: {shown}"
+    choice.gemv_reason = f"{cpu_gemv.bf16_dot_instructions()}; measured GB/s by rows, own vs torch's: {shown}"
     return choice
 
 

@@ -228,6 +228,12 @@ def int4_dot_instructions() -> str:
     return "AVX-512 VNNI" if available() and _ext.has_vnni() else "AVX2"
 
 
+def bf16_dot_instructions() -> str:
+    """How bf16_gemv multiplies (for the log line and `nanoqwen bench`): AVX-512 BF16's bf16 dot products, or
+    AVX2 FMAs on weights widened to float32."""
+    return "AVX-512 BF16 dot products" if available() and _ext.has_bf16_dot() else "AVX2 FMA"
+
+
 def build_digest() -> str:
     """A hash of the kernels' source and compile flags: names the build, and keys the speeds measured with it."""
     return hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_flags()).encode()).hexdigest()[:12]
