@@ -175,24 +175,30 @@ inline void dot_rows(const float* x, int64_t K, const W* const* w, float (*dots)
 }
 
 #ifdef NANOQWEN_BF16_DOT
-// dots[r][m] = sum_k x[m, k] * w[r][k] for bf16 x and bf16 weight rows, on CPUs with AVX-512 BF16: vdpbf16ps
-// multiplies 16 bf16 pairs exactly and adds each pair's two products into one of 8 float32 lanes, so a
-// weight vector needs no widening and x stays bf16 (half the bytes of its float32 copy). The same R x M
-// blocking as above, one accumulator per output: R * M = 12 chains for the usual 3 x 4.
+// dots[r][m] = sum_k x[m, k] * w[r][k] for bf16 x and bf16 or int8 weight rows, on CPUs with AVX-512 BF16:
+// vdpbf16ps multiplies 16 bf16 pairs exactly and adds each pair's two products into one of 8 float32 lanes,
+// so x stays bf16 (half the bytes of its float32 copy) and each weight vector is one instruction for one row
+// of x: bf16 weights as they are, int8 ones converted to bf16 once (exact: |q| <= 128) for all M rows. The
+// same R x M blocking as above, one accumulator per output: R * M = 12 chains for the usual 3 x 4.
 inline __m256bh load16_bf16(const uint16_t* p) {
   return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
+inline __m256bh load16_bf16(const int8_t* p) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtneps_pbh(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+}
 
-template <int M, int R>
-inline void dot_rows(const uint16_t* x, int64_t K, const uint16_t* const* w, float (*dots)[M]) {
+template <int M, int R, typename W>
+inline void dot_rows(const uint16_t* x, int64_t K, const W* const* w, float (*dots)[M]) {
+  constexpr int V = 64 / (16 * sizeof(W));  // 16-element vectors per 64-byte line: bf16 2, int8 4
   __m256 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {  // one 64-byte line of each weight row
+  for (; k + 16 * V <= K; k += 16 * V) {  // one 64-byte line of each weight row
     for (int r = 0; r < R; ++r)
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kPrefetchBytes, _MM_HINT_T0);
-    for (int v = 0; v < 2; ++v)
+    for (int v = 0; v < V; ++v)
       for (int r = 0; r < R; ++r) {
         const __m256bh wv = load16_bf16(w[r] + k + 16 * v);
         for (int m = 0; m < M; ++m) acc[r][m] = _mm256_dpbf16_ps(acc[r][m], load16_bf16(x + m * K + k + 16 * v), wv);
@@ -207,7 +213,7 @@ inline void dot_rows(const uint16_t* x, int64_t K, const uint16_t* const* w, flo
     for (int m = 0; m < M; ++m) dots[r][m] = hsum(acc[r][m]);
   for (; k < K; ++k)  // K mod 16 elements
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) dots[r][m] += bf16_to_float(x[m * K + k]) * bf16_to_float(w[r][k]);
+      for (int m = 0; m < M; ++m) dots[r][m] += bf16_to_float(x[m * K + k]) * to_float(w[r][k]);
 }
 #endif
 
@@ -238,9 +244,13 @@ __attribute__((noinline)) void dot_group(const X* x, int64_t K, const W* const* 
 template <typename W, typename X>
 void rows(int m_rows, const X* x, const W* w, const uint16_t* scale, const uint16_t* bias, int64_t K,
           int64_t N, int64_t begin, int64_t end, at::BFloat16* y) {
-  static_assert(kGroupRows == 4, "dot_all's switch below dispatches group sizes 1 to 4");
+  // rows of x per register block: 4 (12 accumulators of the 16 AVX2 registers), 8 with AVX-512 BF16's
+  // bf16 x (24 accumulators of the 32 AVX-512 vector registers; an int8 weight vector is converted once
+  // for twice the rows)
+  constexpr int GR = std::is_same_v<X, uint16_t> ? 2 * kGroupRows : kGroupRows;
+  static_assert(kGroupRows == 4, "dot_all's switch below dispatches group sizes 1 to 8");
   float dots[kStreams][kMaxRows];
-  const int groups = (m_rows + kGroupRows - 1) / kGroupRows;
+  const int groups = (m_rows + GR - 1) / GR;
   // dots for R weight rows against every group of x rows.
   auto dot_all = [&](auto r_count, const W* const* wr) {
     constexpr int R = decltype(r_count)::value;
@@ -250,7 +260,11 @@ void rows(int m_rows, const X* x, const W* w, const uint16_t* scale, const uint1
         case 1: dot_group<1, R>(x, K, wr, m0, dots); break;
         case 2: dot_group<2, R>(x, K, wr, m0, dots); break;
         case 3: dot_group<3, R>(x, K, wr, m0, dots); break;
-        default: dot_group<kGroupRows, R>(x, K, wr, m0, dots); break;
+        case 4: dot_group<4, R>(x, K, wr, m0, dots); break;
+        case 5: dot_group<std::min(5, GR), R>(x, K, wr, m0, dots); break;
+        case 6: dot_group<std::min(6, GR), R>(x, K, wr, m0, dots); break;
+        case 7: dot_group<std::min(7, GR), R>(x, K, wr, m0, dots); break;
+        default: dot_group<GR, R>(x, K, wr, m0, dots); break;
       }
       m0 += mg;
     }
@@ -471,7 +485,7 @@ void check_vector(const torch::Tensor& t, const char* name, int64_t N) {
   TORCH_CHECK(t.dim() == 1 && t.size(0) == N, name, " must have shape [", N, "], got ", t.sizes());
 }
 
-// Shared driver: checks, converts x to float32 once, runs groups of <= 8 rows over threads.
+// Shared driver: checks, converts x to float32 once (not for AVX-512 BF16), runs passes of <= 16 rows over threads.
 template <typename W>
 torch::Tensor gemv(const torch::Tensor& x_in, const torch::Tensor& w_in, at::ScalarType w_type, const char* w_name,
                    const std::optional<torch::Tensor>& scale_in, const std::optional<torch::Tensor>& bias_in) {
@@ -509,15 +523,13 @@ torch::Tensor gemv(const torch::Tensor& x_in, const torch::Tensor& w_in, at::Sca
     }
   };
 #ifdef NANOQWEN_BF16_DOT
-  if constexpr (std::is_same_v<W, uint16_t>) {  // bf16 x against bf16 weights as they are
-    passes(xb);
-    return y;
-  }
-#endif
+  passes(xb);  // bf16 x as it is
+#else
   // x in float32, once (a plain buffer: cheaper than a torch tensor for these few KB).
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xb[i]);
   passes(static_cast<const float*>(xf.data()));
+#endif
   return y;
 }
 
