@@ -1,4 +1,4 @@
-// Matrix-vector products for batch-1..8 decode on CPUs with AVX2 + FMA (no AVX-512 needed).
+// Matrix-vector products for batch-1..16 decode on CPUs with AVX2 + FMA (no AVX-512 needed).
 //
 //   bf16_gemv(x [M,K] bf16, w [N,K] bf16, bias [N] bf16 or None) -> y [M,N] bf16,  y = x @ w.T + bias
 //   int8_gemv(x [M,K] bf16, q [N,K] int8, scale [N] bf16)        -> y [M,N] bf16,  y = (x @ q.T) * scale
@@ -11,8 +11,10 @@
 // stream from memory. The kernels therefore read each weight row exactly once, use it for all M rows of x,
 // and keep the rest cheap: x is converted to float32 once (it stays in L1/L2), each weight vector is widened
 // to float32 in registers, products are accumulated in float32 with FMA, and each output is rounded to bf16
-// once at the end (round-to-nearest-even, like torch's .to(torch.bfloat16)). The results equal the plain-torch
-// references in nanoqwen/ops/cpu_gemv.py up to the order of the float32 additions.
+// once at the end (round-to-nearest-even, like torch's .to(torch.bfloat16)). On CPUs with AVX-512 BF16, bf16
+// x and bf16 (or int8, converted in registers) weights go to vdpbf16ps as they are instead (exact products,
+// float32 sums). The results equal the plain-torch references in nanoqwen/ops/cpu_gemv.py up to the order of
+// the float32 additions.
 //
 // Threads split the output rows N into contiguous chunks (at::parallel_for); each thread streams its slice of
 // the weight matrix as three sequential streams (its thirds) for more requests in flight.
@@ -865,14 +867,14 @@ torch::Tensor swiglu(const torch::Tensor& gate_up_in) {
 // paged_decode_attention_reference). A row with context_len 0 gets zeros.
 //
 // Split-context ("flash decoding"): each row's positions are cut into equal spans of at most kSpan, and a
-// task takes one span of one row for all heads. The cache holds a position's Hkv heads side by side (Hkv * D values), so a
-// task reads its span's keys, then its values, as contiguous runs, eight positions at a time, all heads of
-// those eight before the next eight: one head at a time over the whole context would read D values every
+// task takes one span of one row for all heads. The cache holds a position's Hkv heads side by side (Hkv * D
+// values), so a task reads its span's keys, then its values, as contiguous runs, a few positions at a time,
+// all heads of those before the next: one head at a time over the whole context would read D values every
 // Hkv * D, which waits on memory once the cache is larger than the caches (long contexts). A task leaves, per
 // query head, its span's largest score m, the sum l of exp(s - m) and the sum o of exp(s - m) * v; the spans
 // of a row are then combined: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c.
 constexpr int64_t kSpan = 256;  // positions per task
-constexpr int64_t kGroup = 16;
+constexpr int64_t kGroup = 16;  // positions per weighted_sum_bf16 call: its sums loaded and stored once per 16
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& block_tables_in,
@@ -960,16 +962,19 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Ten
                             std::min<int64_t>(kGroup, len - j), o + hq * D, D);
     }
   });
-  std::vector<float> total(D);
+  std::vector<float> total(D), weight(tasks);  // weight[c]: e^(m_c - M) of span c
   for (int64_t b = 0; b < B; ++b)  // combine each row's spans
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const int64_t first = first_task[b], last = first_task[b + 1];
       float M = -INFINITY, denominator = 0.0f;
       for (int64_t c = first; c < last; ++c) M = std::max(M, span_m[c * Hq + hq]);
-      for (int64_t c = first; c < last; ++c) denominator += std::exp(span_m[c * Hq + hq] - M) * span_l[c * Hq + hq];
+      for (int64_t c = first; c < last; ++c) {
+        weight[c] = std::exp(span_m[c * Hq + hq] - M);
+        denominator += weight[c] * span_l[c * Hq + hq];
+      }
       std::fill(total.begin(), total.end(), 0.0f);
       for (int64_t c = first; c < last; ++c) {
-        const float w = std::exp(span_m[c * Hq + hq] - M) / denominator;
+        const float w = weight[c] / denominator;
         const float* o = span_o.data() + (c * Hq + hq) * D;
         for (int64_t i = 0; i < D; ++i) total[i] += w * o[i];
       }
@@ -1071,5 +1076,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
   m.def("has_vnni", &has_vnni, "whether int4_gemv's integer dot products use AVX-512 VNNI (else AVX2)");
-  m.def("has_bf16_dot", &has_bf16_dot, "whether bf16_gemv multiplies with AVX-512 BF16 dot products (else widened FMAs)");
+  m.def("has_bf16_dot", &has_bf16_dot,
+        "whether bf16_gemv and int8_gemv multiply with AVX-512 BF16 dot products (else widened FMAs)");
 }
