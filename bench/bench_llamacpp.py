@@ -3,6 +3,7 @@ batch-1 decode, at 16, 8 and 4 bits (bf16, int8 / q8_0, int4 / q4_0), each as a 
 
     python bench/bench_llamacpp.py            # random checkpoint with the exact Qwen3-0.6B shape
     python bench/bench_llamacpp.py --write    # also record the table in BENCHMARKS.md
+    python bench/bench_llamacpp.py --rounds 9 # more rounds (default 5)
 
 Needs llama-cpp-python (an optional benchmark dependency, never a test one): build it once with
 `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python` (15-25 minutes on 2 cores; pip keeps the wheel),
@@ -16,12 +17,17 @@ The checkpoint is converted with the `convert_hf_to_gguf.py` and `gguf-py` of th
 (downloaded once with pip into bench/.models/llama-cpp-src) to a bf16 GGUF, then quantised to q8_0 and q4_0
 with llama_cpp.llama_model_quantize.
 
-Procedure, the same for both (each system in its own process, the same thread count): prompt processing is
-the best time of one 512-token forward (llama.cpp: one `eval` of the tokens, batch 512; nanoqwen: a generate
-of 1 token); batch-1 decode is 64 tokens after a 32-token prompt (llama.cpp: 64 one-token `eval` calls, as
-llama-bench's tg does, no sampling; nanoqwen: generate 65 tokens minus generate 1, greedy).
-The bound of a decode row is the read bandwidth (measured in that system's own process, before and after its
-run: the higher) over the bytes a step reads (every matrix once, the tied embedding as the LM head); of
+Procedure, the same for both (each system in its own process, the same thread count). All six systems are
+loaded first, each in its own process (so each keeps its own peak memory), then timed in --rounds rounds: in a
+round, for each bit width, llama.cpp and nanoqwen run one prompt processing and one batch-1 decode each, back to
+back (which goes first alternates by round). A shared machine's speed drifts within minutes, by up to 2x here;
+timing two systems minutes apart (as a run of one system after the other does) measures the drift as much as the
+systems. So each "/ llama.cpp" ratio is the median of the rounds' ratios, each from two timings seconds apart,
+and each system's figure is its best round. Prompt processing is one 512-token forward (llama.cpp: one `eval` of
+the tokens, batch 512; nanoqwen: a generate of 1 token); batch-1 decode is 64 tokens after a 32-token prompt
+(llama.cpp: 64 one-token `eval` calls, as llama-bench's tg does, no sampling; nanoqwen: generate 65 tokens minus
+generate 1, greedy). The bound of a decode row is the read bandwidth (a sum of 1 GiB, read once a round; the
+highest reading of the run) over the bytes a step reads (every matrix once, the tied embedding as the LM head); of
 prefill, the faster of the bf16 and float32 matmul rates over its FLOPs.
 """
 
@@ -30,9 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,102 +104,180 @@ def gguf_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
-def run_llama(gguf: str, repeats: int) -> dict:
-    """llama.cpp's prompt processing and batch-1 decode on one GGUF file (in this child process)."""
+def load_llama(gguf: str):
+    """llama.cpp on one GGUF file (in this child process): one timed prompt processing, one timed batch-1
+    decode, and the file's size."""
     from llama_cpp import Llama
 
     threads = os.cpu_count() or 1
     llm = Llama(gguf, n_ctx=1024, n_batch=bench_model.PREFILL_LEN, n_ubatch=bench_model.PREFILL_LEN,
                 n_threads=threads, n_threads_batch=threads, verbose=False)
     long_prompt = bench_model.prompts(1, bench_model.PREFILL_LEN)[0]
-
-    def prefill() -> None:
-        llm.reset()  # the next eval starts at position 0 (and drops the cache past it)
-        llm.eval(long_prompt)
-
-    prefill()  # warm-up
-    prefill_s = bench_model.best_of(prefill, repeats)
     short = bench_model.prompts(1, DECODE_PROMPT)[0]
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first is a warm-up
+
+    def prefill() -> float:
+        llm.reset()  # the next eval starts at position 0 (and drops the cache past it)
+        start = time.perf_counter()
+        llm.eval(long_prompt)
+        return time.perf_counter() - start
+
+    def decode() -> float:
         llm.reset()
         llm.eval(short)
         start = time.perf_counter()
         for i in range(DECODE_TOKENS):
             llm.eval([1000 + i])
-        best = min(best, time.perf_counter() - start)
-    return {"prefill_tok_s": bench_model.PREFILL_LEN / prefill_s, "decode_b1_tok_s": DECODE_TOKENS / best,
-            "file_bytes": os.path.getsize(gguf)}
+        return time.perf_counter() - start
+
+    return prefill, decode, {"file_bytes": os.path.getsize(gguf)}
 
 
-def child(system: str, model: str, repeats: int) -> None:
-    # A shared machine's bandwidth drifts within a run (one reading at the start made shares above 100%), so
-    # each system's bound uses the higher of two readings taken in its own process, just before and after it.
-    before = bench_model.read_bandwidth()
+def load_nanoqwen(model: str, quantization: str | None):
+    """nanoqwen on the checkpoint (in this child process): as load_llama."""
+    gen, info = bench_model.load_nanoqwen(model, "cpu", quantization=quantization)
+    long_prompt = bench_model.prompts(1, bench_model.PREFILL_LEN)
+    short = bench_model.prompts(1, DECODE_PROMPT)
+
+    def timed(call) -> float:
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+
+    def decode() -> float:  # the 64 decode steps: 65 tokens minus the first (the prompt's prefill)
+        return timed(gen(short, 1 + DECODE_TOKENS)) - timed(gen(short, 1))
+
+    return lambda: timed(gen(long_prompt, 1)), decode, info
+
+
+def child(system: str, model: str) -> None:
+    """Load one system, warm it up, print READY and its facts, then time what each line of stdin names
+    ("prefill" or "decode"), one RESULT line each, until stdin closes."""
     if system.startswith("nanoqwen"):  # prefill and batch-1 decode only (bench_model.py measures batch 16)
-        quantization = system.partition("-")[2] or None
-        result = bench_model.run_nanoqwen(model, "cpu", repeats, quantization=quantization, batches=(1,))
+        prefill, decode, info = load_nanoqwen(model, system.partition("-")[2] or None)
     else:
-        result = run_llama(model, repeats)
-    result["read_gb_s"] = max(before, bench_model.read_bandwidth())
-    print("RESULT " + json.dumps(result))
+        prefill, decode, info = load_llama(model)
+    prefill(), decode()  # warm-up
+    print("READY " + json.dumps(info), flush=True)
+    for line in sys.stdin:
+        what = line.strip()
+        seconds = prefill() if what == "prefill" else decode()
+        print("RESULT " + json.dumps({what: seconds}), flush=True)
 
 
-def run_child(system: str, model: str, repeats: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", system, "--model", model, "--repeats", str(repeats)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        sys.exit(f"{system} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+class Child:
+    """One system loaded in a process of its own, timed on request."""
+
+    def __init__(self, system: str, model: str) -> None:
+        self.system = system
+        self.stderr = tempfile.TemporaryFile("w+")  # (a pipe nobody reads could fill and block the child)
+        self.proc = subprocess.Popen([sys.executable, __file__, "--child", system, "--model", model],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        self.info = json.loads(self._line("READY "))
+
+    def _line(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        self.proc.kill()
+        self.stderr.seek(0)
+        sys.exit(f"{self.system} failed:\n{self.stderr.read()[-3000:]}")
+
+    def time(self, what: str) -> float:
+        self.proc.stdin.write(what + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._line("RESULT "))[what]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
-def table(results: dict, ceil: dict) -> str:
+def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds: int) -> dict:
+    """Each system's best prefill and decode rates, the per-round ratios of each pair (nanoqwen over
+    llama.cpp) and the read bandwidth, read once a round."""
+    rates = {name: {"prefill_tok_s": [], "decode_b1_tok_s": []} for name in children}
+    bandwidth = []
+    for r in range(rounds):
+        bandwidth.append(bench_model.read_bandwidth())
+        for pair in pairs:
+            for what, tokens, key in (("prefill", bench_model.PREFILL_LEN, "prefill_tok_s"),
+                                      ("decode", DECODE_TOKENS, "decode_b1_tok_s")):
+                for name in (pair if r % 2 == 0 else pair[::-1]):
+                    if name in children:
+                        rates[name][key].append(tokens / children[name].time(what))
+        print(f"round {r + 1} of {rounds}: " + json.dumps({n: {k: round(v[-1], 1) for k, v in x.items() if v}
+                                                            for n, x in rates.items()}), file=sys.stderr, flush=True)
+    results = {}
+    for name, child in children.items():
+        results[name] = {**child.info, **{k: max(v) for k, v in rates[name].items()}, "rounds": rates[name]}
+    for llama, ours in pairs:
+        if llama in children and ours in children:
+            results[ours]["paired"] = {k: sorted(a / b for a, b in zip(rates[ours][k], rates[llama][k], strict=True))
+                                       for k in ("prefill_tok_s", "decode_b1_tok_s")}
+    results["read_gb_s"] = max(bandwidth)
+    results["read_gb_s_range"] = (min(bandwidth), max(bandwidth))
+    return results
+
+
+def table(results: dict, ceil: dict, rounds: int) -> str:
     matmul = max(ceil["bf16_tflop_s"], ceil.get("f32_tflop_s", 0.0)) * 1e12
     ours = results["nanoqwen"]
     flops_per_token = 2 * ours["layer_params"]
 
     def decode_bound(r: dict) -> float:  # every matrix read once a step (llama.cpp: the whole file)
-        return r.get("read_gb_s", ceil["read_gb_s"]) * 1e9 / r.get("decode_read_bytes", r.get("file_bytes"))
+        return results["read_gb_s"] * 1e9 / r.get("decode_read_bytes", r.get("file_bytes"))
 
     rows = [("16-bit", "llama.cpp bf16", "llama-bf16", "nanoqwen bf16", "nanoqwen"),
             ("8-bit", "llama.cpp q8_0", "llama-q8_0", "nanoqwen int8", "nanoqwen-int8"),
             ("4-bit", "llama.cpp q4_0", "llama-q4_0", "nanoqwen int4", "nanoqwen-int4")]
     lines = ["| weights | system | prefill 512 (tok/s) | / llama.cpp | / bound | decode b1 (tok/s) | / llama.cpp "
              "| / bound (tok/s) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    spreads = []
     for bits, llama_label, llama_key, our_label, our_key in rows:
-        theirs = results.get(llama_key)
         for label, key in ((llama_label, llama_key), (our_label, our_key)):
             r = results.get(key)
             if r is None:
                 lines.append(f"| {bits} | {label} | – | | | – | | |")
                 continue
-            ratio = {k: f"{r[k] / theirs[k]:.2f}×" if theirs and key != llama_key else ""
+            paired = r.get("paired", {})
+            ratio = {k: f"{statistics.median(paired[k]):.2f}×" if k in paired else ""
                      for k in ("prefill_tok_s", "decode_b1_tok_s")}
+            spreads += [f"{paired[k][0]:.2f}–{paired[k][-1]:.2f}" for k in paired]
             bound = decode_bound(r)
             lines.append(f"| {bits} | {label} | {r['prefill_tok_s']:.1f} | {ratio['prefill_tok_s']} | "
                          f"{r['prefill_tok_s'] * flops_per_token / matmul:.0%} | {r['decode_b1_tok_s']:.1f} | "
                          f"{ratio['decode_b1_tok_s']} | {r['decode_b1_tok_s'] / bound:.0%} ({bound:.1f}) |")
-    reads = [r["read_gb_s"] for key, r in results.items() if key != "ceilings" and "read_gb_s" in r]
-    lines += ["", f"Bounds measured in the same run: read bandwidth (sum of 1 GiB) {ceil['read_gb_s']:.1f} GB/s "
-              f"at the start, {min(reads, default=0):.1f}–{max(reads, default=0):.1f} GB/s in the systems' own "
-              "processes (each decode bound uses its own: the higher of a reading before and after it); "
-              f"matmul {ceil['bf16_tflop_s'] * 1e3:.0f} GFLOP/s in bf16, {ceil.get('f32_tflop_s', 0) * 1e3:.0f} in "
+    low, high = results["read_gb_s_range"]
+    lines += ["", f"Each system's figure is its best of {rounds} rounds; each \"/ llama.cpp\" is the median of the "
+              f"rounds' ratios, each of two timings taken back to back (the rounds' ratios ranged: "
+              f"{', '.join(spreads)}, in table order). Bounds measured in the same run: read bandwidth (sum of "
+              f"1 GiB, once a round) {low:.1f}–{high:.1f} GB/s, the decode bounds use the highest; matmul "
+              f"{ceil['bf16_tflop_s'] * 1e3:.0f} GFLOP/s in bf16, {ceil.get('f32_tflop_s', 0) * 1e3:.0f} in "
               f"float32 (prefill's bound: the faster, over {flops_per_token / 1e9:.2f} GFLOP a token); decode: the "
               "read bandwidth over the bytes a step reads (nanoqwen: every projection and the LM head; "
               "llama.cpp: its GGUF file, whose tied embedding is its LM head)."]
+    quantized = []
+    for name in ("int8", "int4"):
+        r = results.get(f"nanoqwen-{name}")
+        if r is not None:
+            ratios = {k: statistics.median(a / b for a, b in zip(r["rounds"][k], ours["rounds"][k], strict=True))
+                      for k in ("prefill_tok_s", "decode_b1_tok_s")}
+            quantized.append(f"{name} prefill {ratios['prefill_tok_s']:.2f}×, decode {ratios['decode_b1_tok_s']:.2f}×")
+    if quantized:
+        lines += ["", "nanoqwen's int8 and int4 against its bf16 (the median of the rounds' ratios): "
+                  + "; ".join(quantized) + "."]
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder (default: bench_model's random Qwen3-0.6B)")
-    parser.add_argument("--repeats", type=int, default=3, help="best of N timings")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of timings (each system's best counts)")
     parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.model, args.repeats)
+        return child(args.child, args.model)
     try:
         import llama_cpp
     except ImportError:
@@ -200,30 +286,28 @@ def main() -> None:
     model_dir = Path(args.model) if args.model else bench_model.DEFAULT_DIR
     bench_model.ensure_checkpoint(model_dir)
     files = gguf_files(model_dir)
-    results = {}
-    jobs = [("ceilings", lambda: bench_model.run_child("ceilings", model_dir, "cpu", args.repeats))]
-    for fmt in FORMATS:
-        jobs.append((f"llama-{fmt}", lambda f=fmt: run_child(f"llama-{f}", str(files[f]), args.repeats)))
-    for system in ("nanoqwen", "nanoqwen-int8", "nanoqwen-int4"):
-        jobs.append((system, lambda s=system: run_child(s, str(model_dir), args.repeats)))
-    for system, run in jobs:
-        print(f"running {system} ...", file=sys.stderr)
-        try:
-            results[system] = run()
-        except SystemExit as e:
-            print(e, file=sys.stderr)
-            continue
-        print(f"{system}: {json.dumps(results[system])}", file=sys.stderr, flush=True)
-    if "ceilings" not in results or "nanoqwen" not in results:
-        sys.exit("no table: the ceilings or nanoqwen failed")
+    print("running ceilings ...", file=sys.stderr)
+    ceil = bench_model.run_child("ceilings", model_dir, "cpu", 3)
+    pairs = [("llama-bf16", "nanoqwen"), ("llama-q8_0", "nanoqwen-int8"), ("llama-q4_0", "nanoqwen-int4")]
+    children = {}
+    try:
+        for llama, ours in pairs:
+            for name, model in ((llama, str(files[llama.partition("-")[2]])), (ours, str(model_dir))):
+                print(f"loading {name} ...", file=sys.stderr, flush=True)
+                children[name] = Child(name, model)
+        results = run_rounds(children, pairs, args.rounds)
+    finally:
+        for c in children.values():
+            c.close()
     instructions = llama_instructions()
     body = (f"### nanoqwen vs llama.cpp (llama-cpp-python {llama_cpp.__version__}), CPU\n\n"
             f"llama.cpp built for: {' '.join(instructions)}.\n\n"
             f"`python bench/bench_llamacpp.py` on "
             f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}, "
             f"converted to GGUF bf16 and quantised to q8_0 / q4_0; nanoqwen int8 and int4 are made at load "
-            f"from the same bf16 checkpoint. {os.cpu_count()} threads for both.\n\n"
-            f"{bench_model.machine_line('cpu')}\n\n" + table(results, results["ceilings"]))
+            f"from the same bf16 checkpoint. {os.cpu_count()} threads for both; all six loaded at once, each in "
+            f"its own process, and timed in rounds (the script's docstring).\n\n"
+            f"{bench_model.machine_line('cpu')}\n\n" + table(results, ceil, args.rounds))
     print(body)
     if args.write:
         # a llama.cpp built without AVX-512 (an AVX2-only build, for a like-for-like AVX2 comparison) gets its

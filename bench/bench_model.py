@@ -47,6 +47,14 @@ def prompts(batch: int, length: int) -> list[list[int]]:
 
 def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | None = None,
                  enforce_eager: bool = False, batches: tuple[int, ...] = (1, 16)) -> dict:
+    gen, info = load_nanoqwen(model_dir, device, quantization, enforce_eager)
+    return {**measure(gen, repeats, batches), **info}
+
+
+def load_nanoqwen(model_dir: str, device: str, quantization: str | None = None, enforce_eager: bool = False):
+    """nanoqwen on the checkpoint: gen(prompts, n) (a call generating n tokens for each prompt, greedy, EOS
+    ignored) and what the tables need to know of the model (its weight bytes, the bytes a decode step reads,
+    the multiply-adds a token costs)."""
     from nanoqwen import LLM, SamplingParams
     from nanoqwen.models.qwen3 import Experts, Linear
     from nanoqwen.quantization import Int4Experts, weight_bytes
@@ -70,8 +78,7 @@ def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | 
     # 16 tokens routed uniformly (as random weights route) reach 1 - (1 - K/E)^16 of the experts, not 16 K/E
     active16 = 1 - (1 - active) ** 16
     dense_bytes, expert_bytes = sum(weight_bytes(m) for m in matrices), sum(map(weight_bytes, experts))
-    return {**measure(gen, repeats, batches), "weight_bytes": llm.llm_engine.weight_bytes,
-            "kernel_path": llm.llm_engine.kernel_path,
+    info = {"weight_bytes": llm.llm_engine.weight_bytes, "kernel_path": llm.llm_engine.kernel_path,
             "decode_read_bytes": dense_bytes + active * expert_bytes,
             "decode_b16_read_bytes": dense_bytes + active16 * expert_bytes,
             # multiply-adds per token in the projections (a prompt's LM head runs for its last token only)
@@ -79,6 +86,7 @@ def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | 
             + active * sum((m.gate_up_proj.numel() + m.down_proj.numel()) * (2 if isinstance(m, Int4Experts) else 1)
                            for m in experts),  # (int4 holds two weights a byte)
             "head_params": params(model.lm_head)}
+    return gen, info
 
 
 def params(linear) -> int:

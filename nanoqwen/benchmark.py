@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from nanoqwen.config import add_parallel_and_quantization_args
 from nanoqwen.engine.kv_cache import KVCache
+from nanoqwen.engine_args import add_parallel_and_quantization_args
 from nanoqwen.errors import InvalidRequestError
 
 Workload = list[tuple[list[int], int]]  # (prompt token ids, output length) per request

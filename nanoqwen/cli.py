@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanoqwen.config import add_engine_args, engine_config_from_args
+from nanoqwen.engine_args import add_engine_args, engine_config_from_args
 from nanoqwen.errors import ConfigError, InvalidRequestError, NanoQwenError
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from nanoqwen.config import engine_config_from_args, memory_size
+from nanoqwen.engine_args import engine_config_from_args, memory_size
 from nanoqwen.errors import ConfigError, EngineDeadError
 
 
