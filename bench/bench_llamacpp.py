@@ -26,9 +26,10 @@ systems. So each "/ llama.cpp" ratio is the median of the rounds' ratios, each f
 and each system's figure is its best round. Prompt processing is one 512-token forward (llama.cpp: one `eval` of
 the tokens, batch 512; nanoqwen: a generate of 1 token); batch-1 decode is 64 tokens after a 32-token prompt
 (llama.cpp: 64 one-token `eval` calls, as llama-bench's tg does, no sampling; nanoqwen: generate 65 tokens minus
-generate 1, greedy). The bound of a decode row is the read bandwidth (a sum of 1 GiB, read once a round; the
-highest reading of the run) over the bytes a step reads (every matrix once, the tied embedding as the LM head); of
-prefill, the faster of the bf16 and float32 matmul rates over its FLOPs.
+generate 1, greedy). Each round also times nanoqwen's three formats at batch 16 (16 such prompts at once), for
+int8 and int4 against bf16 there. The bound of a decode row is the read bandwidth (a sum of 1 GiB, read once a
+round; the highest reading of the run) over the bytes a step reads (every matrix once, the tied embedding as the
+LM head); of prefill, the faster of the bf16 and float32 matmul rates over its FLOPs.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def load_llama(gguf: str):
             llm.eval([1000 + i])
         return time.perf_counter() - start
 
-    return prefill, decode, {"file_bytes": os.path.getsize(gguf)}
+    return prefill, decode, None, {"file_bytes": os.path.getsize(gguf)}
 
 
 def load_nanoqwen(model: str, quantization: str | None):
@@ -143,25 +144,30 @@ def load_nanoqwen(model: str, quantization: str | None):
         call()
         return time.perf_counter() - start
 
-    def decode() -> float:  # the 64 decode steps: 65 tokens minus the first (the prompt's prefill)
-        return timed(gen(short, 1 + DECODE_TOKENS)) - timed(gen(short, 1))
+    def decode(prompts: list[list[int]] = short) -> float:  # 64 steps: 65 tokens minus the first (the prefill)
+        return timed(gen(prompts, 1 + DECODE_TOKENS)) - timed(gen(prompts, 1))
 
-    return lambda: timed(gen(long_prompt, 1)), decode, info
+    def decode16() -> float:  # nanoqwen's formats only: 16 sequences at once (their 64 steps)
+        return decode(bench_model.prompts(16, DECODE_PROMPT))
+
+    return lambda: timed(gen(long_prompt, 1)), decode, decode16, info
 
 
 def child(system: str, model: str) -> None:
     """Load one system, warm it up, print READY and its facts, then time what each line of stdin names
-    ("prefill" or "decode"), one RESULT line each, until stdin closes."""
-    if system.startswith("nanoqwen"):  # prefill and batch-1 decode only (bench_model.py measures batch 16)
-        prefill, decode, info = load_nanoqwen(model, system.partition("-")[2] or None)
+    ("prefill", "decode" or, nanoqwen only, "decode16"), one RESULT line each, until stdin closes."""
+    if system.startswith("nanoqwen"):
+        prefill, decode, decode16, info = load_nanoqwen(model, system.partition("-")[2] or None)
     else:
-        prefill, decode, info = load_llama(model)
-    prefill(), decode()  # warm-up
+        prefill, decode, decode16, info = load_llama(model)
+    calls = {"prefill": prefill, "decode": decode, "decode16": decode16}
+    for call in calls.values():  # warm-up
+        if call is not None:
+            call()
     print("READY " + json.dumps(info), flush=True)
     for line in sys.stdin:
         what = line.strip()
-        seconds = prefill() if what == "prefill" else decode()
-        print("RESULT " + json.dumps({what: seconds}), flush=True)
+        print("RESULT " + json.dumps({what: calls[what]()}), flush=True)
 
 
 class Child:
@@ -196,6 +202,7 @@ def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds:
     """Each system's best prefill and decode rates, the per-round ratios of each pair (nanoqwen over
     llama.cpp) and the read bandwidth, read once a round."""
     rates = {name: {"prefill_tok_s": [], "decode_b1_tok_s": []} for name in children}
+    ours = [name for _, name in pairs if name in children]
     bandwidth = []
     for r in range(rounds):
         bandwidth.append(bench_model.read_bandwidth())
@@ -205,6 +212,8 @@ def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds:
                 for name in (pair if r % 2 == 0 else pair[::-1]):
                     if name in children:
                         rates[name][key].append(tokens / children[name].time(what))
+        for name in ours[r % len(ours):] + ours[:r % len(ours)]:  # nanoqwen's formats at batch 16, in turn
+            rates[name].setdefault("decode_b16_tok_s", []).append(16 * DECODE_TOKENS / children[name].time("decode16"))
         print(f"round {r + 1} of {rounds}: " + json.dumps({n: {k: round(v[-1], 1) for k, v in x.items() if v}
                                                             for n, x in rates.items()}), file=sys.stderr, flush=True)
     results = {}
@@ -261,8 +270,12 @@ def table(results: dict, ceil: dict, rounds: int) -> str:
         r = results.get(f"nanoqwen-{name}")
         if r is not None:
             ratios = {k: statistics.median(a / b for a, b in zip(r["rounds"][k], ours["rounds"][k], strict=True))
-                      for k in ("prefill_tok_s", "decode_b1_tok_s")}
-            quantized.append(f"{name} prefill {ratios['prefill_tok_s']:.2f}×, decode {ratios['decode_b1_tok_s']:.2f}×")
+                      for k in ("prefill_tok_s", "decode_b1_tok_s", "decode_b16_tok_s")}
+            quantized.append(f"{name} prefill {ratios['prefill_tok_s']:.2f}×, batch-1 decode "
+                             f"{ratios['decode_b1_tok_s']:.2f}×, batch-16 decode {ratios['decode_b16_tok_s']:.2f}×")
+    b16 = ", ".join(f"{label.split()[-1]} {results[key]['decode_b16_tok_s']:.1f}"
+                    for _, _, _, label, key in rows if key in results)
+    lines += ["", f"nanoqwen at batch 16 (16 sequences of 32-token prompts, 64 steps, tok/s, best round): {b16}."]
     if quantized:
         lines += ["", "nanoqwen's int8 and int4 against its bf16 (the median of the rounds' ratios): "
                   + "; ".join(quantized) + "."]
