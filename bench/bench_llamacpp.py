@@ -106,8 +106,8 @@ def gguf_files(model_dir: Path) -> dict[str, Path]:
 
 
 def load_llama(gguf: str):
-    """llama.cpp on one GGUF file (in this child process): one timed prompt processing, one timed batch-1
-    decode, and the file's size."""
+    """llama.cpp on one GGUF file (in this child process): calls timing one prompt processing and one batch-1
+    decode (seconds), no batch-16 call (None), and its facts (the file's size)."""
     from llama_cpp import Llama
 
     threads = os.cpu_count() or 1
@@ -134,7 +134,7 @@ def load_llama(gguf: str):
 
 
 def load_nanoqwen(model: str, quantization: str | None):
-    """nanoqwen on the checkpoint (in this child process): as load_llama."""
+    """nanoqwen on the checkpoint (in this child process): as load_llama, with a batch-16 decode."""
     gen, info = bench_model.load_nanoqwen(model, "cpu", quantization=quantization)
     long_prompt = bench_model.prompts(1, bench_model.PREFILL_LEN)
     short = bench_model.prompts(1, DECODE_PROMPT)
@@ -212,7 +212,8 @@ def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds:
                 for name in (pair if r % 2 == 0 else pair[::-1]):
                     if name in children:
                         rates[name][key].append(tokens / children[name].time(what))
-        for name in ours[r % len(ours):] + ours[:r % len(ours)]:  # nanoqwen's formats at batch 16, in turn
+        turn = r % max(1, len(ours))
+        for name in ours[turn:] + ours[:turn]:  # nanoqwen's formats at batch 16, in turn
             rates[name].setdefault("decode_b16_tok_s", []).append(16 * DECODE_TOKENS / children[name].time("decode16"))
         print(f"round {r + 1} of {rounds}: " + json.dumps({n: {k: round(v[-1], 1) for k, v in x.items() if v}
                                                             for n, x in rates.items()}), file=sys.stderr, flush=True)
@@ -307,7 +308,12 @@ def main() -> None:
         for llama, ours in pairs:
             for name, model in ((llama, str(files[llama.partition("-")[2]])), (ours, str(model_dir))):
                 print(f"loading {name} ...", file=sys.stderr, flush=True)
-                children[name] = Child(name, model)
+                try:
+                    children[name] = Child(name, model)
+                except SystemExit as e:  # a system that fails to load does not stop the others (its row: –)
+                    print(e, file=sys.stderr)
+        if "nanoqwen" not in children:
+            sys.exit("no table: nanoqwen failed to load")
         results = run_rounds(children, pairs, args.rounds)
     finally:
         for c in children.values():
