@@ -198,9 +198,10 @@ class Child:
         self.proc.wait()
 
 
-def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds: int) -> dict:
-    """Each system's best prefill and decode rates, the per-round ratios of each pair (nanoqwen over
-    llama.cpp) and the read bandwidth, read once a round."""
+def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds: int
+               ) -> tuple[dict[str, dict], list[float]]:
+    """Per system: its facts, its best rates, every round's rates and (nanoqwen) the sorted per-round ratios
+    against its llama.cpp pair; and the read bandwidth (GB/s), read once a round."""
     rates = {name: {"prefill_tok_s": [], "decode_b1_tok_s": []} for name in children}
     ours = [name for _, name in pairs if name in children]
     bandwidth = []
@@ -224,18 +225,16 @@ def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds:
         if llama in children and ours in children:
             results[ours]["paired"] = {k: sorted(a / b for a, b in zip(rates[ours][k], rates[llama][k], strict=True))
                                        for k in ("prefill_tok_s", "decode_b1_tok_s")}
-    results["read_gb_s"] = max(bandwidth)
-    results["read_gb_s_range"] = (min(bandwidth), max(bandwidth))
-    return results
+    return results, bandwidth
 
 
-def table(results: dict, ceil: dict, rounds: int) -> str:
+def table(results: dict[str, dict], bandwidth: list[float], ceil: dict, rounds: int) -> str:
     matmul = max(ceil["bf16_tflop_s"], ceil.get("f32_tflop_s", 0.0)) * 1e12
     ours = results["nanoqwen"]
     flops_per_token = 2 * ours["layer_params"]
 
     def decode_bound(r: dict) -> float:  # every matrix read once a step (llama.cpp: the whole file)
-        return results["read_gb_s"] * 1e9 / r.get("decode_read_bytes", r.get("file_bytes"))
+        return max(bandwidth) * 1e9 / r.get("decode_read_bytes", r.get("file_bytes"))
 
     rows = [("16-bit", "llama.cpp bf16", "llama-bf16", "nanoqwen bf16", "nanoqwen"),
             ("8-bit", "llama.cpp q8_0", "llama-q8_0", "nanoqwen int8", "nanoqwen-int8"),
@@ -257,11 +256,11 @@ def table(results: dict, ceil: dict, rounds: int) -> str:
             lines.append(f"| {bits} | {label} | {r['prefill_tok_s']:.1f} | {ratio['prefill_tok_s']} | "
                          f"{r['prefill_tok_s'] * flops_per_token / matmul:.0%} | {r['decode_b1_tok_s']:.1f} | "
                          f"{ratio['decode_b1_tok_s']} | {r['decode_b1_tok_s'] / bound:.0%} ({bound:.1f}) |")
-    low, high = results["read_gb_s_range"]
     lines += ["", f"Each system's figure is its best of {rounds} rounds; each \"/ llama.cpp\" is the median of the "
               f"rounds' ratios, each of two timings taken back to back (the rounds' ratios ranged: "
               f"{', '.join(spreads)}, in table order). Bounds measured in the same run: read bandwidth (sum of "
-              f"1 GiB, once a round) {low:.1f}–{high:.1f} GB/s, the decode bounds use the highest; matmul "
+              f"1 GiB, once a round) {min(bandwidth):.1f}–{max(bandwidth):.1f} GB/s, the decode bounds use the "
+              f"highest; matmul "
               f"{ceil['bf16_tflop_s'] * 1e3:.0f} GFLOP/s in bf16, {ceil.get('f32_tflop_s', 0) * 1e3:.0f} in "
               f"float32 (prefill's bound: the faster, over {flops_per_token / 1e9:.2f} GFLOP a token); decode: the "
               "read bandwidth over the bytes a step reads (nanoqwen: every projection and the LM head; "
@@ -314,7 +313,7 @@ def main() -> None:
                     print(e, file=sys.stderr)
         if "nanoqwen" not in children:
             sys.exit("no table: nanoqwen failed to load")
-        results = run_rounds(children, pairs, args.rounds)
+        results, bandwidth = run_rounds(children, pairs, args.rounds)
     finally:
         for c in children.values():
             c.close()
@@ -326,7 +325,7 @@ def main() -> None:
             f"converted to GGUF bf16 and quantised to q8_0 / q4_0; nanoqwen int8 and int4 are made at load "
             f"from the same bf16 checkpoint. {os.cpu_count()} threads for both; all six loaded at once, each in "
             f"its own process, and timed in rounds (the script's docstring).\n\n"
-            f"{bench_model.machine_line('cpu')}\n\n" + table(results, ceil, args.rounds))
+            f"{bench_model.machine_line('cpu')}\n\n" + table(results, bandwidth, ceil, args.rounds))
     print(body)
     if args.write:
         # a llama.cpp built without AVX-512 (an AVX2-only build, for a like-for-like AVX2 comparison) gets its
