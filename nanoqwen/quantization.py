@@ -75,7 +75,7 @@ Two nibbles per byte: `weight` is uint8 [out, in/2]; in group g (G/2 bytes) byte
 in its low and element j + G/2 in its high nibble, so a kernel turns 8 bytes into 16 weights with an
 AND and a shift (nanoqwen/ops/csrc/cpu_gemv.cpp). Bytes read per weight: 0.5 + 4 / G (4.5 bits at G
 = 64, as llama.cpp's q4_0). The group size was chosen by measured quality and speed
-(BENCHMARKS.md). Kernels: up to GEMV_MAX_ROWS bf16 rows on a CPU with AVX2, nanoqwen's own
+(BENCHMARKS.md). Kernels: for bf16 rows on a CPU with AVX2 (up to 8, decode), nanoqwen's own
 `int4_gemv` (whatever the matmul path: torch's int4 CPU kernel reads far below the bandwidth),
 which quantises the activations to int8 in blocks of G (one float32 scale each, as llama.cpp's
 q8_0 does in blocks of 32 for its q4_0 products) so that each group's dot product is an integer
@@ -83,10 +83,13 @@ one: decode rows compute x' @ W4.T with x' = x rounded to that grid (ops/cpu_gem
 int4_gemv_reference; its added error is small beside the weights', tests/test_int4.py; blocks of
 32 measured 1.7e-4 of KL against unquantised activations, blocks of 64 2.0e-4 and a faster
 kernel, BENCHMARKS.md);
-otherwise (prefill, other dtypes, other devices) the weights are unpacked block by block to float32
-(`int4_unpack`, or the plain-torch `dequantize_int4` without the kernels) and multiplied there on
-a CPU whose bf16 matmuls are slow; where they are fast (native bf16) and on a GPU, W4 is rounded to
-the activation dtype and multiplied in it (as the bf16 model's own matmuls are).
+more bf16 rows (prefill) take the same kernel's small GEMM (`int4_gemm`: the same function, the
+weights unpacked 16 rows at a time into a buffer for the integer dot products), so a prompt and a
+decode step compute alike. Otherwise (other dtypes, other devices, no compiler) the weights are
+unpacked block by block to float32 (`int4_unpack`, or the plain-torch `dequantize_int4` without the
+kernels) and multiplied there on a CPU whose bf16 matmuls are slow; where they are fast (native
+bf16) and on a GPU, W4 is rounded to the activation dtype and multiplied in it (as the bf16 model's
+own matmuls are).
 """
 
 from __future__ import annotations
@@ -363,10 +366,10 @@ class Int4Experts(Experts):
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 offset: torch.Tensor) -> torch.Tensor:
-    """x @ W4.T: nanoqwen's int4 kernel for a few bf16 rows on CPU, else W4 unpacked block by
-    block (module docstring)."""
+    """x @ W4.T: nanoqwen's int4 kernel for bf16 rows on CPU (any number), else W4 unpacked block
+    by block (module docstring)."""
     if (x.device.type == "cpu" and x.dtype == scale.dtype == torch.bfloat16
-            and x.numel() <= cpu.GEMV_MAX_ROWS * x.shape[-1] and int4_kernels() is not None):
+            and int4_kernels() is not None):
         return int4_kernels().int4_gemv(x, packed, scale, offset)
     return int4_dequantized_linear(x, packed, scale, offset)
 

@@ -209,10 +209,10 @@ def make_int4(m: int, k: int, n: int, group: int, seed: int = 0):
     return x, *quantize_int4(w, group)
 
 
-def check_int4(kernels, x, packed, scale, offset) -> torch.Tensor:
+def check_int4(kernels, x, packed, scale, offset, kernel: str = "int4_gemv") -> torch.Tensor:
     from nanoqwen.quantization import dequantize_int4
 
-    got = kernels.int4_gemv(x, packed, scale, offset)
+    got = getattr(kernels, kernel)(x, packed, scale, offset)
     magnitude = x.float().abs() @ dequantize_int4(packed, scale, offset).abs().T
     assert_within_one_ulp(got, kernels.int4_gemv_reference(x, packed, scale, offset), magnitude)
     return got
@@ -223,6 +223,25 @@ def check_int4(kernels, x, packed, scale, offset) -> torch.Tensor:
 @pytest.mark.parametrize("m", MS + (9,))
 def test_int4_gemv_matches_reference(kernels, m, k, group, n):
     check_int4(kernels, *make_int4(m, k, n, group))
+
+
+@pytest.mark.parametrize("n", (1, 15, 16, 17, 40))  # panels of 16 weight rows: less than one, one, a part
+@pytest.mark.parametrize("k, group", [(16, 16), (96, 32), (1024 + 64, 64), (256, 128)])
+@pytest.mark.parametrize("m", (1, 3, 4, 5, 8, 9, 70))  # tiles of 4 rows of x, and the rows left over
+def test_int4_gemm_panels_match_reference(kernels, m, k, group, n):
+    check_int4(kernels, *make_int4(m, k, n, group), kernel="int4_gemm")
+
+
+def test_int4_gemv_takes_the_panels_above_8_rows(kernels):
+    """int4_gemv streams the weights for up to 8 rows and computes more through int4_gemm's panels; the two
+    paths add in different orders (so they differ somewhere in a big enough product)."""
+    x, packed, scale, offset = make_int4(77, 1024, 300, 64)
+    assert torch.equal(kernels.int4_gemv(x, packed, scale, offset), kernels.int4_gemm(x, packed, scale, offset))
+    assert torch.equal(kernels.int4_gemv(x[:9], packed, scale, offset), kernels.int4_gemm(x[:9], packed, scale, offset))
+    eight = (kernels.int4_gemv(x[:8], packed, scale, offset), kernels.int4_gemm(x[:8], packed, scale, offset))
+    assert not torch.equal(*eight)
+    y = kernels.int4_gemm(x[:10].reshape(2, 5, 1024), packed, scale, offset)
+    assert y.shape == (2, 5, 300) and torch.equal(y.view(10, 300), kernels.int4_gemm(x[:10], packed, scale, offset))
 
 
 def test_int4_gemv_threads_leading_dims_and_unpacking(kernels):
@@ -240,7 +259,8 @@ def test_int4_gemv_threads_leading_dims_and_unpacking(kernels):
         kernels.int4_unpack(packed, scale, offset, torch.float16)
 
 
-def test_int4_gemv_quantises_x_to_int8_in_blocks_of_the_group_size(kernels):
+@pytest.mark.parametrize("kernel", ["int4_gemv", "int4_gemm"])
+def test_int4_gemv_quantises_x_to_int8_in_blocks_of_the_group_size(kernels, kernel):
     """An outlier of 127 sets its block's scale to 1: the block's small values round to 0 and no longer
     count, while the next block (its own scale) keeps its small values."""
     x, packed, scale, offset = make_int4(1, 128, 5, 64)
@@ -252,9 +272,10 @@ def test_int4_gemv_quantises_x_to_int8_in_blocks_of_the_group_size(kernels):
     with_small[0, 64:] = small  # a block of its own: kept
     only_second = x.clone()
     only_second[0, 64:] = small
-    got = check_int4(kernels, with_small, packed, scale, offset)
-    assert torch.equal(got, kernels.int4_gemv(only_second, packed, scale, offset))
-    assert not torch.equal(got, kernels.int4_gemv(x, packed, scale, offset))
+    got = check_int4(kernels, with_small, packed, scale, offset, kernel)
+    product = getattr(kernels, kernel)
+    assert torch.equal(got, product(only_second, packed, scale, offset))
+    assert not torch.equal(got, product(x, packed, scale, offset))
     x_read = cpu_gemv.quantize_activations(with_small, 64)
     assert torch.equal(x_read[0, :64], x[0, :64].float())
     assert (x_read[0, 64:] - small.float()).abs().max() <= small.float().max() / 127 / 2 + 1e-6  # half a step
@@ -262,7 +283,8 @@ def test_int4_gemv_quantises_x_to_int8_in_blocks_of_the_group_size(kernels):
 
 def test_int4_gemv_without_vnni_matches_reference(tmp_path):
     """With the CPU limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) the kernels are built without AVX-512 VNNI
-    (maddubs instead of vpdpbusd), as on an AVX2-only CPU; the same reference holds."""
+    (maddubs instead of vpdpbusd), as on an AVX2-only CPU; the same reference holds, for the streaming
+    passes and the panels."""
     import os
     import subprocess
     import sys
@@ -277,6 +299,7 @@ def test_int4_gemv_without_vnni_matches_reference(tmp_path):
         "assert k.bf16_dot_instructions() == 'AVX2 FMA', k.compile_flags()\n"
         "for m, kk, group, n in [(1, 1024 + 64, 64, 257), (3, 256, 128, 3), (5, 96, 32, 7), (9, 1024, 64, 65)]:\n"
         "    check_int4(k, *make_int4(m, kk, n, group))\n"
+        "    check_int4(k, *make_int4(m + 4, kk, n, group), kernel='int4_gemm')\n"
         "print('ok')\n")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

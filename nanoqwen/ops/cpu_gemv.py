@@ -20,6 +20,12 @@ AVX-512 VNNI's vpdpbusd where the CPU has it), scaled in float32 once per group;
 `int4_gemv_reference` (x quantised the same way) up to the order of float32 additions. Widening each nibble
 to float32 for an FMA, as it did before, kept it compute-bound at well under the read bandwidth.
 
+For more than 8 rows (a prompt, a large batch) `int4_gemv` computes the same function as a small GEMM,
+`int4_gemm`: the weights are unpacked 16 rows at a time into a panel laid out for the integer dot product
+(each vector lane an output column), and every row of x runs over the panel in register tiles of 4 rows. The
+integer products run at twice the rate of bf16 ones (VNNI) or float32 FMAs (AVX2 maddubs), so a 4-bit
+prompt runs faster than the bf16 model's (BENCHMARKS.md), with the same numerics as a 4-bit decode step.
+
 The extension is compiled on first use with torch.utils.cpp_extension (a C++ compiler is needed; the build
 is cached in torch's extensions folder under a name that hashes the source and flags, so an edit rebuilds).
 The decode-step kernels (`rms_norm`, `apply_rope`, `swiglu`, `paged_decode_attention`) exist because a
@@ -33,8 +39,8 @@ reference in models/qwen3.py or ops/paged_attention.py computes, rounding where 
 are loaded), where the CPU lacks AVX2/FMA, or where the build fails (one warning with the reason, then False
 for the rest of the process).
 
-Inputs: x bf16 [..., K] (any leading shape, M = their product; groups of 16 rows (int4: 8) re-read the
-weights, so the kernels are meant for M <= 16), weights bf16 / int8 [N, K], bias / scale bf16 [N], all on the CPU; int4:
+Inputs: x bf16 [..., K] (any leading shape, M = their product; bf16 and int8: groups of 16 rows re-read the
+weights, so those kernels are meant for M <= 16), weights bf16 / int8 [N, K], bias / scale bf16 [N], all on the CPU; int4:
 packed uint8 [N, K/2], scale and offset bf16 [N, K/G] (the format of nanoqwen/quantization.py, groups of 4
 rows). `int4_unpack` unpacks int4 weights to float32 or bf16 in one pass, for products over many rows.
 Non-contiguous inputs are copied to contiguous ones first (correct, but a copied weight costs an extra pass);
@@ -116,13 +122,26 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """y = x' @ W.T for bf16 x [..., K] and int4 W (packed [N, K/2], scale and offset [N, K/G]); y bf16 [..., N].
     x' is x quantised to int8 in blocks of W's group size (int4_gemv_reference): the dot products are integer
-    ones."""
+    ones. Any number of rows: up to 8 stream the weights (decode), more go through int4_gemm's panels
+    (prefill)."""
     if _ext is None:
         _require()
+    return _int4(_ext.int4_gemv, x, packed, scale, offset)
+
+
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """int4_gemv's product computed on unpacked panels of W (a small GEMM, as int4_gemv computes more than 8
+    rows) whatever the row count: the same function, up to the order of float32 additions."""
+    if _ext is None:
+        _require()
+    return _int4(_ext.int4_gemm, x, packed, scale, offset)
+
+
+def _int4(kernel, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """kernel(x, packed, scale, offset) for x [..., K]: leading dims flattened to rows and restored."""
     if x.dim() == 2:
-        return _ext.int4_gemv(x, packed, scale, offset)
-    y = _ext.int4_gemv(x.reshape(-1, x.shape[-1]), packed, scale, offset)
-    return y.view(*x.shape[:-1], packed.shape[0])
+        return kernel(x, packed, scale, offset)
+    return kernel(x.reshape(-1, x.shape[-1]), packed, scale, offset).view(*x.shape[:-1], packed.shape[0])
 
 
 def int4_unpack(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
