@@ -40,9 +40,9 @@ are loaded), where the CPU lacks AVX2/FMA, or where the build fails (one warning
 for the rest of the process).
 
 Inputs: x bf16 [..., K] (any leading shape, M = their product; bf16 and int8: groups of 16 rows re-read the
-weights, so those kernels are meant for M <= 16), weights bf16 / int8 [N, K], bias / scale bf16 [N], all on the CPU; int4:
-packed uint8 [N, K/2], scale and offset bf16 [N, K/G] (the format of nanoqwen/quantization.py, groups of 4
-rows). `int4_unpack` unpacks int4 weights to float32 or bf16 in one pass, for products over many rows.
+weights, so those kernels are meant for M <= 16), weights bf16 / int8 [N, K], bias / scale bf16 [N], all on
+the CPU; int4: packed uint8 [N, K/2], scale and offset bf16 [N, K/G] (the format of nanoqwen/quantization.py,
+groups of 4 rows). `int4_unpack` unpacks int4 weights to float32 or bf16 in one pass.
 Non-contiguous inputs are copied to contiguous ones first (correct, but a copied weight costs an extra pass);
 other dtypes, devices or shapes raise RuntimeError with a message naming the argument.
 """
