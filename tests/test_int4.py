@@ -316,7 +316,7 @@ def test_cli_generate_with_int4(tiny_bf16_dir):
     assert r.returncode == 0, r.stderr
     assert r.stdout == expected.text + "\n"
     assert "int4 weights" in r.stderr  # the speed line names the weights' format and its kernel
-    assert f"int4 decode rows: int8 activations, {qz.int4_kernels().int4_dot_instructions()}" in r.stderr
+    assert f"int4 rows: int8 activations, {qz.int4_kernels().int4_dot_instructions()}" in r.stderr
 
 
 @pytest.fixture(scope="module")

@@ -144,8 +144,8 @@ class LLMEngine:
         self.kernel_path = select_kernels(self.device, self.dtype, config.enforce_eager)
         kernels = int4_kernels() if self.quantization == "int4" and self.device.type == "cpu" else None
         if kernels is not None:
-            self.kernel_path += (f"; int4 decode rows: int8 activations, "
-                                 f"{kernels.int4_dot_instructions()} integer dot products")
+            self.kernel_path += (f"; int4 rows: int8 activations, {kernels.int4_dot_instructions()} integer dot "
+                                 f"products (up to 8 rows streamed, more on unpacked weight panels)")
         logger.info("kernels: %s", self.kernel_path)
         # The KV pool: as many blocks as the budget holds; it must fit at least one full-length
         # sequence. With tensor parallelism the budget is per rank, and a rank's block holds only
