@@ -86,10 +86,9 @@ kernel, BENCHMARKS.md);
 more bf16 rows (prefill) take the same kernel's small GEMM (`int4_gemm`: the same function, the
 weights unpacked 16 rows at a time into a buffer for the integer dot products), so a prompt and a
 decode step compute alike. Otherwise (other dtypes, other devices, no compiler) the weights are
-unpacked block by block to float32 (`int4_unpack`, or the plain-torch `dequantize_int4` without the
-kernels) and multiplied there on a CPU whose bf16 matmuls are slow; where they are fast (native
-bf16) and on a GPU, W4 is rounded to the activation dtype and multiplied in it (as the bf16 model's
-own matmuls are).
+unpacked block by block to float32 (`dequantize_int4`, plain torch) and multiplied there on a CPU
+whose bf16 matmuls are slow; where they are fast (native bf16) and on a GPU, W4 is rounded to the
+activation dtype and multiplied in it (as the bf16 model's own matmuls are).
 """
 
 from __future__ import annotations
@@ -381,16 +380,10 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     matmuls are slow (the product rounds once), else the activation dtype (W4 rounded to it)."""
     out_features, in_features = packed.shape[0], 2 * packed.shape[1]
     compute = torch.float32 if cpu.upcast_16bit(x) else x.dtype
-    kernels = int4_kernels() if x.device.type == "cpu" and scale.dtype == torch.bfloat16 else None
     xc = x.to(compute)
 
     def product(start: int, end: int) -> torch.Tensor:  # x @ W4[start:end].T, W4 unpacked to the compute dtype
-        if kernels is not None and compute in (torch.float32, torch.bfloat16):
-            # (bf16: rounded in the unpacking pass, not from a float32 copy)
-            w = kernels.int4_unpack(packed[start:end], scale[start:end], offset[start:end], compute)
-        else:
-            w = dequantize_int4(packed[start:end], scale[start:end], offset[start:end]).to(compute)
-        return F.linear(xc, w)
+        return F.linear(xc, dequantize_int4(packed[start:end], scale[start:end], offset[start:end]).to(compute))
 
     step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * xc.element_size()))
     return cpu.linear_in_row_blocks(x, out_features, step, product)

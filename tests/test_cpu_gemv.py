@@ -244,19 +244,11 @@ def test_int4_gemv_takes_the_panels_above_8_rows(kernels):
     assert y.shape == (2, 5, 300) and torch.equal(y.view(10, 300), kernels.int4_gemm(x[:10], packed, scale, offset))
 
 
-def test_int4_gemv_threads_leading_dims_and_unpacking(kernels):
-    from nanoqwen.quantization import dequantize_int4
-
+def test_int4_gemv_threads_and_leading_dims(kernels):
     x, packed, scale, offset = make_int4(3, 1024, 1001, 64)  # split over threads, odd row count
     check_int4(kernels, x, packed, scale, offset)
     y = kernels.int4_gemv(x[:2].reshape(2, 1, 1024), packed, scale, offset)
     assert y.shape == (2, 1, 1001) and torch.equal(y[:, 0], kernels.int4_gemv(x[:2], packed, scale, offset))
-    assert torch.equal(kernels.int4_unpack(packed, scale, offset), dequantize_int4(packed, scale, offset))
-    # bf16: the float32 weights rounded once (as .to(torch.bfloat16) rounds them)
-    want = dequantize_int4(packed, scale, offset).to(torch.bfloat16)
-    assert torch.equal(kernels.int4_unpack(packed, scale, offset, torch.bfloat16), want)
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
-        kernels.int4_unpack(packed, scale, offset, torch.float16)
 
 
 @pytest.mark.parametrize("kernel", ["int4_gemv", "int4_gemm"])
@@ -334,7 +326,7 @@ def test_int4_wrong_inputs_raise(kernels):
     with pytest.raises(RuntimeError, match="K=32"):
         kernels.int4_gemv(x[:, :32], packed, scale, offset)
     with pytest.raises(RuntimeError, match="offset must be bfloat16"):
-        kernels.int4_unpack(packed, scale, offset.float())
+        kernels.int4_gemv(x, packed, scale, offset.float())
 
 
 # ---- the rest of a decode step

@@ -42,7 +42,7 @@ for the rest of the process).
 Inputs: x bf16 [..., K] (any leading shape, M = their product; bf16 and int8: groups of 16 rows re-read the
 weights, so those kernels are meant for M <= 16), weights bf16 / int8 [N, K], bias / scale bf16 [N], all on
 the CPU; int4: packed uint8 [N, K/2], scale and offset bf16 [N, K/G] (the format of nanoqwen/quantization.py,
-groups of 4 rows). `int4_unpack` unpacks int4 weights to float32 or bf16 in one pass.
+groups of 4 rows).
 Non-contiguous inputs are copied to contiguous ones first (correct, but a copied weight costs an extra pass);
 other dtypes, devices or shapes raise RuntimeError with a message naming the argument.
 """
@@ -142,17 +142,6 @@ def _int4(kernel, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, of
     if x.dim() == 2:
         return kernel(x, packed, scale, offset)
     return kernel(x.reshape(-1, x.shape[-1]), packed, scale, offset).view(*x.shape[:-1], packed.shape[0])
-
-
-def int4_unpack(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weights W = offset + scale * q [N, K] of packed int4 rows in float32
-    (quantization.dequantize_int4), or in bf16: those rounded once, in the same pass."""
-    if _ext is None:
-        _require()
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"int4_unpack makes float32 or bfloat16 weights, not {dtype}")
-    return _ext.int4_unpack(packed, scale, offset, dtype == torch.bfloat16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,8 +5,6 @@
 //   int4_gemv(x [M,K] bf16, packed [N,K/2] uint8, scale, offset [N,K/G] bf16) -> y [M,N] bf16,
 //                                  y = x' @ (offset + scale * q).T per group, x' = x quantised to int8 per group (below);
 //                                  any M: above 8 rows a small GEMM on unpacked panels of W (int4_gemm)
-//   int4_unpack(packed, scale, offset, to_bf16) -> w [N,K] float32, or bf16 rounded once (the same weights,
-//                                  for products over many rows)
 //
 // With few rows of x, every weight element is used M times, so the product is bound by how fast the weights
 // stream from memory. The kernels therefore read each weight row exactly once, use it for all M rows of x,
@@ -62,9 +60,6 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 inline uint16_t float_to_bf16(float f) { return at::BFloat16(f).x; }  // round to nearest even
-// One weight to an output element: float as it is, or rounded to bf16 (uint16_t bits).
-inline void store1(float* p, float v) { *p = v; }
-inline void store1(uint16_t* p, float v) { *p = float_to_bf16(v); }
 
 #ifdef NANOQWEN_AVX2
 // 8 bf16 -> 8 float32: zero-extend each 16-bit value to 32 bits, shift it into the upper half.
@@ -95,10 +90,6 @@ inline void store8_bf16(uint16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
-// 8 float32 to p as they are (float) or rounded to bf16 (uint16_t bits).
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(uint16_t* p, __m256 v) { store8_bf16(p, v); }
-
 // The sum of the 8 lanes of v.
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // 4 lanes
@@ -550,7 +541,7 @@ torch::Tensor int8_gemv(const torch::Tensor& x, const torch::Tensor& q, const to
   return gemv<int8_t>(x, q, at::kChar, "q", scale, std::nullopt);
 }
 
-// Checks shared by int4_gemv and int4_unpack; returns G (the group size).
+// Checks of int4_gemv's weights; returns G (the group size).
 int64_t check_int4(const torch::Tensor& packed, const torch::Tensor& scale, const torch::Tensor& offset) {
   TORCH_CHECK(packed.device().is_cpu() && scale.device().is_cpu() && offset.device().is_cpu(),
               "packed, scale and offset must be CPU tensors");
@@ -839,52 +830,6 @@ torch::Tensor int4_gemm(const torch::Tensor& x, const torch::Tensor& packed, con
   const Int4Product p = prepare_int4(x, packed, scale, offset);
   if (p.M > 0 && p.N > 0) int4_panels(p);
   return p.y;
-}
-
-// W = offset + scale * q for packed int4 rows, into out [N, K] of float32 (float) or bf16 (uint16_t): each
-// weight computed in float32 (exactly: a bf16 scale times a 4-bit q fits float32's mantissa) and, for bf16,
-// rounded once.
-template <typename Out>
-void unpack_int4(const uint8_t* wp, const uint16_t* sp, const uint16_t* op, int64_t N, int64_t K, int64_t G,
-                 Out* out) {
-  const int64_t groups = K / G, half = G / 2;
-  at::parallel_for(0, N * groups, std::max<int64_t>(1, 4096 / G), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {  // group i % groups of row i / groups
-      const float s = bf16_to_float(sp[i]), o = bf16_to_float(op[i]);
-      const uint8_t* b = wp + i * half;
-      Out* dst = out + i * G;
-      int64_t j = 0;
-#ifdef NANOQWEN_AVX2
-      const __m256 sv = _mm256_set1_ps(s), ov = _mm256_set1_ps(o);
-      for (; j + 8 <= half; j += 8) {
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + j)));
-        store8(dst + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF))), sv, ov));
-        store8(dst + half + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), sv, ov));
-      }
-#endif
-      for (; j < half; ++j) {
-        store1(dst + j, o + s * float(b[j] & 0xF));
-        store1(dst + half + j, o + s * float(b[j] >> 4));
-      }
-    }
-  });
-}
-
-torch::Tensor int4_unpack(const torch::Tensor& packed_in, const torch::Tensor& scale_in,
-                          const torch::Tensor& offset_in, bool to_bf16) {
-  const int64_t G = check_int4(packed_in, scale_in, offset_in);
-  const at::ScalarType dtype = to_bf16 ? at::kBFloat16 : at::kFloat;
-  torch::Tensor packed = packed_in.contiguous(), scale = scale_in.contiguous(), offset = offset_in.contiguous();
-  const int64_t N = packed.size(0), K = 2 * packed.size(1);
-  torch::Tensor w = torch::empty({N, K}, packed.options().dtype(dtype));
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  const uint16_t* op = reinterpret_cast<const uint16_t*>(offset.data_ptr());
-  if (dtype == at::kFloat)
-    unpack_int4(wp, sp, op, N, K, G, w.data_ptr<float>());
-  else
-    unpack_int4(wp, sp, op, N, K, G, reinterpret_cast<uint16_t*>(w.data_ptr()));
-  return w;
 }
 
 // ---- The rest of a decode step: elementwise ops for few rows, and attention over the paged KV cache.
@@ -1295,9 +1240,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, "int4_gemv's product for many rows of x: packed panels, a small GEMM",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
-  m.def("int4_unpack", &int4_unpack, "the weights offset + scale * q of packed int4 rows, float32 or bf16",
-        py::arg("packed"), py::arg("scale"), py::arg("offset"), py::arg("to_bf16"),
-        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "models.qwen3.rms_norm for bf16 rows", py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("apply_rope", &apply_rope, "models.qwen3.apply_rope for bf16 x [N, H, D]", py::arg("x"), py::arg("cos"),
