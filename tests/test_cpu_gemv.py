@@ -357,6 +357,32 @@ def test_rms_norm_rope_and_swiglu_round_where_the_reference_rounds(kernels):
         kernels.apply_rope(x.float(), cos, sin)
 
 
+def test_attention_inputs_match_the_kernels_one_by_one(kernels):
+    """decode_layer's QK-norm + RoPE + KV store in one pass equals rms_norm, apply_rope and index_copy_ called in
+    turn, bit for bit: head widths with and without a scalar tail, scattered slots, GQA."""
+    g = torch.Generator().manual_seed(5)
+    for hq, hkv, d in ((16, 8, 128), (6, 3, 20), (4, 1, 24)):
+        m, blocks, block_size = 3, 5, 4
+        qkv = (3 * torch.randn(m, (hq + 2 * hkv) * d, generator=g)).bfloat16()
+        q_norm, k_norm = (1 + torch.randn(2, d, generator=g) / 4).bfloat16()
+        cos, sin = torch.randn(2, m, d, generator=g).bfloat16()
+        slots = torch.tensor([17, 2, 9])
+        k_cache, v_cache = torch.randn(2, blocks, block_size, hkv, d, generator=g).bfloat16()
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        q_part, k_part, v_part = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+        want_q = kernels.apply_rope(kernels.rms_norm(q_part.reshape(m, hq, d), q_norm, 1e-6), cos, sin)
+        k = kernels.apply_rope(kernels.rms_norm(k_part.reshape(m, hkv, d), k_norm, 1e-6), cos, sin)
+        want_k.view(-1, hkv, d).index_copy_(0, slots, k)
+        want_v.view(-1, hkv, d).index_copy_(0, slots, v_part.reshape(m, hkv, d))
+        q = kernels.attention_inputs(qkv, q_norm, k_norm, 1e-6, hq, cos, sin, k_cache, v_cache, slots)
+        assert torch.equal(q, want_q)
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[1\]=20 is outside the cache \(20 slots\)"):
+        kernels.attention_inputs(qkv, q_norm, k_norm, 1e-6, hq, cos, sin, k_cache, v_cache, torch.tensor([0, 20, 1]))
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        kernels.attention_inputs(qkv, q_norm, k_norm, 1e-6, hq + 1, cos, sin, k_cache, v_cache, slots)
+
+
 def test_paged_decode_attention_matches_reference(kernels):
     from nanoqwen.ops.paged_attention import paged_decode_attention_reference
 
@@ -373,6 +399,30 @@ def test_paged_decode_attention_matches_reference(kernels):
         assert torch.equal(got[3], torch.zeros_like(got[3]))
     with pytest.raises(RuntimeError, match="past its block table"):
         kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens + 17, d**-0.5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_paged_decode_attention_short_spans_for_the_threads(kernels, threads):
+    """One sequence of fewer than 256 positions is cut into as many spans as there are threads (of at least 32
+    positions each), so that every thread works: 100 positions over 4 threads (3 spans of 34), 2 threads (2 of
+    50), 1 thread (one span), and a context too short to cut (40 positions: one span)."""
+    from nanoqwen.ops.paged_attention import paged_decode_attention_reference
+
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, block_size = 16, 8, 128, 16
+    k_cache, v_cache = (3 * torch.randn(2, 8, block_size, hkv, d, generator=g)).bfloat16()
+    tables = torch.tensor([[6, 1, 7, 0, 3, 2, 5]], dtype=torch.int32)
+    q = torch.randn(1, hq, d, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in (100, 40):
+            lens = torch.tensor([n], dtype=torch.int32)
+            got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5)
+            want = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, d**-0.5)
+            torch.testing.assert_close(got, want, atol=4e-3, rtol=8e-3)  # 1 bf16 ulp
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_paged_decode_attention_long_contexts(kernels):

@@ -165,13 +165,24 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return _ext.swiglu(gate_up)
 
 
+def attention_inputs(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, num_heads: int,
+                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> torch.Tensor:
+    """decode_layer's step between qkv_proj and attention, for bf16 qkv [M, (Hq + 2 Hkv) D]: q and k through
+    rms_norm (per head) and apply_rope, k and v stored at slot_mapping in k_cache, v_cache [blocks, block_size,
+    Hkv, D] -> q [M, Hq, D]; the same bits as those kernels and index_copy_."""
+    if _ext is None:
+        _require()
+    return _ext.attention_inputs(qkv, q_norm, k_norm, eps, num_heads, cos, sin, k_cache, v_cache, slot_mapping)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """ops/paged_attention.py's paged_decode_attention_reference for bf16 on CPU, reading the cache
-    blocks in place: threads take spans of up to 256 positions of a sequence, all heads at once (a
-    position's heads lie side by side in the cache), and each sequence's spans are combined as flash
-    decoding combines them."""
+    blocks in place: threads take spans of up to 256 positions of a sequence (shorter, down to 32, while a
+    sequence has fewer spans than threads), all heads at once (a position's heads lie side by side in the
+    cache), and each sequence's spans are combined as flash decoding combines them."""
     if _ext is None:
         _require()
     result = _ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -5,8 +5,9 @@ through nanoqwen's own kernels (ops/cpu_gemv.py): RMSNorm, the projections (bf16
 RoPE, the KV store, paged attention, SwiGLU. Called from Python one by one they leave gaps: about 20 module
 calls a layer, each some microseconds of Python and dispatch, and the kernels' threads fall asleep between
 them (BENCHMARKS.md measures what this buys). `decode_layer` in csrc/cpu_gemv.cpp calls the same kernels in
-the same order as `DecoderLayer.forward` does on this path, so the result is the same bits
-(tests/test_cpu_path.py compares them); only the embedding, the final norm and the LM head stay in Python.
+the same order as `DecoderLayer.forward` does on this path (QK-norm, RoPE and the KV store in one pass over the
+rows: `attention_inputs`), so the result is the same bits (tests/test_cpu_path.py compares them); only the
+embedding, the final norm and the LM head stay in Python.
 
 Used by ModelRunner for steps of decode rows only (no prompt chunk), up to the gemv kernels' row count
 (cpu.matmul_path().gemv_max_rows), when
@@ -69,7 +70,7 @@ class FusedDecoder:
                 "eps": layer.input_layernorm.eps, "qkv_proj": linear_tensors(attn.qkv_proj),
                 "q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "o_proj": linear_tensors(attn.o_proj),
                 "gate_up_proj": linear_tensors(mlp.gate_up_proj), "down_proj": linear_tensors(mlp.down_proj),
-                "num_heads": attn.num_heads, "num_kv_heads": attn.num_kv_heads}
+                "num_heads": attn.num_heads}
 
     def __call__(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids [B] (one decode token per sequence) -> final hidden states [B, H]: the model's forward."""

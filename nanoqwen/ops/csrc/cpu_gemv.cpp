@@ -936,6 +936,54 @@ void check_bf16(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// One row of rms_norm: y = weight * bf16(x / sqrt(mean(x^2) + eps)), D elements.
+void rms_norm_row(const uint16_t* xr, const uint16_t* wp, int64_t D, float eps, uint16_t* yr) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef NANOQWEN_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= D; i += 8) {
+    const __m256 v = load8_bf16(xr + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < D; ++i) sum += bf16_to_float(xr[i]) * bf16_to_float(xr[i]);
+  const float inv = 1.0f / std::sqrt(sum / float(D) + eps);
+  i = 0;
+#ifdef NANOQWEN_AVX2
+  for (; i + 8 <= D; i += 8)
+    store8_bf16(yr + i, _mm256_mul_ps(load8_bf16(wp + i),
+                                      round_bf16(_mm256_mul_ps(load8_bf16(xr + i), _mm256_set1_ps(inv)))));
+#endif
+  for (; i < D; ++i) yr[i] = float_to_bf16(bf16_to_float(wp[i]) * round_bf16(bf16_to_float(xr[i]) * inv));
+}
+
+// One head of apply_rope: y = x * cos + rotate_half(x) * sin, D elements (each product rounded to bf16, then
+// the sum, as torch computes it in bf16).
+void rope_row(const uint16_t* xr, const uint16_t* c, const uint16_t* s, int64_t D, uint16_t* yr) {
+  const int64_t half = D / 2;
+  // Element i < half pairs with i + half: y[i] = x[i] cos[i] - x[i + half] sin[i],
+  // y[i + half] = x[i + half] cos[i + half] + x[i] sin[i + half].
+  int64_t i = 0;
+#ifdef NANOQWEN_AVX2
+  for (; i + 8 <= half; i += 8) {
+    const __m256 x1 = load8_bf16(xr + i), x2 = load8_bf16(xr + half + i);
+    const __m256 neg_x2 = _mm256_xor_ps(x2, _mm256_set1_ps(-0.0f));
+    store8_bf16(yr + i, _mm256_add_ps(round_bf16(_mm256_mul_ps(x1, load8_bf16(c + i))),
+                                      round_bf16(_mm256_mul_ps(neg_x2, load8_bf16(s + i)))));
+    store8_bf16(yr + half + i, _mm256_add_ps(round_bf16(_mm256_mul_ps(x2, load8_bf16(c + half + i))),
+                                             round_bf16(_mm256_mul_ps(x1, load8_bf16(s + half + i)))));
+  }
+#endif
+  for (; i < half; ++i) {
+    const float x1 = bf16_to_float(xr[i]), x2 = bf16_to_float(xr[half + i]);
+    yr[i] = float_to_bf16(round_bf16(x1 * bf16_to_float(c[i])) + round_bf16(-x2 * bf16_to_float(s[i])));
+    yr[half + i] = float_to_bf16(round_bf16(x2 * bf16_to_float(c[half + i])) +
+                                 round_bf16(x1 * bf16_to_float(s[half + i])));
+  }
+}
+
 // rms_norm: weight * bf16(x / sqrt(mean(x^2) + eps)) over the last dimension D, for x [..., D].
 torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight, double eps) {
   torch::Tensor x = x_in.contiguous();
@@ -946,71 +994,30 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight, d
   torch::Tensor y = torch::empty_like(x);
   const uint16_t *xp = bf16_ptr(x), *wp = bf16_ptr(weight);
   uint16_t* yp = bf16_ptr_mut(y);
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* xr = xp + r * D;
-    uint16_t* yr = yp + r * D;
-    int64_t i = 0;
-    float sum = 0.0f;
-#ifdef NANOQWEN_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= D; i += 8) {
-      const __m256 v = load8_bf16(xr + i);
-      acc = _mm256_fmadd_ps(v, v, acc);
-    }
-    sum = hsum(acc);
-#endif
-    for (; i < D; ++i) sum += bf16_to_float(xr[i]) * bf16_to_float(xr[i]);
-    const float inv = 1.0f / std::sqrt(sum / float(D) + float(eps));
-    i = 0;
-#ifdef NANOQWEN_AVX2
-    for (; i + 8 <= D; i += 8)
-      store8_bf16(yr + i, _mm256_mul_ps(load8_bf16(wp + i),
-                                        round_bf16(_mm256_mul_ps(load8_bf16(xr + i), _mm256_set1_ps(inv)))));
-#endif
-    for (; i < D; ++i) yr[i] = float_to_bf16(bf16_to_float(wp[i]) * round_bf16(bf16_to_float(xr[i]) * inv));
-  }
+  for (int64_t r = 0; r < rows; ++r) rms_norm_row(xp + r * D, wp, D, float(eps), yp + r * D);
   return y;
 }
 
-// apply_rope: x * cos + rotate_half(x) * sin for x [N, H, D], cos/sin [N, D] (each product rounded to bf16,
-// then the sum, as torch computes it in bf16).
-torch::Tensor apply_rope(const torch::Tensor& x_in, const torch::Tensor& cos, const torch::Tensor& sin) {
-  torch::Tensor x = x_in.contiguous();
-  check_bf16(x, "x");
+void check_rope(const torch::Tensor& cos, const torch::Tensor& sin, int64_t N, int64_t D) {
   check_bf16(cos, "cos");
   check_bf16(sin, "sin");
-  TORCH_CHECK(x.dim() == 3, "x must be [N, heads, D], got ", x.sizes());
-  const int64_t N = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0, "head_dim must be even, got ", D);
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == N && cos.size(1) == D,
               "cos and sin must be [", N, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
+}
+
+// apply_rope: x * cos + rotate_half(x) * sin for x [N, H, D], cos/sin [N, D].
+torch::Tensor apply_rope(const torch::Tensor& x_in, const torch::Tensor& cos, const torch::Tensor& sin) {
+  torch::Tensor x = x_in.contiguous();
+  check_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 3, "x must be [N, heads, D], got ", x.sizes());
+  const int64_t N = x.size(0), H = x.size(1), D = x.size(2);
+  check_rope(cos, sin, N, D);
   torch::Tensor y = torch::empty_like(x);
   const uint16_t *xp = bf16_ptr(x), *cp = bf16_ptr(cos), *sp = bf16_ptr(sin);
   uint16_t* yp = bf16_ptr_mut(y);
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t h = 0; h < H; ++h) {
-      const uint16_t *xr = xp + (n * H + h) * D, *c = cp + n * D, *s = sp + n * D;
-      uint16_t* yr = yp + (n * H + h) * D;
-      // Element i < half pairs with i + half: y[i] = x[i] cos[i] - x[i + half] sin[i],
-      // y[i + half] = x[i + half] cos[i + half] + x[i] sin[i + half].
-      int64_t i = 0;
-#ifdef NANOQWEN_AVX2
-      for (; i + 8 <= half; i += 8) {
-        const __m256 x1 = load8_bf16(xr + i), x2 = load8_bf16(xr + half + i);
-        const __m256 neg_x2 = _mm256_xor_ps(x2, _mm256_set1_ps(-0.0f));
-        store8_bf16(yr + i, _mm256_add_ps(round_bf16(_mm256_mul_ps(x1, load8_bf16(c + i))),
-                                          round_bf16(_mm256_mul_ps(neg_x2, load8_bf16(s + i)))));
-        store8_bf16(yr + half + i, _mm256_add_ps(round_bf16(_mm256_mul_ps(x2, load8_bf16(c + half + i))),
-                                                 round_bf16(_mm256_mul_ps(x1, load8_bf16(s + half + i)))));
-      }
-#endif
-      for (; i < half; ++i) {
-        const float x1 = bf16_to_float(xr[i]), x2 = bf16_to_float(xr[half + i]);
-        yr[i] = float_to_bf16(round_bf16(x1 * bf16_to_float(c[i])) + round_bf16(-x2 * bf16_to_float(s[i])));
-        yr[half + i] = float_to_bf16(round_bf16(x2 * bf16_to_float(c[half + i])) +
-                                     round_bf16(x1 * bf16_to_float(s[half + i])));
-      }
-    }
+    for (int64_t h = 0; h < H; ++h) rope_row(xp + (n * H + h) * D, cp + n * D, sp + n * D, D, yp + (n * H + h) * D);
   return y;
 }
 
@@ -1048,14 +1055,16 @@ torch::Tensor swiglu(const torch::Tensor& gate_up_in) {
 // softmax and the weighted sum are float32, the output rounded to bf16 once (as
 // paged_decode_attention_reference). A row with context_len 0 gets zeros.
 //
-// Split-context ("flash decoding"): each row's positions are cut into equal spans of at most kSpan, and a
-// task takes one span of one row for all heads. The cache holds a position's Hkv heads side by side (Hkv * D
+// Split-context ("flash decoding"): each row's positions are cut into equal spans of at most kSpan (and, while
+// a row has fewer spans than its share of the threads, of at least kMinSpan: a 100-token context's attention
+// then runs on both threads of a 2-core CPU, not one), and a task takes one span of one row for all heads. The cache holds a position's Hkv heads side by side (Hkv * D
 // values), so a task reads its span's keys, then its values, as contiguous runs, a few positions at a time,
 // all heads of those before the next: one head at a time over the whole context would read D values every
 // Hkv * D, which waits on memory once the cache is larger than the caches (long contexts). A task leaves, per
 // query head, its span's largest score m, the sum l of exp(s - m) and the sum o of exp(s - m) * v; the spans
 // of a row are then combined: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c.
 constexpr int64_t kSpan = 256;  // positions per task
+constexpr int64_t kMinSpan = 32;  // positions per span at least, when a row's spans are shortened for the threads
 constexpr int64_t kGroup = 16;  // positions per weighted_sum_bf16 call: its sums loaded and stored once per 16
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Tensor& k_cache,
@@ -1080,13 +1089,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Ten
   const int* lens = context_lens.data_ptr<int>();
   // row b: spans of span[b] positions, tasks first_task[b] .. first_task[b + 1] - 1
   std::vector<int64_t> first_task(B + 1, 0), span(B);
+  // (rows of fewer spans than threads get shorter spans, down to kMinSpan positions, so that every thread works)
+  const int64_t threads_per_row = (at::get_num_threads() + B - 1) / B;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 0 && lens[b] <= W * bs, "context_lens[", b, "]=", lens[b], " is past its block table");
     for (int64_t p = 0; p < lens[b]; p += bs) {
       const int64_t block = tables[b * W + p / bs];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", b, "] names block ", block);
     }
-    const int64_t spans = (lens[b] + kSpan - 1) / kSpan;
+    const int64_t spans = std::max((lens[b] + kSpan - 1) / kSpan, std::min(threads_per_row, lens[b] / kMinSpan));
     first_task[b + 1] = first_task[b] + spans;
     span[b] = spans == 0 ? 0 : (lens[b] + spans - 1) / spans;
   }
@@ -1097,9 +1108,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Ten
   std::vector<float> span_o(tasks * Hq * D, 0.0f), span_m(tasks * Hq), span_l(tasks * Hq);
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, span[b]);
-  // Threads only when there is enough to share: waking a sleeping OpenMP thread costs more than a short
-  // context's attention (a thread's share at least 2048 keys of one head).
-  at::parallel_for(0, tasks, std::max<int64_t>(1, 2048 / (longest * Hkv)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(Hq * D), scores(Hq * longest);
     std::vector<const uint16_t*> k_rows(longest), v_rows(longest);  // the span's positions' rows, all heads
     int64_t b = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
@@ -1170,6 +1179,53 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q_in, const torch::Ten
   return out;
 }
 
+// What a decoder layer does between qkv_proj and attention, row by row in one pass (decode_layer's step): q and
+// k through their per-head RMSNorm and RoPE, k and v written to their cache slots. qkv [M, (Hq + 2 Hkv) D]; k_cache,
+// v_cache [blocks, block_size, Hkv, D]; slot_mapping [M] -> q [M, Hq, D]. The same row functions as rms_norm and
+// apply_rope, so the same bits as those kernels and index_copy_ into the cache, without their tensors and calls.
+torch::Tensor attention_inputs(const torch::Tensor& qkv_in, const torch::Tensor& q_norm, const torch::Tensor& k_norm,
+                               double eps, int64_t num_heads, const torch::Tensor& cos, const torch::Tensor& sin,
+                               const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                               const torch::Tensor& slot_mapping_in) {
+  torch::Tensor qkv = qkv_in.contiguous();
+  check_bf16(qkv, "qkv");
+  check_bf16(k_cache, "k_cache");
+  check_bf16(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be [blocks, block_size, Hkv, D], got ", k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t Hq = num_heads, Hkv = k_cache.size(2), D = k_cache.size(3), M = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (Hq + 2 * Hkv) * D, "qkv must be [M, ", (Hq + 2 * Hkv) * D,
+              "] for ", Hq, " query and ", Hkv, " kv heads of ", D, ", got ", qkv.sizes());
+  check_vector(q_norm, "q_norm", D);
+  check_vector(k_norm, "k_norm", D);
+  check_rope(cos, sin, M, D);
+  torch::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == M, "slot_mapping must be [", M, "], got ", slots.sizes());
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = (Hq + 2 * Hkv) * D;
+  torch::Tensor q = torch::empty({M, Hq, D}, qkv.options());
+  const uint16_t *qkv_p = bf16_ptr(qkv), *qn = bf16_ptr(q_norm), *kn = bf16_ptr(k_norm);
+  const uint16_t *cp = bf16_ptr(cos), *sp = bf16_ptr(sin);
+  uint16_t *q_p = bf16_ptr_mut(q), *kp = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
+  uint16_t* vp = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  std::vector<uint16_t> normed(D);  // one head after its RMSNorm, before RoPE
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(slot[m] >= 0 && slot[m] < num_slots, "slot_mapping[", m, "]=", slot[m], " is outside the cache (",
+                num_slots, " slots)");
+    const uint16_t *r = qkv_p + m * row, *c = cp + m * D, *s = sp + m * D;
+    for (int64_t h = 0; h < Hq; ++h) {
+      rms_norm_row(r + h * D, qn, D, float(eps), normed.data());
+      rope_row(normed.data(), c, s, D, q_p + (m * Hq + h) * D);
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      rms_norm_row(r + (Hq + h) * D, kn, D, float(eps), normed.data());
+      rope_row(normed.data(), c, s, D, kp + (slot[m] * Hkv + h) * D);
+    }
+    std::memcpy(vp + slot[m] * Hkv * D, r + (Hq + Hkv) * D, Hkv * D * sizeof(uint16_t));
+  }
+  return q;
+}
+
 // ---- A whole decoder layer for decode rows, in one call (nanoqwen/ops/decode_step.py drives it).
 //
 // The same kernels in the same order as DecoderLayer.forward takes on this path (so the same bits), without
@@ -1188,19 +1244,12 @@ torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& input_no
                            double eps, const std::vector<torch::Tensor>& qkv_proj, const torch::Tensor& q_norm,
                            const torch::Tensor& k_norm, const std::vector<torch::Tensor>& o_proj,
                            const std::vector<torch::Tensor>& gate_up_proj, const std::vector<torch::Tensor>& down_proj,
-                           int64_t num_heads, int64_t num_kv_heads, const torch::Tensor& cos, const torch::Tensor& sin,
+                           int64_t num_heads, const torch::Tensor& cos, const torch::Tensor& sin,
                            const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                            const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
-  const int64_t M = x.size(0), D = k_cache.size(3);
-  const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
+  const int64_t M = x.size(0), D = k_cache.size(3), q_size = num_heads * D;
   torch::Tensor qkv = linear(rms_norm(x, input_norm, eps), qkv_proj);  // [M, q_size + 2 kv_size]
-  torch::Tensor q = rms_norm(qkv.narrow(1, 0, q_size).reshape({M, num_heads, D}), q_norm, eps);
-  torch::Tensor k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({M, num_kv_heads, D}), k_norm, eps);
-  torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).reshape({M, num_kv_heads, D});
-  q = apply_rope(q, cos, sin);
-  k = apply_rope(k, cos, sin);
-  k_cache.view({-1, num_kv_heads, D}).index_copy_(0, slot_mapping, k);
-  v_cache.view({-1, num_kv_heads, D}).index_copy_(0, slot_mapping, v);
+  torch::Tensor q = attention_inputs(qkv, q_norm, k_norm, eps, num_heads, cos, sin, k_cache, v_cache, slot_mapping);
   torch::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0 / std::sqrt(double(D)));
   torch::Tensor h = x + linear(attn.view({M, q_size}), o_proj);
   return h + linear(swiglu(linear(rms_norm(h, post_norm, eps), gate_up_proj)), down_proj);
@@ -1246,13 +1295,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   m.def("swiglu", &swiglu, "models.qwen3.swiglu for bf16 gate_up [N, 2I]", py::arg("gate_up"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("attention_inputs", &attention_inputs, "q, k normed and rotated, k and v stored: decode_layer's step "
+        "between qkv_proj and attention", py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
+        py::arg("num_heads"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"));
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention reading the paged KV cache in place",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("decode_layer", &decode_layer, "one decoder layer for decode rows (see ops/decode_step.py)", py::arg("x"),
         py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_proj"), py::arg("q_norm"),
         py::arg("k_norm"), py::arg("o_proj"), py::arg("gate_up_proj"), py::arg("down_proj"), py::arg("num_heads"),
-        py::arg("num_kv_heads"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
         py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
