@@ -1248,7 +1248,7 @@ torch::Tensor decode_layer(const torch::Tensor& x, const torch::Tensor& input_no
                            const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
                            const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
   const int64_t M = x.size(0), D = k_cache.size(3), q_size = num_heads * D;
-  torch::Tensor qkv = linear(rms_norm(x, input_norm, eps), qkv_proj);  // [M, q_size + 2 kv_size]
+  torch::Tensor qkv = linear(rms_norm(x, input_norm, eps), qkv_proj);  // [M, (Hq + 2 Hkv) D]
   torch::Tensor q = attention_inputs(qkv, q_norm, k_norm, eps, num_heads, cos, sin, k_cache, v_cache, slot_mapping);
   torch::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0 / std::sqrt(double(D)));
   torch::Tensor h = x + linear(attn.view({M, q_size}), o_proj);
@@ -1298,7 +1298,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_inputs", &attention_inputs, "q, k normed and rotated, k and v stored: decode_layer's step "
         "between qkv_proj and attention", py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
         py::arg("num_heads"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("slot_mapping"));
+        py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention reading the paged KV cache in place",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::call_guard<py::gil_scoped_release>());
