@@ -73,6 +73,8 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
     monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "bf16")
     monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
     monkeypatch.setattr(cpu_gemv, "available", lambda: True)
+    # (the extension itself may not be loaded in this process: the reason names its instructions)
+    monkeypatch.setattr(cpu_gemv, "bf16_dot_instructions", lambda: "AVX2 FMA")
     torch_gb_s = (15.0, 15.0, 15.0, 10.0, 8.0)
     calls = []
 
