@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from nanoqwen.sampler import TokenLogprobs, adjust_logits, compute_logprobs, dense_probs
+from nanoqwen.sampler import TokenLogprobs, adjust_logits, argmax, compute_logprobs, dense_probs
 from nanoqwen.sampling_params import SamplingParams
 
 
@@ -53,7 +53,7 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]],
     adjusted = adjust_logits(logits, row_params, [prompt_token_ids[i] for i, _ in rows],
                              [output_token_ids[i] + drafts[i][:j] for i, j in rows],
                              [stop_token_ids[i] for i, _ in rows])
-    argmax = adjusted.argmax(dim=-1).tolist()  # [R]
+    greedy_tokens = argmax(adjusted).tolist()  # [R]
     sampled_rows = [r for r, p in enumerate(row_params) if not p.greedy]
     probs = {}  # row -> p [V], for the rows of sampled (not greedy) requests
     if sampled_rows:
@@ -67,8 +67,8 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]],
         for j in range(len(draft) + 1):
             r = starts[i] + j
             if params[i].greedy:
-                tokens.append(argmax[r])
-                if j == len(draft) or argmax[r] != draft[j]:
+                tokens.append(greedy_tokens[r])
+                if j == len(draft) or greedy_tokens[r] != draft[j]:
                     break
                 continue
             p = probs[r]

@@ -45,6 +45,29 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # [B]; None where the row did not ask for logprobs
 
 
+ARGMAX_BLOCK = 128  # values per block in argmax's CPU path
+
+
+def argmax(values: torch.Tensor) -> torch.Tensor:
+    """values [B, V] -> [B] int64, each row's index of its largest value: torch.argmax's answer
+    (the first index on ties; a NaN counts as the largest), found faster on CPU.
+
+    torch's CPU argmax walks a row one value at a time, while its amax is vectorised (over Qwen3's
+    151,936 logits that is a few % of a decode step, BENCHMARKS.md). So, when V is a multiple of
+    the block: the max of each block of 128 values [B, V/128], the first block holding
+    the row's max (a plain argmax over V/128 values), then the first max inside that block. The
+    first block holding the max holds its first index, so the answer is torch.argmax's
+    (tests/test_sampler.py checks ties, NaN and -inf rows).
+    """
+    rows, vocab = values.shape
+    if not values.is_cpu or vocab % ARGMAX_BLOCK or rows == 0:
+        return values.argmax(dim=-1)
+    blocks = values.reshape(rows, vocab // ARGMAX_BLOCK, ARGMAX_BLOCK)  # [B, V/128, 128]
+    block = blocks.amax(dim=-1).argmax(dim=-1)  # [B]
+    inside = blocks[torch.arange(rows), block].argmax(dim=-1)  # [B]
+    return block * ARGMAX_BLOCK + inside
+
+
 def filter_probs(logits: torch.Tensor,
                  params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities over each row's kept candidates: (probs [B, K], token ids [B, K]).
@@ -173,14 +196,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         logits = apply_bitmasks(logits, bitmasks)
     raw_logits = logits
     logits = adjust_logits(logits, params, prompt_token_ids, output_token_ids, stop_token_ids)
-    tokens = logits.argmax(dim=-1)  # [B]
+    tokens = argmax(logits)  # [B]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         row_params = [params[i] for i in rows]
         probs, token_ids = filter_probs(logits[rows], row_params)  # [R, K], [R, K]
         noise = _noise(probs, token_ids, row_params, [generators[i] for i in rows],
                        logits.shape[1])
-        choice = (probs / noise).argmax(dim=-1, keepdim=True)  # [R, 1]
+        choice = argmax(probs / noise)[:, None]  # [R, 1]
         tokens[rows] = token_ids.gather(1, choice).squeeze(1)
     return SamplerOutput(tokens, compute_logprobs(raw_logits, params, tokens))
 

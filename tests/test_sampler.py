@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from nanoqwen import InvalidRequestError, SamplingParams
-from nanoqwen.sampler import SamplerOutput, apply_penalties, block_stop_tokens, filter_probs, sample
+from nanoqwen.sampler import (
+    ARGMAX_BLOCK,
+    SamplerOutput,
+    apply_penalties,
+    argmax,
+    block_stop_tokens,
+    filter_probs,
+    sample,
+)
 
 # probabilities 0.4, 0.3, 0.15, 0.1, 0.05 over tokens 0..4, in shuffled token order
 PROBS = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])
@@ -78,6 +86,32 @@ def test_top_k_1_equals_greedy_and_temperature_0_is_argmax():
     out = run(logits, params)
     assert out.token_ids.tolist() == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 4  # nobody asked for logprobs
+
+
+def test_blocked_argmax_is_torch_argmax_on_ties_nan_and_inf():
+    """sampler.argmax's CPU path (block maxima, then the first block holding the row's max) gives
+    torch.argmax's index: the first of tied maxima, across and inside blocks, a NaN as the largest,
+    an all -inf row's 0; rows of any length go through it (V a multiple of the block) or not."""
+    vocab = 12 * ARGMAX_BLOCK
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(10, vocab, generator=g)
+    rows[1, [300, 5, 900]] = 50.0  # tied maxima in three blocks: the first index is 5
+    rows[2, [260, 261]] = 50.0  # tied inside one block
+    rows[3, 700], rows[3, 1000] = float("nan"), float("nan")  # the first NaN wins
+    rows[4] = float("-inf")
+    rows[5, 3], rows[5, 1200] = float("inf"), float("inf")
+    rows[6, ARGMAX_BLOCK - 1] = 50.0  # the last value of a block
+    rows[7, -1] = 50.0  # the last value of the row
+    rows[8] = 1.0  # all equal: 0
+    rows[9, 2 * ARGMAX_BLOCK] = rows[9].max()  # ties a value of the row's first max
+    expected = rows.argmax(-1)
+    assert expected[:3].tolist() != [0, 0, 0]  # the cases above are not trivially 0
+    assert torch.equal(argmax(rows), expected)
+    assert torch.equal(argmax(rows[:, ::2]), rows[:, ::2].argmax(-1))  # strided (a copy), V/2 still blocks
+    assert torch.equal(argmax(rows.bfloat16()), rows.bfloat16().argmax(-1))
+    odd = rows[:, :vocab - 1]  # V not a multiple of the block: torch.argmax itself
+    assert torch.equal(argmax(odd), odd.argmax(-1))
+    assert argmax(torch.empty(0, vocab)).shape == (0,)
 
 
 def test_samples_follow_the_distribution():

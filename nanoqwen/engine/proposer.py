@@ -27,7 +27,7 @@ from nanoqwen.engine.model_runner import ModelRunner, StepInput
 from nanoqwen.engine.scheduler import ScheduledSpecDecode
 from nanoqwen.engine.sequence import Sequence
 from nanoqwen.errors import ConfigError
-from nanoqwen.sampler import dense_probs
+from nanoqwen.sampler import argmax, dense_probs
 from nanoqwen.tokenizer import Tokenizer
 
 # a draft catch-up of at most this many tokens runs as decode rows (one per token)
@@ -150,7 +150,7 @@ class DraftModelProposer:
         filters, so its q is close to the target's p."""
         params = seq.sampling_params
         if params.greedy:
-            return int(logits.argmax()), None
+            return int(argmax(logits[None])[0]), None
         q = dense_probs(logits[None], [params])[0]  # [V]
         return int(torch.multinomial(q, 1, generator=seq.generator)), q
 
