@@ -1057,7 +1057,8 @@ torch::Tensor swiglu(const torch::Tensor& gate_up_in) {
 //
 // Split-context ("flash decoding"): each row's positions are cut into equal spans of at most kSpan (and, while
 // a row has fewer spans than its share of the threads, of at least kMinSpan: a 100-token context's attention
-// then runs on both threads of a 2-core CPU, not one), and a task takes one span of one row for all heads. The cache holds a position's Hkv heads side by side (Hkv * D
+// then runs on both threads of a 2-core CPU, not one), and a task takes one span of one row for all heads. The
+// cache holds a position's Hkv heads side by side (Hkv * D
 // values), so a task reads its span's keys, then its values, as contiguous runs, a few positions at a time,
 // all heads of those before the next: one head at a time over the whole context would read D values every
 // Hkv * D, which waits on memory once the cache is larger than the caches (long contexts). A task leaves, per
