@@ -112,12 +112,26 @@ def test_leading_dims(kernels):
     assert torch.equal(y, kernels.int8_gemv(x[:10], q, scale).view(2, 5, 33))
 
 
-def test_multithreaded_split_matches(kernels):
-    # Enough rows that at::parallel_for splits N over threads (a task reads >= 256 KB of weights); an odd
-    # count, so a thread's range does not split evenly into the kernel's three streams.
-    x, w, bias, q, scale = make(2, 1024, 1001)
-    check_bf16(kernels, x, w, bias)
-    check_int8(kernels, x, q, scale)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_multithreaded_split_matches(kernels, threads):
+    # Enough rows that the threads share N (a task reads >= 256 KB of weights: 128 bf16 rows of 1024, 256 int8,
+    # 512 int4): each its own part of the first rows, then chunks of the rest from a shared counter. An odd
+    # count, so neither the parts nor the chunks split evenly into the kernel's streams. Every row must be
+    # computed once, right, and the same way on every call (where the chunks are cut does not depend on
+    # which thread takes them).
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, w, bias, q, scale = make(2, 1024, 2001)
+        y = check_bf16(kernels, x, w, bias)
+        assert all(torch.equal(y, kernels.bf16_gemv(x, w, bias)) for _ in range(5))
+        y = check_int8(kernels, x, q, scale)
+        assert all(torch.equal(y, kernels.int8_gemv(x, q, scale)) for _ in range(5))
+        x, packed, scale, offset = make_int4(2, 1024, 2001, 64)
+        y = check_int4(kernels, x, packed, scale, offset)
+        assert all(torch.equal(y, kernels.int4_gemv(x, packed, scale, offset)) for _ in range(5))
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_non_contiguous_inputs_work(kernels):

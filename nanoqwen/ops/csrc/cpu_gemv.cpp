@@ -15,8 +15,9 @@
 // float32 sums). The results equal the plain-torch references in nanoqwen/ops/cpu_gemv.py up to the order of
 // the float32 additions.
 //
-// Threads split the output rows N into contiguous chunks (at::parallel_for); each thread streams its slice of
-// the weight matrix as three sequential streams (its thirds) for more requests in flight.
+// Threads split the output rows N into contiguous ranges (parallel_rows: most in equal shares, the rest in
+// chunks to whichever thread is free); each thread streams a range of the weight matrix as three sequential
+// streams (its thirds) for more requests in flight.
 //
 // Up to 16 rows of x are handled in one pass over the weights (more rows: passes of 16, each reading the
 // weights again).
@@ -29,6 +30,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -51,6 +53,8 @@ constexpr int kStreams = 3;                  // weight rows read at once (rows()
 constexpr int kGroupRows = 4;                // rows of x per register block (rows() below)
 constexpr int64_t kTaskBytes = 256 << 10;    // weight bytes a parallel task reads at least
 constexpr int kPrefetchBytes = 4096;         // how far ahead of the current weight line to prefetch (tuned)
+constexpr int kOwnSharePercent = 85;         // of a product's rows, split evenly over threads (parallel_rows below)
+constexpr int kChunksPerThread = 4;          // the other rows: this many chunks per thread
 
 // bf16 -> float32: a bf16 is the upper 16 bits of a float32.
 inline float bf16_to_float(uint16_t h) {
@@ -477,6 +481,27 @@ __attribute__((noinline)) void rows_int4(const QuantizedRows& x, const uint8_t* 
   for (int64_t n = begin + R * part; n < end; ++n) run(std::integral_constant<int, 1>{}, &n);
 }
 
+// body(begin, end) over the rows [0, N) on torch's threads: the work of at::parallel_for(0, N, grain, body),
+// shared out so that a thread that streams its weights more slowly in this call does fewer rows. Each thread
+// first takes its own contiguous share of the first kOwnSharePercent of the rows (one sequential stream per
+// thread, no coordination), then the rest in chunks from a shared counter until none is left. Equal static
+// shares made the first thread to finish wait for the other in every product (by 17-25% of its busy time at
+// batch 1: the two threads' read speeds drift apart, BENCHMARKS.md); all-dynamic small chunks cost more in
+// broken streams than they saved. A row's result depends only on where the chunks are cut (fixed for a given
+// N and thread count), not on which thread runs it, so the output is the same from call to call.
+template <typename F>
+void parallel_rows(int64_t N, int64_t grain, const F& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), N / grain);
+  if (threads <= 1) return at::parallel_for(0, N, grain, body);
+  const int64_t own = N * kOwnSharePercent / 100;  // rows [0, own) in equal shares, one per thread
+  const int64_t chunk = std::max<int64_t>(1, (N - own) / (threads * kChunksPerThread));
+  std::atomic<int64_t> next{own};
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {  // one thread each (inline: all of them)
+    for (int64_t t = first; t < last; ++t) body(own * t / threads, own * (t + 1) / threads);
+    for (int64_t b; (b = next.fetch_add(chunk, std::memory_order_relaxed)) < N;) body(b, std::min(N, b + chunk));
+  });
+}
+
 void check_vector(const torch::Tensor& t, const char* name, int64_t N) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
@@ -515,7 +540,7 @@ torch::Tensor gemv(const torch::Tensor& x_in, const torch::Tensor& w_in, at::Sca
   auto passes = [&](const auto* xp) {  // passes of kMaxRows rows of x over the weights
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int m_rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-      at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+      parallel_rows(N, grain, [&](int64_t begin, int64_t end) {
         rows<W>(m_rows, xp + m0 * K, wp, sp, bp, K, N, begin, end, yp + m0 * N);
       });
     }
@@ -596,7 +621,7 @@ void int4_passes(const Int4Product& p) {
     const uint8_t* wp = p.wp();
     const uint16_t *sp = p.sp(), *op = p.op();
     at::BFloat16* yo = p.yp() + m0 * N;
-    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    parallel_rows(N, grain, [&](int64_t begin, int64_t end) {
       switch (m_rows) {
         case 1: return rows_int4<1>(part, wp, sp, op, K, G, N, begin, end, yo);
         case 2: return rows_int4<2>(part, wp, sp, op, K, G, N, begin, end, yo);
