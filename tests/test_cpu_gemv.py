@@ -117,8 +117,8 @@ def test_multithreaded_split_matches(kernels, threads):
     # Enough rows that the threads share N (a task reads >= 256 KB of weights: 128 bf16 rows of 1024, 256 int8,
     # 512 int4): each its own part of the first rows, then chunks of the rest from a shared counter. An odd
     # count, so neither the parts nor the chunks split evenly into the kernel's streams. Every row must be
-    # computed once, right, and the same way on every call (where the chunks are cut does not depend on
-    # which thread takes them).
+    # computed (a skipped chunk leaves torch.empty's garbage), right, and the same way on every call (where
+    # the chunks are cut does not depend on which thread takes them). One thread: at::parallel_for as before.
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
