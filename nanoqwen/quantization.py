@@ -73,7 +73,7 @@ g of row o, with lo, hi its smallest and largest weight,
 
 Two nibbles per byte: `weight` is uint8 [out, in/2]; in group g (G/2 bytes) byte j holds element j
 in its low and element j + G/2 in its high nibble, so a kernel turns 8 bytes into 16 weights with an
-AND and a shift (nanoqwen/ops/csrc/cpu_gemv.cpp). Bytes read per weight: 0.5 + 4 / G (4.5 bits at G
+AND and a shift (nanoqwen/ops/csrc/int4_gemv.cpp). Bytes read per weight: 0.5 + 4 / G (4.5 bits at G
 = 64, as llama.cpp's q4_0). The group size was chosen by measured quality and speed
 (BENCHMARKS.md). Kernels: for bf16 rows on a CPU with AVX2 (up to 8, decode), nanoqwen's own
 `int4_gemv` (whatever the matmul path: torch's int4 CPU kernel reads far below the bandwidth),

@@ -9,9 +9,10 @@ a good kernel reads them at close to the machine's read bandwidth. On CPUs witho
 (`torch.ops.aten._weight_int8pack_mm`) are far from that: they are built for many rows, and for one row they
 spend their time converting and reshuffling rather than reading.
 
-The kernels in csrc/cpu_gemv.cpp do the simple thing, as llama.cpp and vLLM do for this case: each weight row
-is read once, widened to float32 in AVX2 registers, multiplied with all rows of x with FMA into several
-float32 accumulators, and each output is rounded to bf16 once. Threads split the output rows. They compute
+The kernels in csrc/ (gemv.cpp, int4_gemv.cpp, decode_ops.cpp; module.cpp binds them; cpu_kernels.h says
+what each holds) do the simple thing, as llama.cpp and vLLM do for this case: each weight row is read once,
+widened to float32 in AVX2 registers, multiplied with all rows of x with FMA into several float32
+accumulators, and each output is rounded to bf16 once. Threads split the output rows. They compute
 exactly what `bf16_gemv_reference` and `int8_gemv_reference` below compute, up to the order of float32
 additions (tests/test_cpu_gemv.py checks this; bench/bench_gemv.py measures the speed). `int4_gemv` does
 less work per weight, as llama.cpp does for 4-bit weights: x is quantised to int8 once per call, in blocks
@@ -63,7 +64,7 @@ import torch.nn.functional as F
 from nanoqwen.ops.cpu import cpu_name_and_flags
 
 logger = logging.getLogger("nanoqwen")
-SOURCE = Path(__file__).parent / "csrc" / "cpu_gemv.cpp"
+SOURCE_DIR = Path(__file__).parent / "csrc"  # cpu_kernels.h lists what each file holds
 ENV = "NANOQWEN_CPU_GEMV"  # "0" disables the kernels (no build)
 
 _lock = threading.Lock()
@@ -256,13 +257,17 @@ def bf16_dot_instructions() -> str:
 
 def build_digest() -> str:
     """A hash of the kernels' source and compile flags: names the build, and keys the speeds measured with it."""
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_flags()).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(" ".join(compile_flags()).encode())
+    for path in sorted(SOURCE_DIR.glob("*.[ch]*")):  # the .cpp files and the header they share
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _build() -> ModuleType:
     from torch.utils import cpp_extension  # imported here: it pulls in setuptools, needed only to build
 
-    ext = cpp_extension.load(name=f"nanoqwen_cpu_gemv_{build_digest()}", sources=[str(SOURCE)],
+    sources = sorted(str(path) for path in SOURCE_DIR.glob("*.cpp"))
+    ext = cpp_extension.load(name=f"nanoqwen_cpu_gemv_{build_digest()}", sources=sources,
                              extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"], verbose=False)
     if not ext.has_avx2():
         raise RuntimeError("the extension was built without AVX2/FMA")

@@ -4,7 +4,7 @@ On a CPU without fast bf16 (ops/cpu.py), a decode step of a few sequences alread
 through nanoqwen's own kernels (ops/cpu_gemv.py): RMSNorm, the projections (bf16, int8 or int4), QK-norm,
 RoPE, the KV store, paged attention, SwiGLU. Called from Python one by one they leave gaps: about 20 module
 calls a layer, each some microseconds of Python and dispatch, and the kernels' threads fall asleep between
-them (BENCHMARKS.md measures what this buys). `decode_layer` in csrc/cpu_gemv.cpp calls the same kernels in
+them (BENCHMARKS.md measures what this buys). `decode_layer` in csrc/module.cpp calls the same kernels in
 the same order as `DecoderLayer.forward` does on this path (QK-norm, RoPE and the KV store in one pass over the
 rows: `attention_inputs`), so the result is the same bits (tests/test_cpu_path.py compares them); only the
 embedding, the final norm and the LM head stay in Python.

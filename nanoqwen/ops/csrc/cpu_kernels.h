@@ -1,0 +1,154 @@
+// Shared by nanoqwen's CPU kernels (nanoqwen/ops/cpu_gemv.py builds the files beside this one into one
+// extension): the CPU features they are compiled for, bf16 conversions and AVX2 helpers, how a product's rows
+// are shared among threads, and the kernels' entry points, one file each:
+//
+//   gemv.cpp        bf16_gemv, int8_gemv: y = x @ w.T for few rows of x, streaming the weights once
+//   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill)
+//   decode_ops.cpp  rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a decode step's rest
+//   module.cpp      decode_layer (one decoder layer in one call) and the Python bindings
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define NANOQWEN_AVX2 1
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define NANOQWEN_BF16_DOT 1  // vdpbf16ps: 16 bf16 products summed into 8 float32 lanes, one instruction
+#endif
+#endif
+
+namespace nanoqwen {
+
+constexpr int64_t kTaskBytes = 256 << 10;    // weight bytes a parallel task reads at least
+constexpr int kPrefetchBytes = 4096;         // how far ahead of the current weight line to prefetch (tuned)
+constexpr int kOwnSharePercent = 85;         // of a product's rows, split evenly over threads (parallel_rows below)
+constexpr int kChunksPerThread = 4;          // the other rows: this many chunks per thread
+
+// bf16 -> float32: a bf16 is the upper 16 bits of a float32.
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline uint16_t float_to_bf16(float f) { return at::BFloat16(f).x; }  // round to nearest even
+inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+#ifdef NANOQWEN_AVX2
+// 8 bf16 -> 8 float32: zero-extend each 16-bit value to 32 bits, shift it into the upper half.
+inline __m256 load8_bf16(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 int8 -> 8 float32: sign-extend to int32, convert (exact: |q| <= 128).
+inline __m256 load8_int8(const int8_t* p) {
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+inline __m256 load8(const uint16_t* p) { return load8_bf16(p); }
+inline __m256 load8(const int8_t* p) { return load8_int8(p); }
+
+// float32 -> bf16 bits (round to nearest even) in the low half of each int32 lane, as at::BFloat16 rounds
+// finite values.
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+}
+inline __m256 round_bf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+inline void store8_bf16(uint16_t* p, __m256 v) {
+  const __m256i r = bf16_bits(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+// The sum of the 8 lanes of v.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // 4 lanes
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                           // 2 lanes
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));                                            // 1 lane
+  return _mm_cvtss_f32(s);
+}
+
+// The largest of the 8 lanes of v.
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The sum of the 8 int32 lanes of v.
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));  // swap 64-bit halves
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));  // swap 32-bit pairs
+}
+#endif
+
+inline float to_float(uint16_t v) { return bf16_to_float(v); }
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+
+// body(begin, end) over the rows [0, N) on torch's threads: the work of at::parallel_for(0, N, grain, body),
+// shared out so that a thread that streams its weights more slowly in this call does fewer rows. Each thread
+// first takes its own contiguous share of the first kOwnSharePercent of the rows (one sequential stream per
+// thread, no coordination), then the rest in chunks from a shared counter until none is left. Equal static
+// shares made the first thread to finish wait for the other in every product (by 17-25% of its busy time at
+// batch 1: the two threads' read speeds drift apart, BENCHMARKS.md); all-dynamic small chunks cost more in
+// broken streams than they saved. A row's result depends only on where the chunks are cut (fixed for a given
+// N and thread count), not on which thread runs it, so the output is the same from call to call.
+template <typename F>
+inline void parallel_rows(int64_t N, int64_t grain, const F& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), N / grain);
+  if (threads <= 1) return at::parallel_for(0, N, grain, body);
+  const int64_t own = N * kOwnSharePercent / 100;  // rows [0, own) in equal shares, one per thread
+  const int64_t chunk = std::max<int64_t>(1, (N - own) / (threads * kChunksPerThread));
+  std::atomic<int64_t> next{own};
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {  // one thread each (inline: all of them)
+    for (int64_t t = first; t < last; ++t) body(own * t / threads, own * (t + 1) / threads);
+    for (int64_t b; (b = next.fetch_add(chunk, std::memory_order_relaxed)) < N;) body(b, std::min(N, b + chunk));
+  });
+}
+
+inline void check_vector(const at::Tensor& t, const char* name, int64_t N) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == N, name, " must have shape [", N, "], got ", t.sizes());
+}
+
+// ---- The entry points (shapes and what each computes: beside its definition).
+
+// gemv.cpp
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
+// int4_gemv.cpp
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                     const at::Tensor& offset);
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                     const at::Tensor& offset);
+// decode_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor swiglu(const at::Tensor& gate_up);
+at::Tensor attention_inputs(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                            double eps, int64_t num_heads, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slot_mapping);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale);
+
+}  // namespace nanoqwen

@@ -1,0 +1,402 @@
+// The rest of a decode step on the CPU: elementwise ops for few rows, and attention over the paged KV cache.
+//
+// Each replaces several torch ops (each a dispatch, an allocation and a pass over memory) with one, and
+// rounds where the plain-torch reference (nanoqwen/models/qwen3.py) rounds: intermediate bf16 results are
+// rounded to bf16 exactly where torch would round them, the rest is float32.
+
+#include "cpu_kernels.h"
+
+namespace nanoqwen {
+namespace {
+
+inline const uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+inline uint16_t* bf16_ptr_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+#ifdef NANOQWEN_AVX2
+// e^x for 8 floats (Cephes' expf: a degree-5 polynomial after range reduction, within 2 float32 ulps).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// sum_i a[i] * b[i] for float32 a and bf16 b (the positions attention_scores leaves over, fewer than eight).
+inline float dot_bf16(const float* a, const uint16_t* b, int64_t D) {
+  int64_t i = 0;
+  float total = 0.0f;
+#ifdef NANOQWEN_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8_bf16(b + i), acc);
+  total = hsum(acc);
+#endif
+  for (; i < D; ++i) total += a[i] * bf16_to_float(b[i]);
+  return total;
+}
+
+// s[p] = dot(q, k[p] + offset) * scale for the len positions p (float32 q, bf16 key vectors of D elements,
+// offset elements into each position's row): eight positions at a time, each with its own accumulator (eight
+// independent FMA chains, q loaded once for all eight), their lanes then summed by a transpose-add into one
+// vector of eight scores.
+inline void attention_scores(const float* q, const uint16_t* const* k, int64_t offset, int64_t len, int64_t D,
+                             float scale, float* s) {
+  int64_t p = 0;
+#ifdef NANOQWEN_AVX2
+  if (D % 8 == 0)
+    for (; p + 8 <= len; p += 8) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < D; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8_bf16(k[p + j] + offset + i), acc[j]);
+      }
+      // hadd pairs lanes within each 128-bit half: after two rounds, half h of s0123 holds the sums of half h
+      // of acc[0..3] (in that order), likewise s4567; adding the halves gives the eight totals in order.
+      const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+      const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+      const __m256 total = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                         _mm256_permute2f128_ps(s0123, s4567, 0x31));
+      _mm256_storeu_ps(s + p, _mm256_mul_ps(total, _mm256_set1_ps(scale)));
+    }
+#endif
+  for (; p < len; ++p) s[p] = dot_bf16(q, k[p] + offset, D) * scale;
+}
+
+// out[i] += sum_p w[p] * (v[p] + offset)[i] for i < D, the positions p = 0 .. len - 1 added in order (each
+// output element its own chain of FMAs, as a running sum over the positions would give). The sums of 64
+// elements at a time stay in registers while the positions stream by, instead of a load and a store of the
+// sum per position.
+inline void weighted_sum_bf16(const float* w, const uint16_t* const* v, int64_t offset, int64_t len, float* out,
+                              int64_t D) {
+  int64_t i = 0;
+#ifdef NANOQWEN_AVX2
+  for (; i + 64 <= D; i += 64) {
+    __m256 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_loadu_ps(out + i + 8 * u);
+    for (int64_t p = 0; p < len; ++p) {
+      const __m256 wp = _mm256_set1_ps(w[p]);
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(wp, load8_bf16(v[p] + offset + i + 8 * u), acc[u]);
+    }
+    for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + i + 8 * u, acc[u]);
+  }
+  for (; i + 8 <= D; i += 8) {
+    __m256 acc = _mm256_loadu_ps(out + i);
+    for (int64_t p = 0; p < len; ++p)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(w[p]), load8_bf16(v[p] + offset + i), acc);
+    _mm256_storeu_ps(out + i, acc);
+  }
+#endif
+  for (; i < D; ++i) {
+    float acc = out[i];
+    for (int64_t p = 0; p < len; ++p) acc = std::fma(w[p], bf16_to_float(v[p][offset + i]), acc);
+    out[i] = acc;
+  }
+}
+
+void check_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// One row of rms_norm: y = weight * bf16(x / sqrt(mean(x^2) + eps)), D elements.
+void rms_norm_row(const uint16_t* xr, const uint16_t* wp, int64_t D, float eps, uint16_t* yr) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef NANOQWEN_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= D; i += 8) {
+    const __m256 v = load8_bf16(xr + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < D; ++i) sum += bf16_to_float(xr[i]) * bf16_to_float(xr[i]);
+  const float inv = 1.0f / std::sqrt(sum / float(D) + eps);
+  i = 0;
+#ifdef NANOQWEN_AVX2
+  for (; i + 8 <= D; i += 8)
+    store8_bf16(yr + i, _mm256_mul_ps(load8_bf16(wp + i),
+                                      round_bf16(_mm256_mul_ps(load8_bf16(xr + i), _mm256_set1_ps(inv)))));
+#endif
+  for (; i < D; ++i) yr[i] = float_to_bf16(bf16_to_float(wp[i]) * round_bf16(bf16_to_float(xr[i]) * inv));
+}
+
+// One head of apply_rope: y = x * cos + rotate_half(x) * sin, D elements (each product rounded to bf16, then
+// the sum, as torch computes it in bf16).
+void rope_row(const uint16_t* xr, const uint16_t* c, const uint16_t* s, int64_t D, uint16_t* yr) {
+  const int64_t half = D / 2;
+  // Element i < half pairs with i + half: y[i] = x[i] cos[i] - x[i + half] sin[i],
+  // y[i + half] = x[i + half] cos[i + half] + x[i] sin[i + half].
+  int64_t i = 0;
+#ifdef NANOQWEN_AVX2
+  for (; i + 8 <= half; i += 8) {
+    const __m256 x1 = load8_bf16(xr + i), x2 = load8_bf16(xr + half + i);
+    const __m256 neg_x2 = _mm256_xor_ps(x2, _mm256_set1_ps(-0.0f));
+    store8_bf16(yr + i, _mm256_add_ps(round_bf16(_mm256_mul_ps(x1, load8_bf16(c + i))),
+                                      round_bf16(_mm256_mul_ps(neg_x2, load8_bf16(s + i)))));
+    store8_bf16(yr + half + i, _mm256_add_ps(round_bf16(_mm256_mul_ps(x2, load8_bf16(c + half + i))),
+                                             round_bf16(_mm256_mul_ps(x1, load8_bf16(s + half + i)))));
+  }
+#endif
+  for (; i < half; ++i) {
+    const float x1 = bf16_to_float(xr[i]), x2 = bf16_to_float(xr[half + i]);
+    yr[i] = float_to_bf16(round_bf16(x1 * bf16_to_float(c[i])) + round_bf16(-x2 * bf16_to_float(s[i])));
+    yr[half + i] = float_to_bf16(round_bf16(x2 * bf16_to_float(c[half + i])) +
+                                 round_bf16(x1 * bf16_to_float(s[half + i])));
+  }
+}
+
+void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t N, int64_t D) {
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  TORCH_CHECK(D % 2 == 0, "head_dim must be even, got ", D);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == N && cos.size(1) == D,
+              "cos and sin must be [", N, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
+}
+
+}  // namespace
+
+// rms_norm: weight * bf16(x / sqrt(mean(x^2) + eps)) over the last dimension D, for x [..., D].
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  at::Tensor x = x_in.contiguous();
+  check_bf16(x, "x");
+  check_bf16(weight, "weight");
+  const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D, "weight must have shape [", D, "], got ", weight.sizes());
+  at::Tensor y = at::empty_like(x);
+  const uint16_t *xp = bf16_ptr(x), *wp = bf16_ptr(weight);
+  uint16_t* yp = bf16_ptr_mut(y);
+  for (int64_t r = 0; r < rows; ++r) rms_norm_row(xp + r * D, wp, D, float(eps), yp + r * D);
+  return y;
+}
+
+// apply_rope: x * cos + rotate_half(x) * sin for x [N, H, D], cos/sin [N, D].
+at::Tensor apply_rope(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor x = x_in.contiguous();
+  check_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 3, "x must be [N, heads, D], got ", x.sizes());
+  const int64_t N = x.size(0), H = x.size(1), D = x.size(2);
+  check_rope(cos, sin, N, D);
+  at::Tensor y = at::empty_like(x);
+  const uint16_t *xp = bf16_ptr(x), *cp = bf16_ptr(cos), *sp = bf16_ptr(sin);
+  uint16_t* yp = bf16_ptr_mut(y);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) rope_row(xp + (n * H + h) * D, cp + n * D, sp + n * D, D, yp + (n * H + h) * D);
+  return y;
+}
+
+// swiglu: bf16(silu(gate)) * up for gate_up [N, 2I] (gate, then up) -> [N, I].
+at::Tensor swiglu(const at::Tensor& gate_up_in) {
+  at::Tensor gate_up = gate_up_in.contiguous();
+  check_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [N, 2I], got ", gate_up.sizes());
+  const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
+  at::Tensor y = at::empty({N, I}, gate_up.options());
+  const uint16_t* gp = bf16_ptr(gate_up);
+  uint16_t* yp = bf16_ptr_mut(y);
+  for (int64_t n = 0; n < N; ++n) {
+    const uint16_t *gate = gp + n * 2 * I, *up = gate + I;
+    int64_t i = 0;
+#ifdef NANOQWEN_AVX2
+    for (; i + 8 <= I; i += 8) {
+      const __m256 g = load8_bf16(gate + i);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+      store8_bf16(yp + n * I + i, _mm256_mul_ps(round_bf16(silu), load8_bf16(up + i)));
+    }
+#endif
+    for (; i < I; ++i) {
+      const float g = bf16_to_float(gate[i]), u = bf16_to_float(up[i]);
+      yp[n * I + i] = float_to_bf16(round_bf16(g / (1.0f + std::exp(-g))) * u);
+    }
+  }
+  return y;
+}
+
+// Decode attention over the paged KV cache, in place (no gather): q [B, Hq, D]; k_cache, v_cache
+// [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; context_lens [B] int32 -> [B, Hq, D].
+// Row b's query attends to positions 0 .. context_lens[b] - 1 (position p: slot p % block_size of block
+// block_tables[b, p / block_size]); the G = Hq / Hkv query heads of a kv head share its keys. Scores,
+// softmax and the weighted sum are float32, the output rounded to bf16 once (as
+// paged_decode_attention_reference). A row with context_len 0 gets zeros.
+//
+// Split-context ("flash decoding"): each row's positions are cut into equal spans of at most kSpan (and, while
+// a row has fewer spans than its share of the threads, of at least kMinSpan: a 100-token context's attention
+// then runs on both threads of a 2-core CPU, not one), and a task takes one span of one row for all heads. The
+// cache holds a position's Hkv heads side by side (Hkv * D
+// values), so a task reads its span's keys, then its values, as contiguous runs, a few positions at a time,
+// all heads of those before the next: one head at a time over the whole context would read D values every
+// Hkv * D, which waits on memory once the cache is larger than the caches (long contexts). A task leaves, per
+// query head, its span's largest score m, the sum l of exp(s - m) and the sum o of exp(s - m) * v; the spans
+// of a row are then combined: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c.
+constexpr int64_t kSpan = 256;  // positions per task
+constexpr int64_t kMinSpan = 32;  // positions per span at least, when a row's spans are shortened for the threads
+constexpr int64_t kGroup = 16;  // positions per weighted_sum_bf16 call: its sums loaded and stored once per 16
+
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables_in,
+                                  const at::Tensor& context_lens_in, double scale) {
+  at::Tensor q = q_in.contiguous();
+  check_bf16(q, "q");
+  check_bf16(k_cache, "k_cache");
+  check_bf16(v_cache, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "q must be [B, Hq, D] and k_cache, v_cache [blocks, block_size, Hkv, D]");
+  at::Tensor block_tables = block_tables_in.to(at::kInt).contiguous();
+  at::Tensor context_lens = context_lens_in.to(at::kInt).contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0, "q has ", Hq, " heads of ", D,
+              " but the cache holds ", Hkv, " kv heads of ", k_cache.size(3));
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && context_lens.numel() == B,
+              "block_tables must be [B, W] and context_lens [B] with B=", B);
+  const int64_t G = Hq / Hkv, num_blocks = k_cache.size(0);
+  const int* tables = block_tables.data_ptr<int>();
+  const int* lens = context_lens.data_ptr<int>();
+  // row b: spans of span[b] positions, tasks first_task[b] .. first_task[b + 1] - 1
+  std::vector<int64_t> first_task(B + 1, 0), span(B);
+  // (rows of fewer spans than threads get shorter spans, down to kMinSpan positions, so that every thread works)
+  const int64_t threads_per_row = (at::get_num_threads() + B - 1) / B;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= W * bs, "context_lens[", b, "]=", lens[b], " is past its block table");
+    for (int64_t p = 0; p < lens[b]; p += bs) {
+      const int64_t block = tables[b * W + p / bs];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", b, "] names block ", block);
+    }
+    const int64_t spans = std::max((lens[b] + kSpan - 1) / kSpan, std::min(threads_per_row, lens[b] / kMinSpan));
+    first_task[b + 1] = first_task[b] + spans;
+    span[b] = spans == 0 ? 0 : (lens[b] + spans - 1) / spans;
+  }
+  const int64_t tasks = first_task[B], row = Hkv * D;  // row: one position's values in the cache
+  at::Tensor out = at::empty_like(q);
+  const uint16_t *qp = bf16_ptr(q), *kp = bf16_ptr(k_cache), *vp = bf16_ptr(v_cache);
+  uint16_t* op = bf16_ptr_mut(out);
+  std::vector<float> span_o(tasks * Hq * D, 0.0f), span_m(tasks * Hq), span_l(tasks * Hq);
+  int64_t longest = 1;
+  for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, span[b]);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Hq * D), scores(Hq * longest);
+    std::vector<const uint16_t*> k_rows(longest), v_rows(longest);  // the span's positions' rows, all heads
+    int64_t b = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
+    for (int64_t task = begin; task < end; ++task) {
+      while (task >= first_task[b + 1]) ++b;
+      const int64_t start = (task - first_task[b]) * span[b], len = std::min<int64_t>(span[b], lens[b] - start);
+      for (int64_t i = 0; i < Hq * D; ++i) qf[i] = bf16_to_float(qp[b * Hq * D + i]);
+      for (int64_t j = 0; j < len; ++j) {  // position p: slot p % bs of block block_tables[b, p / bs]
+        const int64_t p = start + j, offset = (tables[b * W + p / bs] * bs + p % bs) * row;
+        k_rows[j] = kp + offset;
+        v_rows[j] = vp + offset;
+      }
+      // scores[hq * longest + j]: query head hq = h * G + g against position start + j (kv head h)
+      for (int64_t j = 0; j < len; j += 8)
+        for (int64_t hq = 0; hq < Hq; ++hq)
+          attention_scores(qf.data() + hq * D, k_rows.data() + j, (hq / G) * D, std::min<int64_t>(8, len - j), D,
+                           float(scale), scores.data() + hq * longest + j);
+      float* m = span_m.data() + task * Hq;
+      float* l = span_l.data() + task * Hq;
+      for (int64_t hq = 0; hq < Hq; ++hq) {  // scores -> exp(s - m), their sum l
+        float* s = scores.data() + hq * longest;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t j = 0; j < len; ++j) mx = std::max(mx, s[j]);
+        int64_t j = 0;
+#ifdef NANOQWEN_AVX2
+        __m256 total = _mm256_setzero_ps();
+        for (; j + 8 <= len; j += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
+          _mm256_storeu_ps(s + j, e);
+          total = _mm256_add_ps(total, e);
+        }
+        sum = hsum(total);
+#endif
+        for (; j < len; ++j) sum += (s[j] = std::exp(s[j] - mx));
+        m[hq] = mx;
+        l[hq] = sum;
+      }
+      float* o = span_o.data() + task * Hq * D;
+      for (int64_t j = 0; j < len; j += kGroup)
+        for (int64_t hq = 0; hq < Hq; ++hq)
+          weighted_sum_bf16(scores.data() + hq * longest + j, v_rows.data() + j, (hq / G) * D,
+                            std::min<int64_t>(kGroup, len - j), o + hq * D, D);
+    }
+  });
+  std::vector<float> total(D), weight(tasks);  // weight[c]: e^(m_c - M) of span c
+  for (int64_t b = 0; b < B; ++b)  // combine each row's spans
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const int64_t first = first_task[b], last = first_task[b + 1];
+      float M = -INFINITY, denominator = 0.0f;
+      for (int64_t c = first; c < last; ++c) M = std::max(M, span_m[c * Hq + hq]);
+      for (int64_t c = first; c < last; ++c) {
+        weight[c] = std::exp(span_m[c * Hq + hq] - M);
+        denominator += weight[c] * span_l[c * Hq + hq];
+      }
+      std::fill(total.begin(), total.end(), 0.0f);
+      for (int64_t c = first; c < last; ++c) {
+        const float w = weight[c] / denominator;
+        const float* o = span_o.data() + (c * Hq + hq) * D;
+        for (int64_t i = 0; i < D; ++i) total[i] += w * o[i];
+      }
+      uint16_t* dst = op + (b * Hq + hq) * D;
+      int64_t i = 0;
+#ifdef NANOQWEN_AVX2
+      for (; i + 8 <= D; i += 8) store8_bf16(dst + i, _mm256_loadu_ps(total.data() + i));
+#endif
+      for (; i < D; ++i) dst[i] = float_to_bf16(total[i]);  // (zeros for a row with nothing to attend to)
+    }
+  return out;
+}
+
+// What a decoder layer does between qkv_proj and attention, row by row in one pass (decode_layer's step): q and
+// k through their per-head RMSNorm and RoPE, k and v written to their cache slots. qkv [M, (Hq + 2 Hkv) D]; k_cache,
+// v_cache [blocks, block_size, Hkv, D]; slot_mapping [M] -> q [M, Hq, D]. The same row functions as rms_norm and
+// apply_rope, so the same bits as those kernels and index_copy_ into the cache, without their tensors and calls.
+at::Tensor attention_inputs(const at::Tensor& qkv_in, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                            double eps, int64_t num_heads, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slot_mapping_in) {
+  at::Tensor qkv = qkv_in.contiguous();
+  check_bf16(qkv, "qkv");
+  check_bf16(k_cache, "k_cache");
+  check_bf16(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be [blocks, block_size, Hkv, D], got ", k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t Hq = num_heads, Hkv = k_cache.size(2), D = k_cache.size(3), M = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (Hq + 2 * Hkv) * D, "qkv must be [M, ", (Hq + 2 * Hkv) * D,
+              "] for ", Hq, " query and ", Hkv, " kv heads of ", D, ", got ", qkv.sizes());
+  check_vector(q_norm, "q_norm", D);
+  check_vector(k_norm, "k_norm", D);
+  check_rope(cos, sin, M, D);
+  at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == M, "slot_mapping must be [", M, "], got ", slots.sizes());
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = (Hq + 2 * Hkv) * D;
+  at::Tensor q = at::empty({M, Hq, D}, qkv.options());
+  const uint16_t *qkv_p = bf16_ptr(qkv), *qn = bf16_ptr(q_norm), *kn = bf16_ptr(k_norm);
+  const uint16_t *cp = bf16_ptr(cos), *sp = bf16_ptr(sin);
+  uint16_t *q_p = bf16_ptr_mut(q), *kp = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
+  uint16_t* vp = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  std::vector<uint16_t> normed(D);  // one head after its RMSNorm, before RoPE
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(slot[m] >= 0 && slot[m] < num_slots, "slot_mapping[", m, "]=", slot[m], " is outside the cache (",
+                num_slots, " slots)");
+    const uint16_t *r = qkv_p + m * row, *c = cp + m * D, *s = sp + m * D;
+    for (int64_t h = 0; h < Hq; ++h) {
+      rms_norm_row(r + h * D, qn, D, float(eps), normed.data());
+      rope_row(normed.data(), c, s, D, q_p + (m * Hq + h) * D);
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      rms_norm_row(r + (Hq + h) * D, kn, D, float(eps), normed.data());
+      rope_row(normed.data(), c, s, D, kp + (slot[m] * Hkv + h) * D);
+    }
+    std::memcpy(vp + slot[m] * Hkv * D, r + (Hq + Hkv) * D, Hkv * D * sizeof(uint16_t));
+  }
+  return q;
+}
+
+}  // namespace nanoqwen

@@ -1,0 +1,100 @@
+// The extension's Python module: the kernels of the files beside this one (cpu_kernels.h lists them), and a
+// whole decoder layer for decode rows in one call (nanoqwen/ops/decode_step.py drives it).
+
+#include <torch/extension.h>
+
+#include "cpu_kernels.h"
+
+namespace nanoqwen {
+namespace {
+
+// The same kernels in the same order as DecoderLayer.forward takes on this path (so the same bits), without
+// a return to Python between them: x + attention(norm(x)), then h + mlp(norm(h)). Each linear is given as
+// its tensors: (w) bf16, (q, scale) int8, (packed, scale, offset) int4.
+at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& t) {
+  switch (t.size()) {
+    case 1: return bf16_gemv(x, t[0], std::nullopt);
+    case 2: return int8_gemv(x, t[0], t[1]);
+    case 3: return int4_gemv(x, t[0], t[1], t[2]);
+    default: TORCH_CHECK(false, "a linear is 1 (bf16), 2 (int8) or 3 (int4) tensors, got ", t.size());
+  }
+}
+
+}  // namespace
+
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
+                        double eps, const std::vector<at::Tensor>& qkv_proj, const at::Tensor& q_norm,
+                        const at::Tensor& k_norm, const std::vector<at::Tensor>& o_proj,
+                        const std::vector<at::Tensor>& gate_up_proj, const std::vector<at::Tensor>& down_proj,
+                        int64_t num_heads, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  const int64_t M = x.size(0), D = k_cache.size(3), q_size = num_heads * D;
+  at::Tensor qkv = linear(rms_norm(x, input_norm, eps), qkv_proj);  // [M, (Hq + 2 Hkv) D]
+  at::Tensor q = attention_inputs(qkv, q_norm, k_norm, eps, num_heads, cos, sin, k_cache, v_cache, slot_mapping);
+  at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0 / std::sqrt(double(D)));
+  at::Tensor h = x + linear(attn.view({M, q_size}), o_proj);
+  return h + linear(swiglu(linear(rms_norm(h, post_norm, eps), gate_up_proj)), down_proj);
+}
+
+bool has_avx2() {
+#ifdef NANOQWEN_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool has_bf16_dot() {
+#ifdef NANOQWEN_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool has_vnni() {
+#if defined(NANOQWEN_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace nanoqwen
+
+// The GIL is released while a kernel runs (it touches no Python objects), as torch's own ops do.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace nanoqwen;
+  m.def("bf16_gemv", &bf16_gemv, "y = x @ w.T + bias for few rows of x (bf16, float32 accumulation)",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemv", &int8_gemv, "y = (x @ q.T) * scale for few rows of x (int8 weights, float32 accumulation)",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("int4_gemv", &int4_gemv, "y = x @ (offset + scale * q).T for few rows of x (group-wise int4 weights)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
+  m.def("int4_gemm", &int4_gemm, "int4_gemv's product for many rows of x: packed panels, a small GEMM",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "models.qwen3.rms_norm for bf16 rows", py::arg("x"), py::arg("weight"),
+        py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("apply_rope", &apply_rope, "models.qwen3.apply_rope for bf16 x [N, H, D]", py::arg("x"), py::arg("cos"),
+        py::arg("sin"), py::call_guard<py::gil_scoped_release>());
+  m.def("swiglu", &swiglu, "models.qwen3.swiglu for bf16 gate_up [N, 2I]", py::arg("gate_up"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attention_inputs", &attention_inputs, "q, k normed and rotated, k and v stored: decode_layer's step "
+        "between qkv_proj and attention", py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
+        py::arg("num_heads"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention reading the paged KV cache in place",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("decode_layer", &decode_layer, "one decoder layer for decode rows (see ops/decode_step.py)", py::arg("x"),
+        py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_proj"), py::arg("q_norm"),
+        py::arg("k_norm"), py::arg("o_proj"), py::arg("gate_up_proj"), py::arg("down_proj"), py::arg("num_heads"),
+        py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
+  m.def("has_vnni", &has_vnni, "whether int4_gemv's integer dot products use AVX-512 VNNI (else AVX2)");
+  m.def("has_bf16_dot", &has_bf16_dot,
+        "whether bf16_gemv and int8_gemv multiply with AVX-512 BF16 dot products (else widened FMAs)");
+}
