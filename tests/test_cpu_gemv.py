@@ -211,6 +211,25 @@ def test_no_avx2_is_a_failure(fresh_state, caplog):
     assert "AVX2" in caplog.text
 
 
+def test_build_name_changes_with_every_source_file(tmp_path, monkeypatch):
+    """The build is named by a hash of the kernels' files (build_digest): an edit to any of them, the shared
+    header too, gives a new name, so a stale build of the old sources is never loaded."""
+    import shutil
+
+    sources = sorted(cpu_gemv.SOURCE_DIR.iterdir())
+    assert {p.suffix for p in sources} == {".cpp", ".h"}
+    for path in sources:
+        shutil.copy(path, tmp_path / path.name)
+    monkeypatch.setattr(cpu_gemv, "SOURCE_DIR", tmp_path)
+    monkeypatch.setattr(cpu_gemv, "compile_flags", lambda: ["-O3"])  # also on CPUs without AVX2
+    names = {cpu_gemv.build_digest()}
+    for path in sources:
+        copy = tmp_path / path.name
+        copy.write_text(copy.read_text() + "\n// edited\n")
+        names.add(cpu_gemv.build_digest())
+    assert len(names) == len(sources) + 1
+
+
 # ---- int4 (the format of nanoqwen/quantization.py)
 
 
