@@ -252,7 +252,9 @@ def check_int4(kernels, x, packed, scale, offset, kernel: str = "int4_gemv") -> 
 
 
 @pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize("k, group", [(16, 16), (96, 32), (1024 + 64, 64), (256, 128), (1024 + 128, 128)])
+# (1024, 64): Qwen3-0.6B's hidden size, whole blocks of 8 groups; (1024 + 64, 64): one group left over
+@pytest.mark.parametrize("k, group", [(16, 16), (96, 32), (1024, 64), (1024 + 64, 64), (256, 128),
+                                      (1024 + 128, 128)])
 @pytest.mark.parametrize("m", MS + (9,))
 def test_int4_gemv_matches_reference(kernels, m, k, group, n):
     check_int4(kernels, *make_int4(m, k, n, group))
