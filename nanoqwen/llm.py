@@ -22,6 +22,9 @@ from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+# A prompt as vLLM's LLM takes it: a string, token ids, or one of its prompt dicts, TextPrompt
+# {"prompt": text} or TokensPrompt {"prompt_token_ids": [ids]}.
+PromptInput = Prompt | dict[str, Any]
 Message = dict[str, Any]
 
 
@@ -61,11 +64,11 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for strings (tokenized as is, no chat template) or token-id lists; outputs keep
-        input order."""
+        """Generate for strings (tokenized as is, no chat template), token-id lists or vLLM's prompt
+        dicts ({"prompt": text}, {"prompt_token_ids": ids}); outputs keep input order."""
         prompts = self._as_list(prompts)
         if not prompts:
             return []
@@ -79,7 +82,7 @@ class LLM:
         token_ids = [self.llm_engine.tokenize(prompt) for prompt in prompts]
         return self._run(prompts, token_ids, params, use_tqdm, "Generating")
 
-    def embed(self, prompts: Prompt | Sequence[Prompt],
+    def embed(self, prompts: PromptInput | Sequence[PromptInput],
               pooling_params: PoolingParams | None = None, *, dimensions: int | None = None,
               prompt_name: str | None = None, prompt: str | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
@@ -119,11 +122,12 @@ class LLM:
                          use_tqdm, "Scoring")
 
     @staticmethod
-    def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
-            return [prompts]
-        return list(prompts)
+    def _as_list(prompts: PromptInput | Sequence[PromptInput]) -> list[Prompt]:
+        """One prompt or a sequence of them, each as a string or a list of token ids."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return [_prompt_value(p) for p in prompts]
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -175,7 +179,7 @@ class LLM:
                         engine.abort_request(request_id)
         return [finished[i] for i in ids]
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None
                ) -> Iterator[tuple[str, RequestOutput]]:
         """Generate for one prompt, yielding (new text, output so far) as tokens arrive.
 
@@ -184,7 +188,7 @@ class LLM:
         """
         engine = self.llm_engine
         request_id = f"llm-{next(self._request_counter)}"
-        engine.add_request(request_id, prompt, sampling_params)
+        engine.add_request(request_id, _prompt_value(prompt), sampling_params)
         printed = 0
         try:
             while True:
@@ -197,3 +201,26 @@ class LLM:
                         return
         finally:
             engine.abort_request(request_id)
+
+
+def _prompt_value(prompt: PromptInput) -> Prompt:
+    """A prompt as a string or a list of token ids; vLLM's prompt dicts are unwrapped, and anything
+    else is an InvalidRequestError that names what was given."""
+    if isinstance(prompt, dict):
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if unknown:
+            raise InvalidRequestError(f"prompt dict key {unknown[0]!r} is not supported: give "
+                                      '{"prompt": text} or {"prompt_token_ids": [ids]}')
+        if "prompt_token_ids" in prompt:  # (before "prompt", as vLLM reads them)
+            prompt = prompt["prompt_token_ids"]
+            if not isinstance(prompt, (list, tuple)):
+                raise InvalidRequestError("prompt_token_ids must be a list of token ids, got "
+                                          f"{type(prompt).__name__}")
+            return list(prompt)
+        if "prompt" not in prompt:
+            raise InvalidRequestError('a prompt dict needs "prompt" (text) or "prompt_token_ids"')
+        prompt = prompt["prompt"]
+    if isinstance(prompt, (str, list)):  # (the engine checks the ids: ints in the vocabulary)
+        return prompt
+    raise InvalidRequestError("a prompt is a string, a list of token ids or a dict with "
+                              f'"prompt" or "prompt_token_ids", got {type(prompt).__name__}')

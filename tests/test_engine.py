@@ -191,3 +191,20 @@ def test_string_prompts_are_tokenized_without_template(llm):
                        use_tqdm=False)[0]
     assert (out.prompt_token_ids == llm.get_tokenizer().encode("Hello world")
             and out.prompt == "Hello world")
+
+
+def test_vllm_prompt_dicts_are_taken_as_vllm_takes_them(llm):
+    """vLLM's TextPrompt {"prompt": text} and TokensPrompt {"prompt_token_ids": ids} give what the text and
+    the ids give, alone or in a list beside plain prompts (a dict is one prompt, not its keys)."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = llm.get_tokenizer().encode("Hello world")
+    plain = llm.generate(["Hello world", ids], params, use_tqdm=False)
+    one = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    mixed = llm.generate([{"prompt": "Hello world"}, {"prompt_token_ids": ids}, ids], params, use_tqdm=False)
+    assert len(one) == 1 and len(mixed) == 3
+    assert one[0].prompt_token_ids == ids and one[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
+    assert [o.prompt_token_ids for o in mixed] == [ids] * 3
+    assert [o.outputs[0].token_ids for o in mixed] == [plain[0].outputs[0].token_ids] * 3
+    assert mixed[0].prompt == "Hello world"
+    streamed = list(llm.stream({"prompt_token_ids": ids}, params))
+    assert streamed[-1][1].outputs[0].token_ids == plain[1].outputs[0].token_ids

@@ -161,3 +161,19 @@ def test_cli_errors_are_one_line_and_nonzero(tiny_dir, tmp_path):
         assert (len(lines) == 1 and lines[0].startswith("nanoqwen: error:")
                 and message in lines[0]), lines
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, "key 'multi_modal_data' is not supported"),
+    ({"text": "Hi"}, "key 'text' is not supported"),
+    ({}, 'needs "prompt"'),
+    ({"prompt_token_ids": "1 2 3"}, "prompt_token_ids must be a list"),
+    ({"prompt_token_ids": [1, 10**9]}, "not in the vocabulary"),
+    (None, "got NoneType"),
+])
+def test_bad_prompts_name_what_was_given(llm, prompt, match):
+    """A prompt that is not a string, token ids or one of vLLM's prompt dicts is one clear error, raised
+    before anything is queued."""
+    with pytest.raises(InvalidRequestError, match=match):
+        llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
