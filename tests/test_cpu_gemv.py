@@ -422,7 +422,8 @@ def test_paged_decode_attention_matches_reference(kernels):
     from nanoqwen.ops.paged_attention import paged_decode_attention_reference
 
     g = torch.Generator().manual_seed(1)
-    for hq, hkv, d in ((16, 8, 128), (4, 1, 24), (6, 3, 20)):  # GQA 2, 4, and a width not a multiple of 8
+    # GQA 2, 4, 3 (query heads in pairs and one alone), 1 (no GQA: each head alone), a width not a multiple of 8
+    for hq, hkv, d in ((16, 8, 128), (4, 1, 24), (6, 2, 32), (4, 4, 16), (6, 3, 20)):
         k_cache, v_cache = torch.randn(2, 20, 4, hkv, d, generator=g).bfloat16()
         q = torch.randn(4, hq, d, generator=g).bfloat16()
         # blocks out of order, a partly filled last block, a row with nothing to attend to (padding)

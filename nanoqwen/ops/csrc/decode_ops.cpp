@@ -41,63 +41,84 @@ inline float dot_bf16(const float* a, const uint16_t* b, int64_t D) {
   return total;
 }
 
-// s[p] = dot(q, k[p] + offset) * scale for the len positions p (float32 q, bf16 key vectors of D elements,
-// offset elements into each position's row): eight positions at a time, each with its own accumulator (eight
-// independent FMA chains, q loaded once for all eight), their lanes then summed by a transpose-add into one
-// vector of eight scores.
+// s[h * s_stride + p] = dot(q + h * D, k[p] + offset) * scale for NH query heads h (float32, consecutive) that
+// share the key vectors (bf16, D elements, offset elements into each position's row), over the len positions p.
+// 8 / NH positions at a time for all NH heads: eight accumulators (eight independent FMA chains), each key vector
+// widened once for the NH heads (GQA: 2 query heads a kv head in Qwen3-0.6B), their lanes then summed by a
+// transpose-add into one vector of the eight scores.
+template <int NH>
 inline void attention_scores(const float* q, const uint16_t* const* k, int64_t offset, int64_t len, int64_t D,
-                             float scale, float* s) {
+                             float scale, float* s, int64_t s_stride) {
   int64_t p = 0;
 #ifdef NANOQWEN_AVX2
+  constexpr int P = 8 / NH;  // positions per block
   if (D % 8 == 0)
-    for (; p + 8 <= len; p += 8) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (; p + P <= len; p += P) {
+      __m256 acc[NH][P];
+      for (int h = 0; h < NH; ++h)
+        for (int j = 0; j < P; ++j) acc[h][j] = _mm256_setzero_ps();
       for (int64_t i = 0; i < D; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8_bf16(k[p + j] + offset + i), acc[j]);
+        for (int j = 0; j < P; ++j) {
+          const __m256 kv = load8_bf16(k[p + j] + offset + i);
+          for (int h = 0; h < NH; ++h) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + i), kv, acc[h][j]);
+        }
       }
       // hadd pairs lanes within each 128-bit half: after two rounds, half h of s0123 holds the sums of half h
-      // of acc[0..3] (in that order), likewise s4567; adding the halves gives the eight totals in order.
-      const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-      const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+      // of acc 0..3 (in that order), likewise s4567; adding the halves gives the eight totals in order.
+      const __m256* a = &acc[0][0];
+      const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
       const __m256 total = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
                                          _mm256_permute2f128_ps(s0123, s4567, 0x31));
-      _mm256_storeu_ps(s + p, _mm256_mul_ps(total, _mm256_set1_ps(scale)));
+      alignas(32) float t[8];
+      _mm256_store_ps(t, _mm256_mul_ps(total, _mm256_set1_ps(scale)));
+      for (int h = 0; h < NH; ++h)
+        for (int j = 0; j < P; ++j) s[h * s_stride + p + j] = t[h * P + j];
     }
 #endif
-  for (; p < len; ++p) s[p] = dot_bf16(q, k[p] + offset, D) * scale;
+  for (; p < len; ++p)
+    for (int h = 0; h < NH; ++h) s[h * s_stride + p] = dot_bf16(q + h * D, k[p] + offset, D) * scale;
 }
 
-// out[i] += sum_p w[p] * (v[p] + offset)[i] for i < D, the positions p = 0 .. len - 1 added in order (each
-// output element its own chain of FMAs, as a running sum over the positions would give). The sums of 64
-// elements at a time stay in registers while the positions stream by, instead of a load and a store of the
-// sum per position.
-inline void weighted_sum_bf16(const float* w, const uint16_t* const* v, int64_t offset, int64_t len, float* out,
-                              int64_t D) {
+// out[h * D + i] += sum_p w[h * w_stride + p] * (v[p] + offset)[i] for i < D and NH query heads h that share the
+// value vectors, the positions p = 0 .. len - 1 added in order (each output element its own chain of FMAs, as a
+// running sum over the positions would give). The sums of 64 / NH elements of each head stay in registers while
+// the positions stream by, each value vector widened once for the NH heads.
+template <int NH>
+inline void weighted_sum_bf16(const float* w, int64_t w_stride, const uint16_t* const* v, int64_t offset,
+                              int64_t len, float* out, int64_t D) {
   int64_t i = 0;
 #ifdef NANOQWEN_AVX2
-  for (; i + 64 <= D; i += 64) {
-    __m256 acc[8];
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_loadu_ps(out + i + 8 * u);
+  constexpr int C = 8 / NH;  // vectors of 8 per head in registers
+  for (; i + 8 * C <= D; i += 8 * C) {
+    __m256 acc[NH][C];
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < C; ++u) acc[h][u] = _mm256_loadu_ps(out + h * D + i + 8 * u);
     for (int64_t p = 0; p < len; ++p) {
-      const __m256 wp = _mm256_set1_ps(w[p]);
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(wp, load8_bf16(v[p] + offset + i + 8 * u), acc[u]);
+      __m256 wp[NH];
+      for (int h = 0; h < NH; ++h) wp[h] = _mm256_set1_ps(w[h * w_stride + p]);
+      for (int u = 0; u < C; ++u) {
+        const __m256 vv = load8_bf16(v[p] + offset + i + 8 * u);
+        for (int h = 0; h < NH; ++h) acc[h][u] = _mm256_fmadd_ps(wp[h], vv, acc[h][u]);
+      }
     }
-    for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + i + 8 * u, acc[u]);
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < C; ++u) _mm256_storeu_ps(out + h * D + i + 8 * u, acc[h][u]);
   }
-  for (; i + 8 <= D; i += 8) {
-    __m256 acc = _mm256_loadu_ps(out + i);
-    for (int64_t p = 0; p < len; ++p)
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(w[p]), load8_bf16(v[p] + offset + i), acc);
-    _mm256_storeu_ps(out + i, acc);
-  }
+  for (; i + 8 <= D; i += 8)
+    for (int h = 0; h < NH; ++h) {
+      __m256 acc = _mm256_loadu_ps(out + h * D + i);
+      for (int64_t p = 0; p < len; ++p)
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(w[h * w_stride + p]), load8_bf16(v[p] + offset + i), acc);
+      _mm256_storeu_ps(out + h * D + i, acc);
+    }
 #endif
-  for (; i < D; ++i) {
-    float acc = out[i];
-    for (int64_t p = 0; p < len; ++p) acc = std::fma(w[p], bf16_to_float(v[p][offset + i]), acc);
-    out[i] = acc;
-  }
+  for (; i < D; ++i)
+    for (int h = 0; h < NH; ++h) {
+      float acc = out[h * D + i];
+      for (int64_t p = 0; p < len; ++p) acc = std::fma(w[h * w_stride + p], bf16_to_float(v[p][offset + i]), acc);
+      out[h * D + i] = acc;
+    }
 }
 
 void check_bf16(const at::Tensor& t, const char* name) {
@@ -294,11 +315,29 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
         k_rows[j] = kp + offset;
         v_rows[j] = vp + offset;
       }
-      // scores[hq * longest + j]: query head hq = h * G + g against position start + j (kv head h)
-      for (int64_t j = 0; j < len; j += 8)
-        for (int64_t hq = 0; hq < Hq; ++hq)
-          attention_scores(qf.data() + hq * D, k_rows.data() + j, (hq / G) * D, std::min<int64_t>(8, len - j), D,
-                           float(scale), scores.data() + hq * longest + j);
+      // The span's position rows from .. to - 1 (all heads of a position: row elements, whole cache lines), asked
+      // for ahead of their use (to L2), so that memory works while the scores and sums of earlier rows are computed.
+      auto prefetch = [&](const std::vector<const uint16_t*>& rows, int64_t from, int64_t to) {
+#ifdef NANOQWEN_AVX2
+        for (int64_t j = from; j < std::min(to, len); ++j)
+          for (int64_t e = 0; e < row; e += 32) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + e), _MM_HINT_T1);
+#endif
+      };
+      // scores[hq * longest + j]: query head hq against position start + j, 8 positions at a time
+      prefetch(k_rows, 0, 8);
+      for (int64_t j = 0; j < len; j += 8) {
+        if (j + 8 < len) prefetch(k_rows, j + 8, j + 16);
+        else prefetch(v_rows, 0, 8);
+        // query heads hq = h * G + g two at a time where two share kv head h (its keys widened once for both)
+        for (int64_t hq = 0, pair; hq < Hq; hq += pair ? 2 : 1) {
+          pair = hq % G + 1 < G;
+          const float* qh = qf.data() + hq * D;
+          float* s = scores.data() + hq * longest + j;
+          const int64_t n = std::min<int64_t>(8, len - j), offset = (hq / G) * D;
+          if (pair) attention_scores<2>(qh, k_rows.data() + j, offset, n, D, float(scale), s, longest);
+          else attention_scores<1>(qh, k_rows.data() + j, offset, n, D, float(scale), s, longest);
+        }
+      }
       float* m = span_m.data() + task * Hq;
       float* l = span_l.data() + task * Hq;
       for (int64_t hq = 0; hq < Hq; ++hq) {  // scores -> exp(s - m), their sum l
@@ -320,35 +359,44 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
         l[hq] = sum;
       }
       float* o = span_o.data() + task * Hq * D;
-      for (int64_t j = 0; j < len; j += kGroup)
-        for (int64_t hq = 0; hq < Hq; ++hq)
-          weighted_sum_bf16(scores.data() + hq * longest + j, v_rows.data() + j, (hq / G) * D,
-                            std::min<int64_t>(kGroup, len - j), o + hq * D, D);
+      for (int64_t j = 0; j < len; j += kGroup) {
+        prefetch(v_rows, j + 8, j + 8 + kGroup);
+        for (int64_t hq = 0, pair; hq < Hq; hq += pair ? 2 : 1) {  // (as above: values widened once for a pair)
+          pair = hq % G + 1 < G;
+          const float* w = scores.data() + hq * longest + j;
+          const int64_t n = std::min<int64_t>(kGroup, len - j), offset = (hq / G) * D;
+          if (pair) weighted_sum_bf16<2>(w, longest, v_rows.data() + j, offset, n, o + hq * D, D);
+          else weighted_sum_bf16<1>(w, longest, v_rows.data() + j, offset, n, o + hq * D, D);
+        }
+      }
     }
   });
-  std::vector<float> total(D), weight(tasks);  // weight[c]: e^(m_c - M) of span c
-  for (int64_t b = 0; b < B; ++b)  // combine each row's spans
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      const int64_t first = first_task[b], last = first_task[b + 1];
-      float M = -INFINITY, denominator = 0.0f;
-      for (int64_t c = first; c < last; ++c) M = std::max(M, span_m[c * Hq + hq]);
-      for (int64_t c = first; c < last; ++c) {
-        weight[c] = std::exp(span_m[c * Hq + hq] - M);
-        denominator += weight[c] * span_l[c * Hq + hq];
-      }
-      std::fill(total.begin(), total.end(), 0.0f);
-      for (int64_t c = first; c < last; ++c) {
-        const float w = weight[c] / denominator;
-        const float* o = span_o.data() + (c * Hq + hq) * D;
-        for (int64_t i = 0; i < D; ++i) total[i] += w * o[i];
-      }
-      uint16_t* dst = op + (b * Hq + hq) * D;
-      int64_t i = 0;
+  std::vector<float> weight(tasks);  // weight[c]: e^(m_c - M) of span c
+  at::parallel_for(0, B, 1, [&](int64_t row_begin, int64_t row_end) {  // combine each row's spans
+    std::vector<float> total(D);
+    for (int64_t b = row_begin; b < row_end; ++b)
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        const int64_t first = first_task[b], last = first_task[b + 1];
+        float M = -INFINITY, denominator = 0.0f;
+        for (int64_t c = first; c < last; ++c) M = std::max(M, span_m[c * Hq + hq]);
+        for (int64_t c = first; c < last; ++c) {
+          weight[c] = std::exp(span_m[c * Hq + hq] - M);
+          denominator += weight[c] * span_l[c * Hq + hq];
+        }
+        std::fill(total.begin(), total.end(), 0.0f);
+        for (int64_t c = first; c < last; ++c) {
+          const float w = weight[c] / denominator;
+          const float* o = span_o.data() + (c * Hq + hq) * D;
+          for (int64_t i = 0; i < D; ++i) total[i] += w * o[i];
+        }
+        uint16_t* dst = op + (b * Hq + hq) * D;
+        int64_t i = 0;
 #ifdef NANOQWEN_AVX2
-      for (; i + 8 <= D; i += 8) store8_bf16(dst + i, _mm256_loadu_ps(total.data() + i));
+        for (; i + 8 <= D; i += 8) store8_bf16(dst + i, _mm256_loadu_ps(total.data() + i));
 #endif
-      for (; i < D; ++i) dst[i] = float_to_bf16(total[i]);  // (zeros for a row with nothing to attend to)
-    }
+        for (; i < D; ++i) dst[i] = float_to_bf16(total[i]);  // (zeros for a row with nothing to attend to)
+      }
+  });
   return out;
 }
 
