@@ -30,7 +30,7 @@ prompt runs faster than the bf16 model's (BENCHMARKS.md), with the same numerics
 The extension is compiled on first use with torch.utils.cpp_extension (a C++ compiler is needed; the build
 is cached in torch's extensions folder under a name that hashes the source and flags, so an edit rebuilds).
 The decode-step kernels (`rms_norm`, `apply_rope`, `swiglu`, `paged_decode_attention`, and `attention_inputs`,
-QK-norm, RoPE and the KV store in one pass for `decode_layer`) exist because a
+QK-norm, RoPE and the KV store in one pass for `decode_layers`) exist because a
 decode step's elementwise work is small: in plain torch each RMSNorm or RoPE is 5-9 ops, each a dispatch and
 an allocation costing microseconds, and attention gathered each sequence's blocks into a new tensor first;
 per step that was more time than the matmuls' of a 4-bit model (BENCHMARKS.md). Each computes what its
@@ -170,7 +170,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def attention_inputs(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, num_heads: int,
                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor) -> torch.Tensor:
-    """decode_layer's step between qkv_proj and attention, for bf16 qkv [M, (Hq + 2 Hkv) D]: q and k through
+    """decode_layers' step between qkv_proj and attention, for bf16 qkv [M, (Hq + 2 Hkv) D]: q and k through
     rms_norm (per head) and apply_rope, k and v stored at slot_mapping in k_cache, v_cache [blocks, block_size,
     Hkv, D] -> q [M, Hq, D]; the same bits as those kernels and index_copy_."""
     if _ext is None:
@@ -191,11 +191,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return result if out is None else out.copy_(result)
 
 
-def decode_layer(x: torch.Tensor, **arguments: object) -> torch.Tensor:
-    """One decoder layer for decode rows x [M, H] bf16 in one call (ops/decode_step.py gives the arguments)."""
-    if _ext is None:
-        _require()
-    return _ext.decode_layer(x, **arguments)
+def decoder_layer_weights(**weights: object) -> object:
+    """A decoder layer's weights gathered for decode_layers (ops/decode_step.py names them): a C++ object that
+    holds the tensors (no copy)."""
+    _require()
+    return _ext.DecoderLayerWeights(**weights)
+
+
+def decode_layers(x: torch.Tensor, layers: list, cos: torch.Tensor, sin: torch.Tensor, k_caches: torch.Tensor,
+                  v_caches: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor) -> torch.Tensor:
+    """The decoder layers (decoder_layer_weights each) for decode rows x [M, H] bf16, one C++ call a step; layer i
+    uses the caches k_caches[i], v_caches[i]."""
+    return _ext.decode_layers(x, layers, cos, sin, k_caches, v_caches, slot_mapping, block_tables, context_lens)
 
 
 def _require() -> None:

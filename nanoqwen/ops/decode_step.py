@@ -1,13 +1,13 @@
-"""The CPU decode step with one C++ call per decoder layer: a fast path beside the model's forward.
+"""The CPU decode step with one C++ call for all decoder layers: a fast path beside the model's forward.
 
 On a CPU without fast bf16 (ops/cpu.py), a decode step of a few sequences already runs every part of a layer
 through nanoqwen's own kernels (ops/cpu_gemv.py): RMSNorm, the projections (bf16, int8 or int4), QK-norm,
 RoPE, the KV store, paged attention, SwiGLU. Called from Python one by one they leave gaps: about 20 module
 calls a layer, each some microseconds of Python and dispatch, and the kernels' threads fall asleep between
-them (BENCHMARKS.md measures what this buys). `decode_layer` in csrc/module.cpp calls the same kernels in
-the same order as `DecoderLayer.forward` does on this path (QK-norm, RoPE and the KV store in one pass over the
-rows: `attention_inputs`), so the result is the same bits (tests/test_cpu_path.py compares them); only the
-embedding, the final norm and the LM head stay in Python.
+them (BENCHMARKS.md measures what this buys). `decode_layers` in csrc/module.cpp calls, layer after layer,
+the same kernels in the same order as `DecoderLayer.forward` does on this path (QK-norm, RoPE and the KV store
+in one pass over the rows: `attention_inputs`), so the result is the same bits (tests/test_cpu_path.py
+compares them); only the embedding, the final norm and the LM head stay in Python.
 
 Used by ModelRunner for steps of decode rows only (no prompt chunk), up to the gemv kernels' row count
 (cpu.matmul_path().gemv_max_rows), when
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 def linear_tensors(linear: Linear) -> list[torch.Tensor]:
-    """What decode_layer takes for a linear: (weight) bf16, (weight, scale) int8, (weight, scale, offset)
+    """What decode_layers takes for a linear: (weight) bf16, (weight, scale) int8, (weight, scale, offset)
     int4."""
     from nanoqwen.quantization import Int4Linear, Int8Linear
 
@@ -43,12 +43,12 @@ def linear_tensors(linear: Linear) -> list[torch.Tensor]:
 
 
 class FusedDecoder:
-    """Runs a model's decode steps through decode_layer; the model's modules keep their tensors (nothing
+    """Runs a model's decode steps through decode_layers; the model's modules keep their tensors (nothing
     copied)."""
 
     def __init__(self, model: Qwen3ForCausalLM) -> None:
         self.model = model
-        self.layers = [self._layer_arguments(layer) for layer in model.layers]
+        self.layers = [cpu_gemv.decoder_layer_weights(**self._layer_weights(layer)) for layer in model.layers]
 
     @staticmethod
     def supports(model: Qwen3ForCausalLM, attention_backend: str | None) -> bool:
@@ -64,7 +64,7 @@ class FusedDecoder:
                 and cpu_gemv.available())
 
     @staticmethod
-    def _layer_arguments(layer: DecoderLayer) -> dict:
+    def _layer_weights(layer: DecoderLayer) -> dict:
         attn, mlp = layer.self_attn, layer.mlp
         return {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
                 "eps": layer.input_layernorm.eps, "qkv_proj": linear_tensors(attn.qkv_proj),
@@ -77,8 +77,6 @@ class FusedDecoder:
         model, paged = self.model, meta.paged_decode
         x = model.embed_tokens(input_ids)
         cos, sin = model.rotary(meta.positions, x.dtype)
-        for i, arguments in enumerate(self.layers):
-            x = cpu_gemv.decode_layer(x, **arguments, cos=cos, sin=sin, k_cache=kv_cache.k[i], v_cache=kv_cache.v[i],
-                                      slot_mapping=meta.slot_mapping, block_tables=paged.block_tables,
-                                      context_lens=paged.context_lens)
+        x = cpu_gemv.decode_layers(x, self.layers, cos, sin, kv_cache.k, kv_cache.v, meta.slot_mapping,
+                                   paged.block_tables, paged.context_lens)
         return model.norm(x)

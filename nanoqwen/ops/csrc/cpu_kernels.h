@@ -5,7 +5,7 @@
 //   gemv.cpp        bf16_gemv, int8_gemv: y = x @ w.T for few rows of x, streaming the weights once
 //   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill)
 //   decode_ops.cpp  rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a decode step's rest
-//   module.cpp      decode_layer (one decoder layer in one call) and the Python bindings
+//   module.cpp      decode_layers (all decoder layers of a decode step in one call) and the Python bindings
 #pragma once
 
 #include <ATen/Parallel.h>

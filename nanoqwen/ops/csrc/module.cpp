@@ -1,16 +1,25 @@
-// The extension's Python module: the kernels of the files beside this one (cpu_kernels.h lists them), and a
-// whole decoder layer for decode rows in one call (nanoqwen/ops/decode_step.py drives it).
+// The extension's Python module: the kernels of the files beside this one (cpu_kernels.h lists them), and all
+// decoder layers of a decode step in one call (nanoqwen/ops/decode_step.py drives it).
 
 #include <torch/extension.h>
 
 #include "cpu_kernels.h"
 
 namespace nanoqwen {
+
+// A decoder layer's weights as decode_layers takes them, gathered once (ops/decode_step.py makes one a layer). Each
+// linear is given as its tensors: (w) bf16, (q, scale) int8, (packed, scale, offset) int4.
+struct DecoderLayerWeights {
+  at::Tensor input_norm, post_norm;
+  double eps;
+  std::vector<at::Tensor> qkv_proj;
+  at::Tensor q_norm, k_norm;
+  std::vector<at::Tensor> o_proj, gate_up_proj, down_proj;
+  int64_t num_heads;
+};
+
 namespace {
 
-// The same kernels in the same order as DecoderLayer.forward takes on this path (so the same bits), without
-// a return to Python between them: x + attention(norm(x)), then h + mlp(norm(h)). Each linear is given as
-// its tensors: (w) bf16, (q, scale) int8, (packed, scale, offset) int4.
 at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& t) {
   switch (t.size()) {
     case 1: return bf16_gemv(x, t[0], std::nullopt);
@@ -20,21 +29,33 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& t) {
   }
 }
 
-}  // namespace
-
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
-                        double eps, const std::vector<at::Tensor>& qkv_proj, const at::Tensor& q_norm,
-                        const at::Tensor& k_norm, const std::vector<at::Tensor>& o_proj,
-                        const std::vector<at::Tensor>& gate_up_proj, const std::vector<at::Tensor>& down_proj,
-                        int64_t num_heads, const at::Tensor& cos, const at::Tensor& sin,
+// The same kernels in the same order as DecoderLayer.forward takes on this path (so the same bits), without
+// a return to Python between them: x + attention(norm(x)), then h + mlp(norm(h)).
+at::Tensor decode_layer(const at::Tensor& x, const DecoderLayerWeights& w, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
                         const at::Tensor& block_tables, const at::Tensor& context_lens) {
-  const int64_t M = x.size(0), D = k_cache.size(3), q_size = num_heads * D;
-  at::Tensor qkv = linear(rms_norm(x, input_norm, eps), qkv_proj);  // [M, (Hq + 2 Hkv) D]
-  at::Tensor q = attention_inputs(qkv, q_norm, k_norm, eps, num_heads, cos, sin, k_cache, v_cache, slot_mapping);
+  const int64_t M = x.size(0), D = k_cache.size(3), q_size = w.num_heads * D;
+  at::Tensor qkv = linear(rms_norm(x, w.input_norm, w.eps), w.qkv_proj);  // [M, (Hq + 2 Hkv) D]
+  at::Tensor q = attention_inputs(qkv, w.q_norm, w.k_norm, w.eps, w.num_heads, cos, sin, k_cache, v_cache, slot_mapping);
   at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0 / std::sqrt(double(D)));
-  at::Tensor h = x + linear(attn.view({M, q_size}), o_proj);
-  return h + linear(swiglu(linear(rms_norm(h, post_norm, eps), gate_up_proj)), down_proj);
+  at::Tensor h = x + linear(attn.view({M, q_size}), w.o_proj);
+  return h + linear(swiglu(linear(rms_norm(h, w.post_norm, w.eps), w.gate_up_proj)), w.down_proj);
+}
+
+}  // namespace
+
+// The decoder layers for decode rows x [M, H] bf16, one call a step: layer i with its weights layers[i] and its
+// caches k_caches[i], v_caches[i] ([layers, blocks, block_size, Hkv, D]), the rest shared by all layers.
+at::Tensor decode_layers(at::Tensor x, const std::vector<const DecoderLayerWeights*>& layers, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& k_caches, const at::Tensor& v_caches,
+                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& context_lens) {
+  TORCH_CHECK(k_caches.dim() == 5 && k_caches.size(0) == int64_t(layers.size()) && v_caches.sizes() == k_caches.sizes(),
+              "k_caches and v_caches must be [", layers.size(), ", blocks, block_size, Hkv, D], got ", k_caches.sizes(),
+              " and ", v_caches.sizes());
+  for (size_t i = 0; i < layers.size(); ++i)
+    x = decode_layer(x, *layers[i], cos, sin, k_caches[i], v_caches[i], slot_mapping, block_tables, context_lens);
+  return x;
 }
 
 bool has_avx2() {
@@ -87,10 +108,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention reading the paged KV cache in place",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::call_guard<py::gil_scoped_release>());
-  m.def("decode_layer", &decode_layer, "one decoder layer for decode rows (see ops/decode_step.py)", py::arg("x"),
-        py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_proj"), py::arg("q_norm"),
-        py::arg("k_norm"), py::arg("o_proj"), py::arg("gate_up_proj"), py::arg("down_proj"), py::arg("num_heads"),
-        py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", "a decoder layer's weights as decode_layers takes them")
+      .def(py::init([](at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<at::Tensor> qkv_proj,
+                       at::Tensor q_norm, at::Tensor k_norm, std::vector<at::Tensor> o_proj,
+                       std::vector<at::Tensor> gate_up_proj, std::vector<at::Tensor> down_proj, int64_t num_heads) {
+             return DecoderLayerWeights{input_norm, post_norm, eps, qkv_proj, q_norm, k_norm, o_proj, gate_up_proj,
+                                        down_proj, num_heads};
+           }),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_proj"), py::arg("q_norm"),
+           py::arg("k_norm"), py::arg("o_proj"), py::arg("gate_up_proj"), py::arg("down_proj"), py::arg("num_heads"));
+  m.def("decode_layers", &decode_layers, "the decoder layers for decode rows, one call a step (see ops/decode_step.py)",
+        py::arg("x"), py::arg("layers"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"),
         py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
         py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
