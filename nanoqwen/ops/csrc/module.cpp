@@ -108,7 +108,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention reading the paged KV cache in place",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::call_guard<py::gil_scoped_release>());
-  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", "a decoder layer's weights as decode_layers takes them")
+  // (module_local: two builds of this extension in one process each keep their own)
+  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", "a decoder layer's weights as decode_layers takes them",
+                                  py::module_local())
       .def(py::init([](at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<at::Tensor> qkv_proj,
                        at::Tensor q_norm, at::Tensor k_norm, std::vector<at::Tensor> o_proj,
                        std::vector<at::Tensor> gate_up_proj, std::vector<at::Tensor> down_proj, int64_t num_heads) {
