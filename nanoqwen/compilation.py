@@ -169,7 +169,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool
         elementwise += " (faster than compiled ones where bf16 matmuls are slow)"
     if path.gemv and dtype == torch.bfloat16:
         elementwise += ("; decode steps: nanoqwen's C++ RMSNorm/RoPE/SwiGLU and paged attention, "
-                        "one call per decoder layer where the model allows")
+                        "all decoder layers in one call where the model allows")
     matmul = path.describe() if dtype != torch.float32 else "float32 matmuls"
     return f"{name} ({cpu.isa_summary(flags)}): {matmul}; {elementwise}"
 

@@ -101,7 +101,7 @@ class ModelRunner:
         # made since the last step, for the other ranks
         self._block_copies: list[tuple[int, int]] = []
         self.graph_runner: CUDAGraphRunner | None = None
-        # CPU decode steps in one C++ call per layer, where the model allows (ops/decode_step.py)
+        # CPU decode steps: all decoder layers in one C++ call, where the model allows (ops/decode_step.py)
         self.fused_decoder = (FusedDecoder(model) if pooler is None and FusedDecoder.supports(
             model, self.attention_backend) else None)
         if use_runner:
