@@ -7,7 +7,7 @@ to torch's ops, one at a time, in one process and one run (nanoqwen/ops/cpu_gemv
 
 Configurations (each a decode step of one sequence after a --prompt-len prompt (32 tokens unless given),
 32 steps, best of --repeats):
-- all own kernels: what the engine chooses on a CPU without fast bf16 (one C++ call per decoder layer,
+- all own kernels: what the engine chooses on a CPU without fast bf16 (all decoder layers in one C++ call,
   ops/decode_step.py);
 - per-module calls: the same kernels called from the model's modules, one by one (NANOQWEN_FUSED_DECODE=0);
 - then, per module, one kind of kernel switched back to torch's: attention (gathers each sequence's blocks
