@@ -251,10 +251,11 @@ at::Tensor swiglu(const at::Tensor& gate_up_in) {
 // Split-context ("flash decoding"): each row's positions are cut into equal spans of at most kSpan (and, while
 // a row has fewer spans than its share of the threads, of at least kMinSpan: a 100-token context's attention
 // then runs on both threads of a 2-core CPU, not one), and a task takes one span of one row for all heads. The
-// cache holds a position's Hkv heads side by side (Hkv * D
-// values), so a task reads its span's keys, then its values, as contiguous runs, a few positions at a time,
-// all heads of those before the next: one head at a time over the whole context would read D values every
-// Hkv * D, which waits on memory once the cache is larger than the caches (long contexts). A task leaves, per
+// cache holds a position's Hkv heads side by side (Hkv * D values), so a task reads its span's keys, then its
+// values, as contiguous runs, a few positions at a time, all heads of those before the next (and the next few
+// positions' rows asked for meanwhile): one head at a time over the whole context would read D values every
+// Hkv * D, which waits on memory once the cache is larger than the caches (long contexts). The query heads of
+// a kv head go in pairs, so that each key and value vector is widened to float32 once for two. A task leaves, per
 // query head, its span's largest score m, the sum l of exp(s - m) and the sum o of exp(s - m) * v; the spans
 // of a row are then combined: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c, M the largest m_c.
 constexpr int64_t kSpan = 256;  // positions per task
