@@ -203,6 +203,8 @@ def decode_layers(x: torch.Tensor, layers: list, cos: torch.Tensor, sin: torch.T
                   context_lens: torch.Tensor) -> torch.Tensor:
     """The decoder layers (decoder_layer_weights each) for decode rows x [M, H] bf16, one C++ call a step; layer i
     uses the caches k_caches[i], v_caches[i]."""
+    if _ext is None:
+        _require()
     return _ext.decode_layers(x, layers, cos, sin, k_caches, v_caches, slot_mapping, block_tables, context_lens)
 
 
