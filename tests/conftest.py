@@ -56,6 +56,16 @@ def tiny_config(**overrides) -> dict:
     return raw
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built() -> None:
+    """Build nanoqwen's C++ CPU kernels once, here, before any test: the CLI and server tests run
+    nanoqwen in subprocesses under a timeout, and a first build inside one of them (a minute or two on
+    2 cores) would spend that timeout. Built here, the subprocesses load the cached build."""
+    from nanoqwen.ops import cpu_gemv
+
+    cpu_gemv.available()
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(name, dtype=..., std=..., shard_bytes=...) -> folder, written once per session."""

@@ -13,6 +13,7 @@ mismatched K raise RuntimeError naming the argument.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,6 +202,42 @@ def test_build_failure_warns_once(fresh_state, caplog):
     with pytest.raises(RuntimeError, match="not available"):
         cpu_gemv.int8_gemv(torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.int8),
                            torch.ones(2, dtype=torch.bfloat16))
+
+
+def test_a_killed_builds_lock_is_removed_not_waited_on_forever(fresh_state, tmp_path, caplog):
+    """A build killed midway leaves its lock file; torch would wait on it forever, hanging every later start.
+    An old lock is removed with a warning; a fresh one (a build in progress) is waited for until it goes."""
+    import os
+    import threading
+    import time
+
+    from torch.utils import cpp_extension
+
+    seen = []
+
+    def load(**kwargs):  # what the build finds when it starts
+        seen.append((Path(kwargs["build_directory"]) / "lock").exists())
+        raise RuntimeError("stop here")
+
+    fresh_state.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    fresh_state.setattr(cpu_gemv, "compile_flags", lambda: ["-O3"])  # also on CPUs without AVX2
+    fresh_state.setattr(cpp_extension, "load", load)
+    folder = cpu_gemv.build_directory()
+    assert folder.is_relative_to(tmp_path)
+    folder.mkdir(parents=True)
+    lock = folder / "lock"
+    lock.touch()
+    old = time.time() - cpu_gemv.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="nanoqwen"), pytest.raises(RuntimeError, match="stop here"):
+        cpu_gemv._build()
+    assert seen == [False] and "did not finish" in caplog.text
+    lock.touch()  # a build in progress: its lock goes when it ends
+    threading.Timer(0.3, lock.unlink).start()
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="stop here"):
+        cpu_gemv._build()
+    assert seen == [False, False] and time.perf_counter() - start >= 0.25
 
 
 def test_no_avx2_is_a_failure(fresh_state, caplog):

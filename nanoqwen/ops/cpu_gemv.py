@@ -28,7 +28,8 @@ integer products run at twice the rate of bf16 ones (VNNI) or float32 FMAs (AVX2
 prompt runs faster than the bf16 model's (BENCHMARKS.md), with the same numerics as a 4-bit decode step.
 
 The extension is compiled on first use with torch.utils.cpp_extension (a C++ compiler is needed; the build
-is cached in torch's extensions folder under a name that hashes the source and flags, so an edit rebuilds).
+is cached in torch's extensions folder under a name that hashes the source and flags, so an edit rebuilds;
+a build killed midway leaves a lock file there, removed after STALE_LOCK_SECONDS).
 The decode-step kernels (`rms_norm`, `apply_rope`, `swiglu`, `paged_decode_attention`, and `attention_inputs`,
 QK-norm, RoPE and the KV store in one pass for `decode_layers`) exist because a
 decode step's elementwise work is small: in plain torch each RMSNorm or RoPE is 5-9 ops, each a dispatch and
@@ -55,6 +56,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -66,6 +68,8 @@ from nanoqwen.ops.cpu import cpu_name_and_flags
 logger = logging.getLogger("nanoqwen")
 SOURCE_DIR = Path(__file__).parent / "csrc"  # cpu_kernels.h lists what each file holds
 ENV = "NANOQWEN_CPU_GEMV"  # "0" disables the kernels (no build)
+# A build takes 1-3 minutes on 2 cores; a lock file older than this was left by a build that died
+STALE_LOCK_SECONDS = 600
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None  # the built extension, once available() succeeded
@@ -273,11 +277,42 @@ def build_digest() -> str:
     return digest.hexdigest()[:12]
 
 
+def build_directory() -> Path:
+    """Where this build of the kernels lives: torch's extensions folder (TORCH_EXTENSIONS_DIR, else
+    ~/.cache/torch_extensions), nanoqwen/<name with the build digest>."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / "nanoqwen" / f"nanoqwen_cpu_gemv_{build_digest()}"
+
+
+def _clear_stale_lock(folder: Path) -> None:
+    """Wait for another process's build of the same kernels (its lock file in the folder), but at most
+    STALE_LOCK_SECONDS from the lock's creation: a build killed midway (Ctrl-C, a timeout) leaves its
+    lock behind, and torch would wait for it forever, hanging every later start. Such a lock is removed,
+    with a warning."""
+    lock = folder / "lock"
+    while lock.exists():
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:  # the other build just finished
+            return
+        if age > STALE_LOCK_SECONDS:
+            logger.warning("removing %s, left %.0f s ago by a build of nanoqwen's CPU kernels that did not "
+                           "finish (killed?); building again", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
+
+
 def _build() -> ModuleType:
     from torch.utils import cpp_extension  # imported here: it pulls in setuptools, needed only to build
 
     sources = sorted(str(path) for path in SOURCE_DIR.glob("*.cpp"))
-    ext = cpp_extension.load(name=f"nanoqwen_cpu_gemv_{build_digest()}", sources=sources,
+    folder = build_directory()
+    folder.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(folder)
+    ext = cpp_extension.load(name=folder.name, sources=sources, build_directory=str(folder),
                              extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"], verbose=False)
     if not ext.has_avx2():
         raise RuntimeError("the extension was built without AVX2/FMA")
