@@ -55,6 +55,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -279,11 +280,14 @@ def build_digest() -> str:
 
 def build_directory() -> Path:
     """Where this build of the kernels lives: torch's extensions folder (TORCH_EXTENSIONS_DIR, else
-    ~/.cache/torch_extensions), nanoqwen/<name with the build digest>."""
+    ~/.cache/torch_extensions), nanoqwen/<Python and torch versions>/<name with the build digest>. The
+    versions are in the path because a build links against one Python and one torch: another venv's
+    must not load it."""
     from torch.utils import cpp_extension
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    return Path(root) / "nanoqwen" / f"nanoqwen_cpu_gemv_{build_digest()}"
+    versions = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return Path(root) / "nanoqwen" / versions / f"nanoqwen_cpu_gemv_{build_digest()}"
 
 
 def _clear_stale_lock(folder: Path) -> None:
