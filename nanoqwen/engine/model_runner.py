@@ -18,6 +18,7 @@ import torch
 from nanoqwen import distributed
 from nanoqwen.engine.attention_metadata import AttentionMetadata, DecodeRow, PrefillRow
 from nanoqwen.engine.cuda_graph import CUDAGraphRunner
+from nanoqwen.engine.huge_pages import move_to_huge_pages
 from nanoqwen.engine.kv_cache import KVCache
 from nanoqwen.engine.scheduler import ScheduledBatch
 from nanoqwen.engine.sequence import Sequence
@@ -79,6 +80,8 @@ class ModelRunner:
         self.model = model
         self.pooler = pooler
         self.device = model.embed_tokens.weight.device
+        if self.device.type == "cpu":  # each decode step streams every weight: 2 MiB pages (engine/huge_pages.py)
+            move_to_huge_pages(model)
         c = model.config
         # None: the CPU grouped gather path; "cpu": nanoqwen's kernel reading the CPU cache in place
         self.attention_backend = attention_backend(self.device, block_size,

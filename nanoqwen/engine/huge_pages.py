@@ -1,0 +1,103 @@
+"""A CPU model's weights moved into memory the kernel backs with 2 MiB pages (transparent huge pages).
+
+A CPU decode step streams every weight from memory once (hundreds of MB a token). In 4 KiB pages that is a TLB
+miss, a page walk, every 4 KiB; in 2 MiB pages it is one every 2 MiB, and the int4 and bf16 matrix-vector
+kernels read a few % faster (BENCHMARKS.md). Linux gives a process huge pages where it asks for them with
+madvise(MADV_HUGEPAGE) when /sys/kernel/mm/transparent_hugepage/enabled is "madvise" (the usual default) or
+"always"; torch's allocator never asks. So, once the model is loaded (and quantised), its large tensors are
+copied into one anonymous mapping advised for huge pages, and each parameter and buffer is pointed at its copy
+(the values, shapes, strides and tied weights stay as they were). One storage at a time: the old one is freed
+as its copy is made (and malloc's heap trimmed at the end), so memory peaks at the model plus one tensor.
+
+NANOQWEN_HUGE_PAGES=0 turns this off; where the kernel has no transparent huge pages ("never", or not Linux)
+it is skipped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("nanoqwen")
+HUGE_PAGE = 2 << 20
+MIN_BYTES = 1 << 20  # smaller storages (norms) stay where they are
+ALIGN = 64  # each copy starts on a cache line
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def transparent_huge_pages() -> str | None:
+    """The kernel's setting ("always", "madvise" or "never"), None where it cannot be read."""
+    try:
+        with open(THP_SETTING) as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] in a fresh anonymous mapping, 2 MiB-aligned and advised for huge pages (untouched
+    pages cost no memory until written). The tensor keeps the mapping alive."""
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
+
+
+def move_to_huge_pages(model: nn.Module) -> int:
+    """Point the model's parameters and buffers of at least MIN_BYTES at copies in huge-page memory; returns
+    the bytes moved (0 when off or not supported)."""
+    if os.environ.get("NANOQWEN_HUGE_PAGES", "1") == "0" or transparent_huge_pages() not in ("always", "madvise"):
+        return 0
+    # every tensor slot (module, name, is_parameter), grouped by the storage it views (tied weights share one)
+    slots: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    storages: dict[int, torch.UntypedStorage] = {}
+    for module in model.modules():
+        for table, is_parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in table.items():
+                if tensor is None or tensor.device.type != "cpu":
+                    continue
+                storage = tensor.untyped_storage()
+                if storage.nbytes() >= MIN_BYTES:
+                    storages[storage.data_ptr()] = storage
+                    slots.setdefault(storage.data_ptr(), []).append((module, name, is_parameter))
+    if not storages:
+        return 0
+    starts, total = {}, 0
+    for key, storage in storages.items():
+        starts[key] = total
+        total += -(-storage.nbytes() // ALIGN) * ALIGN
+    try:
+        arena = huge_page_buffer(total)
+    except OSError as e:  # (a kernel built without transparent huge pages refuses the advice)
+        logger.debug("weights stay in 4 KiB pages: madvise(MADV_HUGEPAGE) failed: %s", e)
+        return 0
+    for key in list(storages):
+        storage, start = storages.pop(key), starts[key]
+        arena[start:start + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        for module, name, is_parameter in slots[key]:
+            old = (module._parameters if is_parameter else module._buffers)[name]
+            offset = start // old.element_size() + old.storage_offset()
+            new = torch.empty(0, dtype=old.dtype).set_(arena.untyped_storage(), offset, old.size(), old.stride())
+            if is_parameter:
+                old.data = new  # (the same Parameter object: ties and references to it hold)
+            else:
+                module._buffers[name] = new
+        del storage, old  # (the last reference to the old storage: its memory goes back now)
+    release_freed_memory()
+    logger.debug("weights moved into huge-page memory: %.0f MiB", total / 2**20)
+    return total
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free memory back to the system (glibc's malloc_trim). The old copies of tensors under
+    32 MiB were allocated on malloc's heap, which keeps what is freed (a few hundred MiB of resident memory
+    for Qwen3-0.6B) until something reuses it. Nothing to do where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,58 @@
+"""A CPU engine's weights in memory advised for 2 MiB pages (nanoqwen/engine/huge_pages.py): the same values,
+ties and outputs, in a mapping the kernel may back with huge pages."""
+
+from __future__ import annotations
+
+import torch
+from conftest import PROMPTS, make_llm, prompt_logits
+
+from nanoqwen.engine import huge_pages
+
+
+def mapping_field(address: int, field: str) -> int:
+    """A field of /proc/self/smaps (e.g. THPeligible: 1 where the kernel may use huge pages) for the mapping
+    holding address."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == f"{field}:":
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for address {address:#x} in /proc/self/smaps")
+
+
+def test_cpu_engine_moves_its_weights_into_huge_page_memory_unchanged(checkpoint, monkeypatch):
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1)  # this tiny model's tensors are all small
+    path = checkpoint("gqa1-tied-headdim")  # a tied head: the embedding and the head are one Parameter
+    monkeypatch.setenv("NANOQWEN_HUGE_PAGES", "0")
+    plain = make_llm(path).llm_engine.runner.model
+    monkeypatch.delenv("NANOQWEN_HUGE_PAGES")
+    moved = make_llm(path).llm_engine.runner.model
+
+    assert moved.is_tied and moved.lm_head.weight.data_ptr() == moved.embed_tokens.weight.data_ptr()
+    for (name, a), (_, b) in zip(plain.state_dict().items(), moved.state_dict().items(), strict=True):
+        assert torch.equal(a, b) and a.stride() == b.stride(), name
+    assert torch.equal(prompt_logits(plain, PROMPTS[3]), prompt_logits(moved, PROMPTS[3]))
+
+    weights = [p.data_ptr() for p in moved.parameters()]
+    if huge_pages.transparent_huge_pages() in ("always", "madvise"):
+        assert all(mapping_field(w, "THPeligible") == 1 for w in weights)
+        assert max(weights) - min(weights) < sum(p.nbytes + 64 for p in moved.parameters())  # one mapping
+    if huge_pages.transparent_huge_pages() == "madvise":  # where only advised memory may get huge pages
+        assert mapping_field(plain.embed_tokens.weight.data_ptr(), "THPeligible") == 0
+
+
+def test_huge_pages_off_leaves_the_weights_where_they_are(checkpoint, monkeypatch):
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1)
+    monkeypatch.setenv("NANOQWEN_HUGE_PAGES", "0")
+    model = make_llm(checkpoint("gqa2-untied")).llm_engine.runner.model
+    where = [p.data_ptr() for p in model.parameters()]
+    assert huge_pages.move_to_huge_pages(model) == 0
+    assert [p.data_ptr() for p in model.parameters()] == where
+    monkeypatch.setattr(huge_pages, "transparent_huge_pages", lambda: "never")  # a kernel without them
+    monkeypatch.delenv("NANOQWEN_HUGE_PAGES")
+    assert huge_pages.move_to_huge_pages(model) == 0
+    assert [p.data_ptr() for p in model.parameters()] == where
