@@ -56,3 +56,24 @@ def test_huge_pages_off_leaves_the_weights_where_they_are(checkpoint, monkeypatc
     monkeypatch.delenv("NANOQWEN_HUGE_PAGES")
     assert huge_pages.move_to_huge_pages(model) == 0
     assert [p.data_ptr() for p in model.parameters()] == where
+
+
+def test_a_table_over_the_size_limit_stays_and_nothing_moves_twice(checkpoint, monkeypatch):
+    """A storage over MAX_BYTES is left where it is (its copy would raise the peak of memory by its size), and a
+    model already moved (or a draft sharing its target's embedding) is not copied again."""
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1)
+    monkeypatch.setenv("NANOQWEN_HUGE_PAGES", "0")
+    model = make_llm(checkpoint("gqa2-untied")).llm_engine.runner.model
+    monkeypatch.delenv("NANOQWEN_HUGE_PAGES")
+    table = model.embed_tokens.weight
+    monkeypatch.setattr(huge_pages, "MAX_BYTES", table.nbytes - 1)
+    where, values = table.data_ptr(), table.detach().clone()
+    layer = model.layers[0].mlp.down_proj.weight
+    layer_was = layer.data_ptr()
+    moved = huge_pages.move_to_huge_pages(model)
+    if huge_pages.transparent_huge_pages() not in ("always", "madvise"):
+        assert moved == 0
+        return
+    assert moved > 0 and table.data_ptr() == where and torch.equal(table, values)
+    assert layer.data_ptr() != layer_was and huge_pages.in_huge_page_memory(layer.untyped_storage())
+    assert huge_pages.move_to_huge_pages(model) == 0  # already there

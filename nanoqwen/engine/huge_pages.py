@@ -1,16 +1,18 @@
 """A CPU model's weights moved into memory the kernel backs with 2 MiB pages (transparent huge pages).
 
 A CPU decode step streams every weight from memory once (hundreds of MB a token). In 4 KiB pages that is a TLB
-miss, a page walk, every 4 KiB; in 2 MiB pages it is one every 2 MiB, and the int4 and bf16 matrix-vector
-kernels read a few % faster (BENCHMARKS.md). Linux gives a process huge pages where it asks for them with
-madvise(MADV_HUGEPAGE) when /sys/kernel/mm/transparent_hugepage/enabled is "madvise" (the usual default) or
-"always"; torch's allocator never asks. So, once the model is loaded (and quantised), its large tensors are
-copied into one anonymous mapping advised for huge pages, and each parameter and buffer is pointed at its copy
-(the values, shapes, strides and tied weights stay as they were). One storage at a time: the old one is freed
-as its copy is made (and malloc's heap trimmed at the end), so memory peaks at the model plus one tensor.
+miss, a page walk, every 4 KiB; in 2 MiB pages it is one every 2 MiB, and an int4 decode step runs 2-12% faster
+(BENCHMARKS.md). Linux gives a process huge pages where it asks for them with madvise(MADV_HUGEPAGE) when
+/sys/kernel/mm/transparent_hugepage/enabled is "madvise" (the usual default) or "always"; torch's allocator never
+asks. So, once the model is loaded (and quantised), its tensors from MIN_BYTES to MAX_BYTES are copied into one
+anonymous mapping advised for huge pages, and each parameter and buffer is pointed at its copy (the values, shapes,
+strides and tied weights stay as they were). One storage at a time: the old one is freed as its copy is made (and
+malloc's heap trimmed at the end), so memory peaks at the model plus one tensor. A tensor over MAX_BYTES (an
+embedding table; a tied LM head, which is that table) stays where it is, so the peak is at most the model plus
+MAX_BYTES.
 
-NANOQWEN_HUGE_PAGES=0 turns this off; where the kernel has no transparent huge pages ("never", or not Linux)
-it is skipped.
+NANOQWEN_HUGE_PAGES=0 turns this off; where the kernel has no transparent huge pages ("never", or not Linux) it is
+skipped.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from torch import nn
 
 logger = logging.getLogger("nanoqwen")
 HUGE_PAGE = 2 << 20
-MIN_BYTES = 1 << 20  # smaller storages (norms) stay where they are
+MIN_BYTES = 64 << 10  # smaller storages (norms) stay where they are
+MAX_BYTES = 256 << 20  # and bigger ones, whose copy would raise the peak of memory by as much
 ALIGN = 64  # each copy starts on a cache line
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -39,13 +42,25 @@ def transparent_huge_pages() -> str | None:
         return None
 
 
+# (first address, end) of each buffer made here (kept when one is freed: a later tensor at those addresses is
+# then only left where it is)
+_buffers: list[tuple[int, int]] = []
+
+
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes] in a fresh anonymous mapping, 2 MiB-aligned and advised for huge pages (untouched
     pages cost no memory until written). The tensor keeps the mapping alive."""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
     mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
+    _buffers.append((buffer.data_ptr(), buffer.data_ptr() + nbytes))
+    return buffer
+
+
+def in_huge_page_memory(storage: torch.UntypedStorage) -> bool:
+    """Whether a storage is already in a buffer made here (a draft model shares its target's embedding)."""
+    return any(first <= storage.data_ptr() < end for first, end in _buffers)
 
 
 def move_to_huge_pages(model: nn.Module) -> int:
@@ -62,7 +77,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
                 if tensor is None or tensor.device.type != "cpu":
                     continue
                 storage = tensor.untyped_storage()
-                if storage.nbytes() >= MIN_BYTES:
+                if MIN_BYTES <= storage.nbytes() <= MAX_BYTES and not in_huge_page_memory(storage):
                     storages[storage.data_ptr()] = storage
                     slots.setdefault(storage.data_ptr(), []).append((module, name, is_parameter))
     if not storages:
