@@ -7,9 +7,9 @@ miss, a page walk, every 4 KiB; in 2 MiB pages it is one every 2 MiB, and an int
 asks. So, once the model is loaded (and quantised), its tensors from MIN_BYTES to MAX_BYTES are copied into one
 anonymous mapping advised for huge pages, and each parameter and buffer is pointed at its copy (the values, shapes,
 strides and tied weights stay as they were). One storage at a time: the old one is freed as its copy is made (and
-malloc's heap trimmed at the end), so memory peaks at the model plus one tensor. A tensor over MAX_BYTES (an
-embedding table; a tied LM head, which is that table) stays where it is, so the peak is at most the model plus
-MAX_BYTES.
+malloc's heap trimmed every TRIM_BYTES), so memory peaks at the model plus one tensor and TRIM_BYTES. A tensor over
+MAX_BYTES (an embedding table; a tied LM head, which is that table) stays where it is, so the peak is at most the
+model plus MAX_BYTES and TRIM_BYTES.
 
 NANOQWEN_HUGE_PAGES=0 turns this off; where the kernel has no transparent huge pages ("never", or not Linux) it is
 skipped.
@@ -21,6 +21,7 @@ import ctypes
 import logging
 import mmap
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ HUGE_PAGE = 2 << 20
 MIN_BYTES = 64 << 10  # smaller storages (norms) stay where they are
 MAX_BYTES = 256 << 20  # and bigger ones, whose copy would raise the peak of memory by as much
 ALIGN = 64  # each copy starts on a cache line
+TRIM_BYTES = 64 << 20  # the heap is trimmed each time this much has been freed (release_freed_memory)
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -42,9 +44,8 @@ def transparent_huge_pages() -> str | None:
         return None
 
 
-# (first address, end) of each buffer made here (kept when one is freed: a later tensor at those addresses is
-# then only left where it is)
-_buffers: list[tuple[int, int]] = []
+# each buffer made here: its mapping (weakly: it lives as long as some tensor views it), first address, end
+_buffers: list[tuple[weakref.ref, int, int]] = []
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
@@ -54,18 +55,19 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
     mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
     buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
-    _buffers.append((buffer.data_ptr(), buffer.data_ptr() + nbytes))
+    _buffers.append((weakref.ref(mapping), buffer.data_ptr(), buffer.data_ptr() + nbytes))
     return buffer
 
 
 def in_huge_page_memory(storage: torch.UntypedStorage) -> bool:
-    """Whether a storage is already in a buffer made here (a draft model shares its target's embedding)."""
-    return any(first <= storage.data_ptr() < end for first, end in _buffers)
+    """Whether a storage is already in a live buffer made here (a draft model shares its target's embedding)."""
+    _buffers[:] = [b for b in _buffers if b[0]() is not None]  # (a freed one's addresses may be reused)
+    return any(first <= storage.data_ptr() < end for _, first, end in _buffers)
 
 
 def move_to_huge_pages(model: nn.Module) -> int:
-    """Point the model's parameters and buffers of at least MIN_BYTES at copies in huge-page memory; returns
-    the bytes moved (0 when off or not supported)."""
+    """Point the model's parameters and buffers of MIN_BYTES to MAX_BYTES at copies in huge-page memory;
+    returns the bytes moved (0 when off or not supported)."""
     if os.environ.get("NANOQWEN_HUGE_PAGES", "1") == "0" or transparent_huge_pages() not in ("always", "madvise"):
         return 0
     # every tensor slot (module, name, is_parameter), grouped by the storage it views (tied weights share one)
@@ -91,6 +93,7 @@ def move_to_huge_pages(model: nn.Module) -> int:
     except OSError as e:  # (a kernel built without transparent huge pages refuses the advice)
         logger.debug("weights stay in 4 KiB pages: madvise(MADV_HUGEPAGE) failed: %s", e)
         return 0
+    unreturned = 0  # bytes freed since the heap was last trimmed
     for key in list(storages):
         storage, start = storages.pop(key), starts[key]
         arena[start:start + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
@@ -102,7 +105,11 @@ def move_to_huge_pages(model: nn.Module) -> int:
                 old.data = new  # (the same Parameter object: ties and references to it hold)
             else:
                 module._buffers[name] = new
+        unreturned += storage.nbytes()
         del storage, old  # (the last reference to the old storage: its memory goes back now)
+        if unreturned >= TRIM_BYTES:
+            release_freed_memory()
+            unreturned = 0
     release_freed_memory()
     logger.debug("weights moved into huge-page memory: %.0f MiB", total / 2**20)
     return total
@@ -110,8 +117,9 @@ def move_to_huge_pages(model: nn.Module) -> int:
 
 def release_freed_memory() -> None:
     """Hand the heap's free memory back to the system (glibc's malloc_trim). The old copies of tensors under
-    32 MiB were allocated on malloc's heap, which keeps what is freed (a few hundred MiB of resident memory
-    for Qwen3-0.6B) until something reuses it. Nothing to do where the C library has no malloc_trim."""
+    32 MiB were allocated on malloc's heap, which keeps what is freed (all of them, without a trim: the peak of
+    memory would be twice the moved weights) until something reuses it. Nothing to do where the C library has
+    no malloc_trim."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):

@@ -100,7 +100,7 @@ inline __m256i dot64(__m256i acc, __m256i lo, __m256i xq_lo, __m256i hi, __m256i
 
 // dots[r][m] = y[m, r] above for R packed int4 rows (layout at the top) and M rows of quantised x. C is the
 // number of 32-byte chunks in a group when known at compile time (1 for the default G = 64, so the group loop
-// unrolls with no inner loop: 1.15-1.2x the rate from cache, BENCHMARKS.md), 0 to take it from G.
+// unrolls with no inner loop: 1.1-1.3x the rate from cache, BENCHMARKS.md), 0 to take it from G.
 template <int M, int R, int C>
 inline void dot_rows_int4(const QuantizedRows& x, int64_t K, int64_t G, const uint8_t* const* w,
                           const uint16_t* const* scale, const uint16_t* const* offset, float (*dots)[M]) {
