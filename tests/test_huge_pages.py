@@ -49,6 +49,7 @@ def test_huge_pages_off_leaves_the_weights_where_they_are(checkpoint, monkeypatc
     monkeypatch.setattr(huge_pages, "MIN_BYTES", 1)
     monkeypatch.setenv("NANOQWEN_HUGE_PAGES", "0")
     model = make_llm(checkpoint("gqa2-untied")).llm_engine.runner.model
+    assert not any(huge_pages.in_huge_page_memory(p.untyped_storage()) for p in model.parameters())
     where = [p.data_ptr() for p in model.parameters()]
     assert huge_pages.move_to_huge_pages(model) == 0
     assert [p.data_ptr() for p in model.parameters()] == where
