@@ -70,9 +70,9 @@ def move_to_huge_pages(model: nn.Module) -> int:
     returns the bytes moved (0 when off or not supported)."""
     if os.environ.get("NANOQWEN_HUGE_PAGES", "1") == "0" or transparent_huge_pages() not in ("always", "madvise"):
         return 0
-    # every tensor slot (module, name, is_parameter), grouped by the storage it views (tied weights share one)
-    slots: dict[int, list[tuple[nn.Module, str, bool]]] = {}
-    storages: dict[int, torch.UntypedStorage] = {}
+    # the storages to move (tied weights share one), each with the slots viewing it: (module, name, is_parameter,
+    # the view's offset in the storage; read here, before a tied Parameter's first slot repoints it)
+    moves: dict[int, tuple[torch.UntypedStorage, list[tuple[nn.Module, str, bool, int]]]] = {}
     for module in model.modules():
         for table, is_parameter in ((module._parameters, True), (module._buffers, False)):
             for name, tensor in table.items():
@@ -80,39 +80,41 @@ def move_to_huge_pages(model: nn.Module) -> int:
                     continue
                 storage = tensor.untyped_storage()
                 if MIN_BYTES <= storage.nbytes() <= MAX_BYTES and not in_huge_page_memory(storage):
-                    storages[storage.data_ptr()] = storage
-                    slots.setdefault(storage.data_ptr(), []).append((module, name, is_parameter))
-    if not storages:
+                    slot = (module, name, is_parameter, tensor.storage_offset())
+                    moves.setdefault(storage.data_ptr(), (storage, []))[1].append(slot)
+    if not moves:
         return 0
-    starts, total = {}, 0
-    for key, storage in storages.items():
-        starts[key] = total
-        total += -(-storage.nbytes() // ALIGN) * ALIGN
+    total = sum(_aligned(storage.nbytes()) for storage, _ in moves.values())
     try:
         arena = huge_page_buffer(total)
     except OSError as e:  # (a kernel built without transparent huge pages refuses the advice)
         logger.debug("weights stay in 4 KiB pages: madvise(MADV_HUGEPAGE) failed: %s", e)
         return 0
-    unreturned = 0  # bytes freed since the heap was last trimmed
-    for key in list(storages):
-        storage, start = storages.pop(key), starts[key]
+    start = unreturned = 0  # where the next copy goes; bytes freed since the heap was last trimmed
+    while moves:
+        _, (storage, slots) = moves.popitem()
         arena[start:start + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-        for module, name, is_parameter in slots[key]:
+        for module, name, is_parameter, storage_offset in slots:
             old = (module._parameters if is_parameter else module._buffers)[name]
-            offset = start // old.element_size() + old.storage_offset()
+            offset = start // old.element_size() + storage_offset
             new = torch.empty(0, dtype=old.dtype).set_(arena.untyped_storage(), offset, old.size(), old.stride())
             if is_parameter:
                 old.data = new  # (the same Parameter object: ties and references to it hold)
             else:
                 module._buffers[name] = new
+        start += _aligned(storage.nbytes())
         unreturned += storage.nbytes()
-        del storage, old  # (the last reference to the old storage: its memory goes back now)
+        del storage, slots, old  # (the last references to the old storage: its memory goes back now)
         if unreturned >= TRIM_BYTES:
             release_freed_memory()
             unreturned = 0
     release_freed_memory()
     logger.debug("weights moved into huge-page memory: %.0f MiB", total / 2**20)
     return total
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def release_freed_memory() -> None:
