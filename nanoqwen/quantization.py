@@ -47,8 +47,8 @@ Kernels, chosen per call:
   its bf16 one, and slower than a float32 matmul: float32 models always dequantise (about the
   float32 model's speed, with a quarter of the weight bytes).
 - CPU, otherwise (prefill, float32): dequantise block by block,
-  `F.linear(x, Wq[rows].to(x.dtype)) * scale[rows]`, with blocks of at most DEQUANT_BLOCK_BYTES so a
-  big matrix (the LM head) never has a model-dtype copy in memory.
+  `F.linear(x, Wq[rows].to(x.dtype)) * scale[rows]`, with blocks of at most ops/cpu.py's
+  UPCAST_BLOCK_BYTES so a big matrix (the LM head) never has a model-dtype copy in memory.
 - CUDA and other devices: the same dequantise path (nothing compiles it into one kernel there). Run
   eagerly it converts each matrix on every call: memory is saved, speed is not gained (untested on a
   GPU).
@@ -110,7 +110,8 @@ QUANTIZATION_METHODS = ("int8", "int4")
 # int8pack's cost grows every 4 rows while a bf16 matmul's barely does, so above this many rows
 # (tokens) the dequantise path is faster on CPU (measured, see BENCHMARKS.md).
 INT8PACK_MAX_ROWS = 16
-# the largest model-dtype copy of a weight block the dequantise path makes
+# the largest model-dtype copy of a weight block the dequantise path makes on a GPU (on a CPU, ops/cpu.py's
+# UPCAST_BLOCK_BYTES: there the copy should still be in the cache when the matmul reads it)
 DEQUANT_BLOCK_BYTES = 16 << 20
 QUANTIZE_BLOCK_ELEMENTS = 1 << 18  # rows quantised at a time: float32 temporaries of 1 MiB
 KEEP_UNQUANTIZED = ("gate",)  # Linears left as they are, by attribute name: Qwen3-MoE's router
@@ -375,7 +376,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                             offset: torch.Tensor) -> torch.Tensor:
-    """x @ W4.T with W4 unpacked in row blocks of at most DEQUANT_BLOCK_BYTES, multiplied in the
+    """x @ W4.T with W4 unpacked in row blocks (_block_rows), multiplied in the
     dtype the matmuls of this CPU run fastest in, as dequantized_linear does: float32 where bf16
     matmuls are slow (the product rounds once), else the activation dtype (W4 rounded to it)."""
     out_features, in_features = packed.shape[0], 2 * packed.shape[1]
@@ -385,8 +386,7 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     def product(start: int, end: int) -> torch.Tensor:  # x @ W4[start:end].T, W4 unpacked to the compute dtype
         return F.linear(xc, dequantize_int4(packed[start:end], scale[start:end], offset[start:end]).to(compute))
 
-    step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * xc.element_size()))
-    return cpu.linear_in_row_blocks(x, out_features, step, product)
+    return cpu.linear_in_row_blocks(x, out_features, _block_rows(xc, in_features), product)
 
 
 _int4_state: list = []  # [cpu_gemv module or None], once looked up
@@ -418,18 +418,23 @@ def int8pack_supported(dtype: torch.dtype, in_features: int) -> bool:
 
 
 def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(x @ q.T) * scale with q converted to x's dtype in row blocks of at most DEQUANT_BLOCK_BYTES
+    """(x @ q.T) * scale with q converted to x's dtype in row blocks (_block_rows)
     (to float32 on a CPU whose bf16 matmuls are slow, nanoqwen/ops/cpu.py: the product then rounds
     once, not twice)."""
     out_features, in_features = q.shape
     compute = torch.float32 if cpu.upcast_16bit(x) else x.dtype
     xc = x.to(compute)
-    step = max(1, DEQUANT_BLOCK_BYTES // (max(in_features, 1) * xc.element_size()))
 
     def product(start: int, end: int) -> torch.Tensor:
         return F.linear(xc, q[start:end].to(compute)) * scale[start:end].to(compute)
 
-    return cpu.linear_in_row_blocks(x, out_features, step, product)
+    return cpu.linear_in_row_blocks(x, out_features, _block_rows(xc, in_features), product)
+
+
+def _block_rows(xc: torch.Tensor, in_features: int) -> int:
+    """How many weight rows the dequantise paths convert at a time, for activations xc in the compute dtype."""
+    block_bytes = cpu.UPCAST_BLOCK_BYTES if xc.device.type == "cpu" else DEQUANT_BLOCK_BYTES
+    return max(1, block_bytes // (max(in_features, 1) * xc.element_size()))
 
 
 def pick_kernel(x: torch.Tensor, in_features: int

@@ -106,7 +106,7 @@ def test_int4_linear_is_the_float32_product_with_its_weights(kernels, dtype, row
     monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("float32", "test"))
     if not kernels:
         monkeypatch.setattr(qz, "_int4_state", [None])
-    monkeypatch.setattr(qz, "DEQUANT_BLOCK_BYTES", 4 * 128 * 50)  # 200 rows in 50-row blocks
+    monkeypatch.setattr(cpu, "UPCAST_BLOCK_BYTES", 4 * 128 * 50)  # 200 rows in 50-row blocks
     layer = int4_layer(200, 128, dtype, bias)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)
     w4 = dequantize_int4(layer.weight, layer.scale, layer.offset)
@@ -196,7 +196,7 @@ def test_unpacking_in_blocks_equals_unpacking_at_once(monkeypatch, no_kernels):
     layer = int4_layer(333, 96, torch.bfloat16, False)
     x = torch.randn(20, 96).bfloat16()
     whole = int4_dequantized_linear(x, layer.weight, layer.scale, layer.offset)
-    monkeypatch.setattr(qz, "DEQUANT_BLOCK_BYTES", 4 * 96 * 50)
+    monkeypatch.setattr(cpu, "UPCAST_BLOCK_BYTES", 4 * 96 * 50)
     assert torch.equal(int4_dequantized_linear(x, layer.weight, layer.scale, layer.offset), whole)
 
 

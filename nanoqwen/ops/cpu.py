@@ -40,7 +40,10 @@ PATHS = ("bf16", "float32")
 UPCAST_MIN_ROWS = 16
 # up to this many rows, nanoqwen's own kernels (ops/cpu_gemv.py) where they are on
 GEMV_MAX_ROWS = 16
-UPCAST_BLOCK_BYTES = 16 << 20  # the largest float32 copy of a weight block upcast_linear makes
+# The largest float32 copy of a weight block that a product over many rows makes at a time on a CPU (upcast_linear,
+# and the int8/int4 layers' unpacking): small enough that the copy is still in the L3 cache when the matmul reads
+# it, so that the weights come from memory once, as 16-bit (or 8- or 4-bit) values.
+UPCAST_BLOCK_BYTES = 4 << 20
 # rows, in, out: a prompt chunk through a Qwen3-0.6B-sized projection
 PROBE_SHAPE = (256, 1024, 1024)
 # out, in, copies: a Qwen3-0.6B qkv_proj, 8 copies (64 MiB) so that they come from memory
