@@ -15,8 +15,10 @@ compiled ones are tested against.
 A compiled call costs tens of microseconds of guard checks before its kernel runs, more than the
 eager ops cost for the few tokens of a decode step, so the compiled versions are used only for calls
 with at least `MIN_COMPILED_TOKENS` tokens (prompt chunks, big batches); smaller calls run the plain
-functions, or, where nanoqwen's own CPU kernels are on (ops/cpu.py, CPUs without fast bf16), their
-one-call C++ versions (ops/cpu_gemv.py) for bf16.
+functions, or, where nanoqwen's own CPU kernels are on (ops/cpu.py), their one-call C++ versions
+(ops/cpu_gemv.py) for bf16. Where nothing is compiled and those kernels are on (the float32 path of
+CPUs without fast bf16, or enforce_eager), the C++ versions take bf16 calls of every size: one pass
+each, shared by the threads, against the plain functions' 5-8 (BENCHMARKS.md).
 
 The switch is process-wide (the layers call `models.qwen3.kernels`), compiles once per process with
 dynamic shapes, and falls back to eager with a warning when compilation is not available (no C++
@@ -56,7 +58,7 @@ def compile_kernels(device: torch.device, dtype: torch.dtype, own_kernels: bool 
         _compiled[key] = _compile(device, dtype)
     compiled = _compiled[key]
     if (*key, own_kernels) not in _by_size_kernels:  # (made once: an engine reinstalls the same)
-        few = _few_token_kernels(own_kernels)
+        few = _eager_kernels(own_kernels)
         _by_size_kernels[(*key, own_kernels)] = {
             name: _by_size(few[name], compiled[name]) if compiled else few[name]
             for name in FUNCTIONS}
@@ -104,8 +106,9 @@ def _compile(device: torch.device, dtype: torch.dtype
     return compiled
 
 
-def _few_token_kernels(own_kernels: bool) -> dict[str, Callable[..., torch.Tensor]]:
-    """The plain functions, or (own_kernels) ops/cpu_gemv.py's versions for bf16 CPU tensors."""
+def _eager_kernels(own_kernels: bool) -> dict[str, Callable[..., torch.Tensor]]:
+    """The plain functions, or (own_kernels) ops/cpu_gemv.py's versions for bf16 CPU tensors (the reference for
+    the others)."""
     plain = {name: getattr(qwen3, name) for name in FUNCTIONS}
     if not own_kernels:
         return plain
@@ -142,7 +145,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool
     saying it.
 
     Elementwise: the compiled functions on CPU, except with enforce_eager and on the float32 matmul
-    path, else the plain ones (with nanoqwen's C++ ones for few tokens where its kernels are on).
+    path, else the plain ones (nanoqwen's C++ ones for bf16 where its kernels are on).
     Matmuls: on a CPU whose bf16 matmuls are slow, 16-bit products over many rows compute in float32
     (nanoqwen/ops/cpu.py).
     """
@@ -154,9 +157,8 @@ def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool
     compiled = False
     if device.type == "cpu" and not enforce_eager and path.path != "float32":
         compiled = compile_kernels(device, dtype, own_kernels=path.gemv)
-    elif device.type == "cpu" and path.gemv:  # the C++ functions for few tokens, the plain ones for many
-        few = _few_token_kernels(True)
-        _install({name: _by_size(few[name], getattr(qwen3, name)) for name in FUNCTIONS})
+    elif device.type == "cpu" and path.gemv:  # the C++ functions for bf16 calls of every size
+        _install(_eager_kernels(True))
     else:
         # (a GPU engine after a CPU one in the same process must not keep the CPU's compiled
         # kernels)

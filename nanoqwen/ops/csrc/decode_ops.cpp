@@ -183,6 +183,11 @@ void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t N, int64_t
               "cos and sin must be [", N, ", ", D, "], got ", cos.sizes(), " and ", sin.sizes());
 }
 
+// Rows a thread takes at least in rms_norm, apply_rope and swiglu, for rows of n elements: about 16K elements, so
+// that a decode step's row or few stay on the calling thread (at::parallel_for runs a range of at most one grain
+// inline) and a prompt's rows are shared.
+inline int64_t row_grain(int64_t n) { return std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(1, n)); }
+
 }  // namespace
 
 // rms_norm: weight * bf16(x / sqrt(mean(x^2) + eps)) over the last dimension D, for x [..., D].
@@ -195,7 +200,9 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
   at::Tensor y = at::empty_like(x);
   const uint16_t *xp = bf16_ptr(x), *wp = bf16_ptr(weight);
   uint16_t* yp = bf16_ptr_mut(y);
-  for (int64_t r = 0; r < rows; ++r) rms_norm_row(xp + r * D, wp, D, float(eps), yp + r * D);
+  at::parallel_for(0, rows, row_grain(D), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * D, wp, D, float(eps), yp + r * D);
+  });
   return y;
 }
 
@@ -209,8 +216,10 @@ at::Tensor apply_rope(const at::Tensor& x_in, const at::Tensor& cos, const at::T
   at::Tensor y = at::empty_like(x);
   const uint16_t *xp = bf16_ptr(x), *cp = bf16_ptr(cos), *sp = bf16_ptr(sin);
   uint16_t* yp = bf16_ptr_mut(y);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t h = 0; h < H; ++h) rope_row(xp + (n * H + h) * D, cp + n * D, sp + n * D, D, yp + (n * H + h) * D);
+  at::parallel_for(0, N, row_grain(H * D), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t h = 0; h < H; ++h) rope_row(xp + (n * H + h) * D, cp + n * D, sp + n * D, D, yp + (n * H + h) * D);
+  });
   return y;
 }
 
@@ -223,21 +232,24 @@ at::Tensor swiglu(const at::Tensor& gate_up_in) {
   at::Tensor y = at::empty({N, I}, gate_up.options());
   const uint16_t* gp = bf16_ptr(gate_up);
   uint16_t* yp = bf16_ptr_mut(y);
-  for (int64_t n = 0; n < N; ++n) {
-    const uint16_t *gate = gp + n * 2 * I, *up = gate + I;
-    int64_t i = 0;
+  at::parallel_for(0, N, row_grain(I), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint16_t *gate = gp + n * 2 * I, *up = gate + I;
+      int64_t i = 0;
 #ifdef NANOQWEN_AVX2
-    for (; i + 8 <= I; i += 8) {
-      const __m256 g = load8_bf16(gate + i);
-      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-      store8_bf16(yp + n * I + i, _mm256_mul_ps(round_bf16(silu), load8_bf16(up + i)));
-    }
+      for (; i + 8 <= I; i += 8) {
+        const __m256 g = load8_bf16(gate + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        store8_bf16(yp + n * I + i, _mm256_mul_ps(round_bf16(silu), load8_bf16(up + i)));
+      }
 #endif
-    for (; i < I; ++i) {
-      const float g = bf16_to_float(gate[i]), u = bf16_to_float(up[i]);
-      yp[n * I + i] = float_to_bf16(round_bf16(g / (1.0f + std::exp(-g))) * u);
+      for (; i < I; ++i) {
+        const float g = bf16_to_float(gate[i]), u = bf16_to_float(up[i]);
+        yp[n * I + i] = float_to_bf16(round_bf16(g / (1.0f + std::exp(-g))) * u);
+      }
     }
-  }
+  });
   return y;
 }
 
