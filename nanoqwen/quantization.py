@@ -35,9 +35,10 @@ Numerics (symmetric, one scale per output row, no zero point), for W [out, in]:
                                           computes in float32, see ops/cpu.py)
 
 Kernels, chosen per call:
-- CPU where nanoqwen's gemv kernels are on (ops/cpu.py: measured against torch's), up to
-  GEMV_MAX_ROWS bf16 rows (int8pack was slower at each row count): nanoqwen's own AVX2 kernel
-  (ops/cpu_gemv.py `int8_gemv`), which streams the int8 rows once for all the rows of x.
+- CPU where nanoqwen's gemv kernels are on (ops/cpu.py: measured against torch's), up to 16 bf16
+  rows (int8pack was slower at each row count), or up to the bf16 kernel's measured row count where
+  that is higher: nanoqwen's own AVX2 kernel (ops/cpu_gemv.py `int8_gemv`), which streams the int8
+  rows once for all the rows of x.
 - CPU, few rows (decode), bf16/fp16 activations: `torch.ops.aten._weight_int8pack_mm`, which reads
   the int8 matrix directly: half the bytes of a bf16 matrix-vector product, so batch-1 decode runs
   faster. Its cost grows with every 4 rows while a bf16 matmul's barely grows, so above

@@ -58,11 +58,13 @@ def test_auto_measures_once_and_caches_per_machine(bf16_gflops, expected, monkey
     assert "torch" in key and value["path"] == expected
 
 
-# torch's GB/s at 1, 2, 4, 8, 16 rows: 15, 15, 15, 10, 8; nanoqwen's kernels take a row count while
-# they reach 0.8 of that
-@pytest.mark.parametrize("own_gb_s, expected_rows", [((37.0, 30.0, 20.0, 7.9, 5.0), 4),
-                                                     ((11.9, 30.0, 20.0, 14.0, 9.0), 0),
-                                                     ((37.0, 30.0, 12.0, 8.0, 6.4), 16)])
+# the alternative's GB/s at 1, 2, 4, 8, 16, 32, 64 rows: 15, 15, 15, 10, 8, 5, 5; nanoqwen's kernels take a
+# row count while they reach 0.8 of that
+@pytest.mark.parametrize("own_gb_s, expected_rows", [((37.0, 30.0, 20.0, 7.9, 5.0, 9.0, 9.0), 4),
+                                                     ((11.9, 30.0, 20.0, 14.0, 9.0, 9.0, 9.0), 0),
+                                                     ((37.0, 30.0, 12.0, 8.0, 6.4, 3.9, 9.0), 16),
+                                                     ((37.0, 30.0, 12.0, 8.0, 6.4, 4.0, 3.0), 32),
+                                                     ((37.0, 30.0, 12.0, 8.0, 6.4, 4.0, 4.0), 64)])
 def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expected_rows,
                                                                  monkeypatch, tmp_path):
     """Few rows go through nanoqwen's gemv kernels up to the row count where torch's F.linear
@@ -75,16 +77,16 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
     monkeypatch.setattr(cpu_gemv, "available", lambda: True)
     # (the extension itself may not be loaded in this process: the reason names its instructions)
     monkeypatch.setattr(cpu_gemv, "bf16_dot_instructions", lambda: "AVX2 FMA")
-    torch_gb_s = (15.0, 15.0, 15.0, 10.0, 8.0)
+    torch_gb_s = (15.0, 15.0, 15.0, 10.0, 8.0, 5.0, 5.0)
     calls = []
 
-    def probe():
-        calls.append(1)
+    def probe(path):
+        calls.append(path)
         return dict(zip(cpu.GEMV_PROBE_ROWS, zip(own_gb_s, torch_gb_s, strict=True), strict=True))
 
     monkeypatch.setattr(cpu, "gemv_probe", probe)
     first = cpu.select_matmul_path(tmp_path)
-    assert first.path == "bf16" and len(calls) == 1
+    assert first.path == "bf16" and calls == ["bf16"]
     assert first.gemv_max_rows == expected_rows and first.gemv == (expected_rows > 0)
     assert "1: 37.0 vs 15.0" in first.gemv_reason or expected_rows == 0
     assert (f"<= {expected_rows} rows: nanoqwen's gemv kernels" in first.describe()) == first.gemv
@@ -100,23 +102,31 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
     assert cpu.select_matmul_path(tmp_path) == first and len(calls) == 2  # measured again
 
 
-@pytest.mark.parametrize("gemv", [True, False])
-def test_int8_rows_take_the_own_kernel_up_to_16_whatever_the_bf16_limit(gemv, path_in_use):
-    cpu.use_matmul_path(cpu.MatmulPath("bf16", "test", gemv_max_rows=4 if gemv else 0))
-    assert cpu.int8_gemv_rows(torch.ones(8, 64, dtype=torch.bfloat16)) == gemv
-    assert cpu.int8_gemv_rows(torch.ones(16, 64, dtype=torch.bfloat16)) == gemv
-    assert not cpu.int8_gemv_rows(torch.ones(17, 64, dtype=torch.bfloat16))
+@pytest.mark.parametrize("gemv_max_rows, int8_rows", [(0, 0), (4, 16), (16, 16), (64, 64)])
+def test_int8_rows_take_the_own_kernel_up_to_16_or_the_bf16_limit(gemv_max_rows, int8_rows, path_in_use):
+    cpu.use_matmul_path(cpu.MatmulPath("bf16", "test", gemv_max_rows=gemv_max_rows))
+    for rows in (1, 8, 16, 17, 64, 65):
+        assert cpu.int8_gemv_rows(torch.ones(rows, 64, dtype=torch.bfloat16)) == (rows <= int8_rows)
     assert not cpu.int8_gemv_rows(torch.ones(8, 64, dtype=torch.float32))
 
 
-def test_gemv_probe_measures_both_kernels():
+@pytest.mark.parametrize("path", ["bf16", "float32"])
+def test_gemv_probe_measures_both_kernels(path, monkeypatch):
+    """The gemv kernel against what each row count takes without it: torch's F.linear, except from
+    UPCAST_MIN_ROWS rows on the float32 path, where rows go through upcast_linear."""
     from nanoqwen.ops import cpu_gemv
 
     if not cpu_gemv.available():
         pytest.skip("nanoqwen's CPU kernels cannot be built here")
-    speeds = cpu.gemv_probe()
+    upcast_rows = []
+    upcast = cpu.upcast_linear
+    monkeypatch.setattr(cpu, "upcast_linear", lambda x, w: upcast_rows.append(x.shape[0]) or upcast(x, w))
+    monkeypatch.setattr(cpu, "GEMV_PROBE_SHAPE", (512, 256, 2))  # (small: this checks what runs, not speed)
+    speeds = cpu.gemv_probe(path)
     assert sorted(speeds) == list(cpu.GEMV_PROBE_ROWS)
-    assert all(own > 0.5 and theirs > 0.5 for own, theirs in speeds.values())  # GB/s: any machine reads faster
+    assert all(own > 0.01 and theirs > 0.01 for own, theirs in speeds.values())
+    expected = [m for m in cpu.GEMV_PROBE_ROWS if m >= cpu.UPCAST_MIN_ROWS] if path == "float32" else []
+    assert sorted(set(upcast_rows)) == expected
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -183,8 +193,8 @@ def test_both_paths_give_transformers_greedy_tokens_in_bf16(checkpoint, monkeypa
 
 
 def test_upcast_runs_only_for_many_rows(checkpoint, monkeypatch, path_in_use):
-    """On the float32 path a prompt of >= UPCAST_MIN_ROWS tokens goes through upcast_linear, a
-    decode row does not (it reads the bf16 weights directly)."""
+    """On the float32 path a prompt of more tokens than the gemv kernels take (at most GEMV_MAX_ROWS)
+    goes through upcast_linear, a decode row does not (it reads the bf16 weights directly)."""
     monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "float32")
     rows = []
     original = cpu.upcast_linear
@@ -192,8 +202,10 @@ def test_upcast_runs_only_for_many_rows(checkpoint, monkeypatch, path_in_use):
                         lambda x, *a: rows.append(x.shape[0]) or original(x, *a))
     llm = LLM(checkpoint("gqa2-untied", dtype="bfloat16"), dtype="bfloat16", device="cpu",
               max_model_len=128, enforce_eager=True)
-    llm.generate([LONG_PROMPT[:20]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-    assert rows and set(rows) == {20}
+    prompt = LONG_PROMPT[:cpu.GEMV_MAX_ROWS + 4]
+    assert len(prompt) == cpu.GEMV_MAX_ROWS + 4 >= cpu.UPCAST_MIN_ROWS
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert rows and set(rows) == {len(prompt)}
 
 
 @pytest.mark.parametrize("own_kernels", ["0", "1"])

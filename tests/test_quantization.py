@@ -142,7 +142,7 @@ def test_int8_linear_equals_the_dequantised_reference(dtype, rows, bias):
 def test_kernel_choice(monkeypatch):
     """Which int8 kernel takes an input: with nanoqwen's gemv kernels off (pinned: a test before this one
     may have loaded a model whose probe switched them on), int8pack for few bf16 rows, else dequantise;
-    with them on, nanoqwen's int8 kernel up to GEMV_MAX_ROWS rows."""
+    with them on, nanoqwen's int8 kernel up to 16 rows, or the bf16 kernel's row count if higher."""
     bf16 = torch.bfloat16
     monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("bf16", "test"))
     assert pick_kernel(torch.empty(1, 64, dtype=bf16), 64) is int8pack_linear  # decode at batch 1
@@ -156,8 +156,11 @@ def test_kernel_choice(monkeypatch):
     # not CPU
     assert pick_kernel(torch.empty(1, 64, dtype=bf16, device="meta"), 64) is dequantized_linear
     monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("bf16", "test", gemv_max_rows=4))
-    assert pick_kernel(torch.empty(cpu.GEMV_MAX_ROWS, 64, dtype=bf16), 64) is cpu.int8_gemv
-    assert pick_kernel(torch.empty(cpu.GEMV_MAX_ROWS + 1, 64, dtype=bf16), 64) is dequantized_linear
+    assert pick_kernel(torch.empty(16, 64, dtype=bf16), 64) is cpu.int8_gemv
+    assert pick_kernel(torch.empty(17, 64, dtype=bf16), 64) is dequantized_linear
+    monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("float32", "test", gemv_max_rows=64))
+    assert pick_kernel(torch.empty(64, 64, dtype=bf16), 64) is cpu.int8_gemv
+    assert pick_kernel(torch.empty(65, 64, dtype=bf16), 64) is dequantized_linear
 
 
 def test_width_the_int8pack_kernel_cannot_take_runs_dequantised():

@@ -17,8 +17,9 @@ The choice (`select_matmul_path`): NANOQWEN_CPU_MATMUL=bf16|float32 forces it; o
 times a bf16 and a float32 matmul of a prompt-sized shape (about a second, once) and the result is
 cached per CPU model, CPU flags, torch version and thread count in
 ~/.cache/nanoqwen/cpu-matmul.json. A second probe, cached beside it, times nanoqwen's bf16 gemv
-kernel against torch's F.linear at 1 to 16 rows and sets how many rows (decode) the gemv kernels
-take, on any CPU (NANOQWEN_CPU_GEMV=0|1 forces them off or on).
+kernel against what those rows would take otherwise (torch's F.linear, or upcast_linear) at 1 to 64
+rows and sets how many rows (decode steps, short prompt chunks) the gemv kernels take, on any CPU
+(NANOQWEN_CPU_GEMV=0|1 forces them off or on).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ logger = logging.getLogger("nanoqwen")
 PATHS = ("bf16", "float32")
 # fewer rows read the 16-bit weights directly (a matrix-vector product is memory-bound)
 UPCAST_MIN_ROWS = 16
-# up to this many rows, nanoqwen's own kernels (ops/cpu_gemv.py) where they are on
-GEMV_MAX_ROWS = 16
+# up to this many rows, nanoqwen's own kernels (ops/cpu_gemv.py) where they are on and measured faster
+GEMV_MAX_ROWS = 64
+# int8 rows go through nanoqwen's int8 kernel up to this many, or up to the bf16 kernel's count if more
+INT8_GEMV_MIN_ROWS = 16
 # The largest float32 copy of a weight block that a product over many rows makes at a time on a CPU (upcast_linear,
 # and the int8/int4 layers' unpacking): small enough that the copy is still in the L3 cache when the matmul reads
 # it, so that the weights come from memory once, as 16-bit (or 8- or 4-bit) values.
@@ -48,8 +51,9 @@ UPCAST_BLOCK_BYTES = 4 << 20
 PROBE_SHAPE = (256, 1024, 1024)
 # out, in, copies: a Qwen3-0.6B qkv_proj, 8 copies (64 MiB) so that they come from memory
 GEMV_PROBE_SHAPE = (4096, 1024, 8)
-GEMV_PROBE_ROWS = (1, 2, 4, 8, 16)
-# The gemv kernels take a row count while their bf16 product reaches this share of torch's: with them
+GEMV_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# The gemv kernels take a row count while their bf16 product reaches this share of the path's alternative
+# (torch's F.linear; on the float32 path, from UPCAST_MIN_ROWS rows on, upcast_linear): with them
 # come the one-call C++ decode step and the int8 kernel, which gain more than that loses (measured with
 # the AVX2 limits on an AVX-512 CPU, where torch's one-row bf16 kernel ties with nanoqwen's: int8
 # batch-1 decode 13.2 tok/s through torch's int8pack, 31.9 through nanoqwen's kernel; BENCHMARKS.md).
@@ -117,9 +121,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
 def int8_gemv_rows(x: torch.Tensor) -> bool:
     """Whether an int8 product over x's rows goes through nanoqwen's int8 kernel: the gemv kernels on,
-    bf16 x, up to GEMV_MAX_ROWS rows whatever the bf16 limit, because its alternative for few rows,
-    torch's int8pack, was slower at every row count up to 16 (bench/bench_gemv.py, BENCHMARKS.md)."""
-    return _in_use.gemv and x.dtype == torch.bfloat16 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
+    bf16 x, up to INT8_GEMV_MIN_ROWS rows whatever the bf16 limit, because its alternative for few rows,
+    torch's int8pack, was slower at every row count up to 16 (bench/bench_gemv.py, BENCHMARKS.md); up to
+    the bf16 kernel's row count where that is higher, because above 16 rows the alternative is to
+    dequantise and multiply as bf16 rows are multiplied, which the bf16 kernel was measured against."""
+    most = max(INT8_GEMV_MIN_ROWS, _in_use.gemv_max_rows)
+    return _in_use.gemv and x.dtype == torch.bfloat16 and x.numel() <= most * x.shape[-1]
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -160,9 +167,10 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     cached), and up to how many rows nanoqwen's gemv kernels take: NANOQWEN_CPU_GEMV=1|0 forces them
     on (up to GEMV_MAX_ROWS) or off; otherwise they take every row count of GEMV_PROBE_ROWS, from 1
     up, at which they read a weight matrix at least GEMV_MIN_SHARE as fast as torch's bf16 F.linear
-    (measured once per machine, cached beside the path). torch's few-row kernel is far below the read
+    (measured once per machine, cached beside the path; on the float32 path, from UPCAST_MIN_ROWS rows
+    on, against upcast_linear, what those rows would take). torch's few-row kernel is far below the read
     bandwidth on AVX2-only CPUs, and on some native-bf16 ones too, where its many-row kernel
-    overtakes nanoqwen's at a few rows."""
+    overtakes nanoqwen's at a few rows; MKL's float32 matmul overtakes it at some 100 rows."""
     choice = _select_path(cache_dir)
     wanted = os.environ.get("NANOQWEN_CPU_GEMV", "auto")
     if wanted == "0":
@@ -177,21 +185,22 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
         return choice
     # {rows: [own GB/s, torch's GB/s]} (JSON keys are strings)
     # Keyed by the kernels' build too: a changed kernel is measured again.
-    what = f"gemv rows, kernels {cpu_gemv.build_digest()}"
-    speeds = {int(m): v for m, v in _cached(cache_dir, what, gemv_probe).items()}
+    what = f"gemv rows against the {choice.path} path, kernels {cpu_gemv.build_digest()}"
+    speeds = {int(m): v for m, v in _cached(cache_dir, what, lambda: gemv_probe(choice.path)).items()}
     for rows, (own, theirs) in sorted(speeds.items()):
         if own < GEMV_MIN_SHARE * theirs:
             break
         choice.gemv_max_rows = rows
     shown = ", ".join(f"{m}: {own:.1f} vs {theirs:.1f}" for m, (own, theirs) in sorted(speeds.items()))
-    choice.gemv_reason = f"{cpu_gemv.bf16_dot_instructions()}; measured GB/s by rows, own vs torch's: {shown}"
+    choice.gemv_reason = f"{cpu_gemv.bf16_dot_instructions()}; measured GB/s by rows, own vs without them: {shown}"
     return choice
 
 
-def gemv_probe() -> dict[int, tuple[float, float]]:
-    """For each row count of GEMV_PROBE_ROWS, GB/s of weights read by nanoqwen's bf16_gemv and by
-    torch's F.linear, over copies of a GEMV_PROBE_SHAPE matrix that together exceed the L3 cache (as
-    a decode step reads its weights from memory); best of five rounds."""
+def gemv_probe(path: str = "bf16") -> dict[int, tuple[float, float]]:
+    """For each row count of GEMV_PROBE_ROWS, GB/s of weights read by nanoqwen's bf16_gemv and by what
+    those rows take without it on this path (probe_alternative), over copies of a GEMV_PROBE_SHAPE
+    matrix that together exceed the L3 cache (as a decode step reads its weights from memory); best of
+    five rounds."""
     from nanoqwen.ops import cpu_gemv
 
     n, k, copies = GEMV_PROBE_SHAPE
@@ -200,7 +209,7 @@ def gemv_probe() -> dict[int, tuple[float, float]]:
     for rows in GEMV_PROBE_ROWS:
         x = torch.ones(rows, k, dtype=torch.bfloat16)
         gb_s = []
-        for fn in (cpu_gemv.bf16_gemv, F.linear):
+        for fn in (cpu_gemv.bf16_gemv, probe_alternative(path, rows)):
             fn(x, weights[0])  # warm-up
             best = float("inf")
             for _ in range(5):
@@ -211,6 +220,11 @@ def gemv_probe() -> dict[int, tuple[float, float]]:
             gb_s.append(round(copies * n * k * 2 / best / 1e9, 1))
         speeds[rows] = (gb_s[0], gb_s[1])
     return speeds
+
+
+def probe_alternative(path: str, rows: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """What `linear` runs for this many bf16 rows on this path without the gemv kernels."""
+    return upcast_linear if path == "float32" and rows >= UPCAST_MIN_ROWS else F.linear
 
 
 def _select_path(cache_dir: Path | None) -> MatmulPath:
