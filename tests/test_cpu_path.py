@@ -265,3 +265,10 @@ def test_fused_decode_step_is_the_module_path_bit_for_bit(quantization, checkpoi
                           for o in llm.generate(prompts, params, use_tqdm=False)]
         assert bool(calls) == (fused == "1")
     assert outputs["1"] == outputs["0"]
+
+
+def test_the_path_line_says_which_rows_each_kernel_takes():
+    assert cpu.MatmulPath("float32", "test").describe().startswith(">= 16 rows: float32 compute")
+    line = cpu.MatmulPath("float32", "test", gemv_max_rows=64, gemv_reason="r").describe()
+    assert line.startswith("<= 64 rows: nanoqwen's gemv kernels (r); >= 65 rows: float32 compute")
+    assert ">= 16 rows" in cpu.MatmulPath("float32", "test", gemv_max_rows=8, gemv_reason="r").describe()

@@ -82,7 +82,8 @@ class MatmulPath:
         few = f"<= {self.gemv_max_rows} rows: nanoqwen's gemv kernels ({self.gemv_reason}); " if self.gemv else ""
         if self.path == "bf16":
             return f"{few}bf16 matmuls ({self.reason})"
-        return (f"{few}>= {UPCAST_MIN_ROWS} rows: float32 compute from 16-bit weights "
+        more = max(UPCAST_MIN_ROWS, self.gemv_max_rows + 1)  # (the rows the gemv kernels leave)
+        return (f"{few}>= {more} rows: float32 compute from 16-bit weights "
                 f"({self.reason})")
 
 
@@ -183,7 +184,7 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
         choice.gemv_max_rows = GEMV_MAX_ROWS
         choice.gemv_reason = f"{cpu_gemv.bf16_dot_instructions()}; NANOQWEN_CPU_GEMV=1"
         return choice
-    # {rows: [own GB/s, torch's GB/s]} (JSON keys are strings)
+    # {rows: [own GB/s, the alternative's GB/s]} (JSON keys are strings)
     # Keyed by the kernels' build too: a changed kernel is measured again.
     what = f"gemv rows against the {choice.path} path, kernels {cpu_gemv.build_digest()}"
     speeds = {int(m): v for m, v in _cached(cache_dir, what, lambda: gemv_probe(choice.path)).items()}
