@@ -162,6 +162,63 @@ def test_wrong_inputs_raise(kernels):
         kernels.bf16_gemv(x[:, :31], w)
 
 
+# ---- bf16_gemm (csrc/gemm.cpp): x in panels of 6 rows, weights in panels of 16 columns, depth blocks of 256,
+# column blocks of 256 per thread, row sweeps of 96. Each size below leaves a remainder at one or more of them.
+GEMM_SIZES = [(1, 1, 1), (5, 7, 15), (7, 9, 17), (13, 300, 33), (100, 257, 300), (97, 520, 1100),
+              (257, 1024 + 7, 530)]
+
+
+def check_gemm(kernels, x, w) -> torch.Tensor:
+    got = kernels.bf16_gemm(x, w)
+    magnitude = x.float().abs() @ w.float().abs().T
+    assert_within_one_ulp(got, kernels.bf16_gemv_reference(x, w), magnitude)
+    return got
+
+
+@pytest.mark.parametrize("m, k, n", GEMM_SIZES)
+def test_bf16_gemm_matches_reference(kernels, m, k, n):
+    x, w, _, _, _ = make(m, k, n)
+    got = check_gemm(kernels, x, w)
+    assert (got == kernels.bf16_gemv_reference(x, w)).float().mean().item() > 0.95
+    # float32 x: a float32 product of the same terms, not rounded
+    got32 = kernels.bf16_gemm(x.float(), w)
+    want32 = torch.nn.functional.linear(x.float(), w.float())
+    assert got32.dtype == torch.float32
+    assert ((got32 - want32).abs() <= 1e-5 * (x.float().abs() @ w.float().abs().T) + 1e-30).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_bf16_gemm_threads_split_columns_the_same_way(kernels, threads):
+    """Threads take ranges of 16-column panels (3 threads: uneven ones); each output's sum runs in the same
+    order whoever computes it, so every thread count gives the same bits."""
+    x, w, _, _, _ = make(97, 520, 1100)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = kernels.bf16_gemm(x, w)
+        torch.set_num_threads(threads)
+        assert torch.equal(kernels.bf16_gemm(x, w), one)
+    finally:
+        torch.set_num_threads(before)
+    check_gemm(kernels, x, w)
+
+
+def test_bf16_gemm_shapes_and_inputs(kernels):
+    x, w, _, _, _ = make(10, 40, 33)
+    y = kernels.bf16_gemm(x.reshape(2, 5, 40), w)  # leading dims
+    assert y.shape == (2, 5, 33) and torch.equal(y, kernels.bf16_gemm(x, w).view(2, 5, 33))
+    xt, wt = x.t().contiguous().t(), w.t().contiguous().t()  # non-contiguous: copied
+    assert torch.equal(kernels.bf16_gemm(xt, wt), kernels.bf16_gemm(x, w))
+    assert kernels.bf16_gemm(x[:0], w).shape == (0, 33)
+    assert torch.equal(kernels.bf16_gemm(x[:, :0], w[:, :0]), torch.zeros(10, 33, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x must be bfloat16 or float32"):
+        kernels.bf16_gemm(x.half(), w)
+    with pytest.raises(RuntimeError, match="w must be a 2-D bfloat16"):
+        kernels.bf16_gemm(x, w.float())
+    with pytest.raises(RuntimeError, match="x's last dimension must be 40"):
+        kernels.bf16_gemm(x[:, :39], w)
+
+
 @pytest.fixture
 def fresh_state(monkeypatch):
     """cpu_gemv with its cached build state reset (restored after the test)."""

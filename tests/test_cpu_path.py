@@ -80,8 +80,9 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
     torch_gb_s = (15.0, 15.0, 15.0, 10.0, 8.0, 5.0, 5.0)
     calls = []
 
-    def probe(path):
+    def probe(path, gemm):
         calls.append(path)
+        assert not gemm  # (bf16_gemm: the float32 path's only)
         return dict(zip(cpu.GEMV_PROBE_ROWS, zip(own_gb_s, torch_gb_s, strict=True), strict=True))
 
     monkeypatch.setattr(cpu, "gemv_probe", probe)
@@ -110,23 +111,83 @@ def test_int8_rows_take_the_own_kernel_up_to_16_or_the_bf16_limit(gemv_max_rows,
     assert not cpu.int8_gemv_rows(torch.ones(8, 64, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("path", ["bf16", "float32"])
-def test_gemv_probe_measures_both_kernels(path, monkeypatch):
+@pytest.mark.parametrize("path, gemm", [("bf16", False), ("float32", False), ("float32", True)])
+def test_gemv_probe_measures_both_kernels(path, gemm, monkeypatch):
     """The gemv kernel against what each row count takes without it: torch's F.linear, except from
-    UPCAST_MIN_ROWS rows on the float32 path, where rows go through upcast_linear."""
+    UPCAST_MIN_ROWS rows on the float32 path, where rows go through upcast_linear, or bf16_gemm where
+    that was chosen."""
     from nanoqwen.ops import cpu_gemv
 
     if not cpu_gemv.available():
         pytest.skip("nanoqwen's CPU kernels cannot be built here")
-    upcast_rows = []
-    upcast = cpu.upcast_linear
-    monkeypatch.setattr(cpu, "upcast_linear", lambda x, w: upcast_rows.append(x.shape[0]) or upcast(x, w))
+    seen = {"upcast": [], "gemm": []}
+    upcast, gemm_kernel = cpu.upcast_linear, cpu_gemv.bf16_gemm
+    monkeypatch.setattr(cpu, "upcast_linear", lambda x, w: seen["upcast"].append(x.shape[0]) or upcast(x, w))
+    monkeypatch.setattr(cpu_gemv, "bf16_gemm", lambda x, w: seen["gemm"].append(x.shape[0]) or gemm_kernel(x, w))
     monkeypatch.setattr(cpu, "GEMV_PROBE_SHAPE", (512, 256, 2))  # (small: this checks what runs, not speed)
-    speeds = cpu.gemv_probe(path)
+    speeds = cpu.gemv_probe(path, gemm)
     assert sorted(speeds) == list(cpu.GEMV_PROBE_ROWS)
     assert all(own > 0.01 and theirs > 0.01 for own, theirs in speeds.values())
     expected = [m for m in cpu.GEMV_PROBE_ROWS if m >= cpu.UPCAST_MIN_ROWS] if path == "float32" else []
-    assert sorted(set(upcast_rows)) == expected
+    assert sorted(set(seen["gemm" if gemm else "upcast"])) == expected
+    assert not seen["upcast" if gemm else "gemm"]
+
+
+@pytest.mark.parametrize("own, expected", [(150.0, True), (100.0, False)])
+def test_gemm_is_chosen_by_measurement_once_per_machine(own, expected, monkeypatch, tmp_path):
+    """On the float32 path, rows past the gemv kernels' go through nanoqwen's bf16_gemm where it was
+    measured faster than upcast_linear (120 GFLOP/s here); the gemv probe then measures against what was
+    chosen. Measured once, cached; NANOQWEN_CPU_GEMV=1 forces it, =0 turns it off; the bf16 path never
+    measures it."""
+    from nanoqwen.ops import cpu_gemv
+
+    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "float32")
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
+    monkeypatch.setattr(cpu_gemv, "available", lambda: True)
+    monkeypatch.setattr(cpu_gemv, "bf16_dot_instructions", lambda: "AVX2 FMA")
+    calls = []
+    monkeypatch.setattr(cpu, "gemm_probe", lambda: calls.append("gemm") or {"own": own, "upcast": 120.0})
+    monkeypatch.setattr(cpu, "gemv_probe", lambda path, gemm: calls.append((path, gemm)) or
+                        {m: (10.0, 1.0) for m in cpu.GEMV_PROBE_ROWS})
+    first = cpu.select_matmul_path(tmp_path)
+    assert first.gemm == expected and calls == ["gemm", ("float32", expected)]
+    assert f"measured {own:.0f} vs 120 GFLOP/s" in first.gemm_reason
+    assert ("nanoqwen's bf16_gemm" in first.describe()) == expected
+    assert cpu.select_matmul_path(tmp_path) == first and len(calls) == 2  # from the cache
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "1")
+    assert cpu.select_matmul_path(tmp_path).gemm and len(calls) == 2
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "0")
+    assert not cpu.select_matmul_path(tmp_path).gemm
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
+    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "bf16")
+    assert not cpu.select_matmul_path(tmp_path).gemm and "gemm" not in calls[2:]
+
+
+def test_linear_sends_many_bf16_rows_to_bf16_gemm_where_chosen(path_in_use, monkeypatch):
+    """Few rows: the gemv kernel; more: bf16_gemm where chosen (the same function as upcast_linear), else
+    upcast_linear; a bias or fp16 operands: upcast_linear."""
+    from nanoqwen.ops import cpu_gemv
+
+    if not cpu_gemv.available():
+        pytest.skip("nanoqwen's CPU kernels cannot be built here")
+    cpu.use_matmul_path(cpu.MatmulPath("float32", "test", gemv_max_rows=8, gemm=True))
+    seen = []
+    upcast, gemm_kernel = cpu.upcast_linear, cpu_gemv.bf16_gemm
+    monkeypatch.setattr(cpu, "upcast_linear", lambda x, w, b=None: seen.append("upcast") or upcast(x, w, b))
+    monkeypatch.setattr(cpu_gemv, "bf16_gemm", lambda x, w: seen.append("gemm") or gemm_kernel(x, w))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 64, generator=g).bfloat16()
+    w, b = (torch.randn(48, 64, generator=g) * 0.1).bfloat16(), torch.randn(48, generator=g).bfloat16()
+    got = cpu.linear(x, w)
+    assert seen == ["gemm"]
+    torch.testing.assert_close(got, upcast(x, w), atol=0.02, rtol=0.016)
+    cpu.linear(x[:8], w)
+    cpu.linear(x, w, b)
+    cpu.linear(x.half(), w.half())
+    assert seen == ["gemm", "upcast", "upcast"]
+    cpu.use_matmul_path(cpu.MatmulPath("float32", "test", gemv_max_rows=8))
+    cpu.linear(x, w)
+    assert seen[-1] == "upcast"
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -194,12 +255,16 @@ def test_both_paths_give_transformers_greedy_tokens_in_bf16(checkpoint, monkeypa
 
 def test_upcast_runs_only_for_many_rows(checkpoint, monkeypatch, path_in_use):
     """On the float32 path a prompt of more tokens than the gemv kernels take (at most GEMV_MAX_ROWS)
-    goes through upcast_linear, a decode row does not (it reads the bf16 weights directly)."""
+    goes through the float32 product (upcast_linear, or bf16_gemm where chosen), a decode row does not
+    (it reads the bf16 weights directly)."""
+    from nanoqwen.ops import cpu_gemv
+
     monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "float32")
     rows = []
-    original = cpu.upcast_linear
+    original, gemm_kernel = cpu.upcast_linear, cpu_gemv.bf16_gemm
     monkeypatch.setattr(cpu, "upcast_linear",
                         lambda x, *a: rows.append(x.shape[0]) or original(x, *a))
+    monkeypatch.setattr(cpu_gemv, "bf16_gemm", lambda x, w: rows.append(x.shape[0]) or gemm_kernel(x, w))
     llm = LLM(checkpoint("gqa2-untied", dtype="bfloat16"), dtype="bfloat16", device="cpu",
               max_model_len=128, enforce_eager=True)
     prompt = LONG_PROMPT[:cpu.GEMV_MAX_ROWS + 4]
@@ -228,6 +293,8 @@ def test_own_decode_kernels_give_transformers_greedy_tokens(own_kernels, checkpo
     runner = llm.llm_engine.runner
     assert runner.attention_backend == ("cpu" if own_kernels == "1" else None)
     assert ("C++" in llm.llm_engine.kernel_path) == (own_kernels == "1")
+    # (forced on with them: the 80-token prompt's products go through bf16_gemm)
+    assert ("nanoqwen's bf16_gemm" in llm.llm_engine.kernel_path) == (own_kernels == "1")
     assert [our_greedy(llm, p, 12) for p in prompts] == refs
     together = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                             use_tqdm=False)
@@ -272,3 +339,5 @@ def test_the_path_line_says_which_rows_each_kernel_takes():
     line = cpu.MatmulPath("float32", "test", gemv_max_rows=64, gemv_reason="r").describe()
     assert line.startswith("<= 64 rows: nanoqwen's gemv kernels (r); >= 65 rows: float32 compute")
     assert ">= 16 rows" in cpu.MatmulPath("float32", "test", gemv_max_rows=8, gemv_reason="r").describe()
+    line = cpu.MatmulPath("float32", "test", gemv_max_rows=64, gemv_reason="r", gemm=True, gemm_reason="g").describe()
+    assert line.endswith(">= 65 rows: float32 compute from 16-bit weights (nanoqwen's bf16_gemm, g; test)")

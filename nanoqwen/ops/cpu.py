@@ -19,7 +19,9 @@ cached per CPU model, CPU flags, torch version and thread count in
 ~/.cache/nanoqwen/cpu-matmul.json. A second probe, cached beside it, times nanoqwen's bf16 gemv
 kernel against what those rows would take otherwise (torch's F.linear, or upcast_linear) at 1 to 64
 rows and sets how many rows (decode steps, short prompt chunks) the gemv kernels take, on any CPU
-(NANOQWEN_CPU_GEMV=0|1 forces them off or on).
+(NANOQWEN_CPU_GEMV=0|1 forces them off or on). On the float32 path a third, also cached, times
+nanoqwen's bf16_gemm against upcast_linear on PROBE_SHAPE: where it is faster, it takes the rows
+past the gemv kernels' (the same arithmetic with the weights converted inside the product).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class MatmulPath:
     float32_gflops: float | None = None
     gemv_max_rows: int = 0  # few rows (decode), up to this many, through ops/cpu_gemv.py's kernels
     gemv_reason: str = ""  # why
+    gemm: bool = False  # on the float32 path, more rows through ops/cpu_gemv.py's bf16_gemm, not upcast_linear
+    gemm_reason: str = ""  # why
 
     @property
     def gemv(self) -> bool:
@@ -83,8 +87,8 @@ class MatmulPath:
         if self.path == "bf16":
             return f"{few}bf16 matmuls ({self.reason})"
         more = max(UPCAST_MIN_ROWS, self.gemv_max_rows + 1)  # (the rows the gemv kernels leave)
-        return (f"{few}>= {more} rows: float32 compute from 16-bit weights "
-                f"({self.reason})")
+        how = f"nanoqwen's bf16_gemm, {self.gemm_reason}; " if self.gemm else ""
+        return f"{few}>= {more} rows: float32 compute from 16-bit weights ({how}{self.reason})"
 
 
 _in_use = MatmulPath("bf16", "the default")
@@ -101,7 +105,7 @@ _gemv_kernels = None  # nanoqwen/ops/cpu_gemv.py, imported once when a path swit
 def use_matmul_path(path: MatmulPath) -> None:
     global _in_use, _gemv_kernels
     _in_use = path
-    if path.gemv and _gemv_kernels is None:  # (imported here, not on every decode call)
+    if (path.gemv or path.gemm) and _gemv_kernels is None:  # (imported here, not on every decode call)
         from nanoqwen.ops import cpu_gemv
 
         _gemv_kernels = cpu_gemv
@@ -110,12 +114,15 @@ def use_matmul_path(path: MatmulPath) -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for x [N, in] on this CPU's path: a few bf16 rows through the gemv kernel (when on),
-    many 16-bit rows computed in float32 (on the float32 path), everything else torch's own
-    F.linear."""
+    many 16-bit rows computed in float32 (on the float32 path: nanoqwen's bf16_gemm where chosen,
+    else upcast_linear), everything else torch's own F.linear."""
     rows = x.shape[0]
-    if _in_use.gemv and rows <= _in_use.gemv_max_rows and x.dtype == weight.dtype == torch.bfloat16:
+    bf16 = x.dtype == weight.dtype == torch.bfloat16
+    if _in_use.gemv and rows <= _in_use.gemv_max_rows and bf16:
         return _gemv_kernels.bf16_gemv(x, weight, bias)
     if rows >= UPCAST_MIN_ROWS and upcast_16bit(x):
+        if _in_use.gemm and bf16 and bias is None:
+            return _gemv_kernels.bf16_gemm(x, weight)
         return upcast_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -169,9 +176,10 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     on (up to GEMV_MAX_ROWS) or off; otherwise they take every row count of GEMV_PROBE_ROWS, from 1
     up, at which they read a weight matrix at least GEMV_MIN_SHARE as fast as torch's bf16 F.linear
     (measured once per machine, cached beside the path; on the float32 path, from UPCAST_MIN_ROWS rows
-    on, against upcast_linear, what those rows would take). torch's few-row kernel is far below the read
-    bandwidth on AVX2-only CPUs, and on some native-bf16 ones too, where its many-row kernel
-    overtakes nanoqwen's at a few rows; MKL's float32 matmul overtakes it at some 100 rows."""
+    on, against what those rows would take: bf16_gemm where _select_gemm chose it, else upcast_linear).
+    torch's few-row kernel is far below the read bandwidth on AVX2-only CPUs, and on some native-bf16
+    ones too, where its many-row kernel overtakes nanoqwen's at a few rows; a float32 product
+    overtakes it at some 100 rows."""
     choice = _select_path(cache_dir)
     wanted = os.environ.get("NANOQWEN_CPU_GEMV", "auto")
     if wanted == "0":
@@ -180,14 +188,17 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
 
     if not cpu_gemv.available():
         return choice
+    if choice.path == "float32":
+        _select_gemm(choice, wanted == "1", cache_dir)
     if wanted == "1":
         choice.gemv_max_rows = GEMV_MAX_ROWS
         choice.gemv_reason = f"{cpu_gemv.bf16_dot_instructions()}; NANOQWEN_CPU_GEMV=1"
         return choice
     # {rows: [own GB/s, the alternative's GB/s]} (JSON keys are strings)
     # Keyed by the kernels' build too: a changed kernel is measured again.
-    what = f"gemv rows against the {choice.path} path, kernels {cpu_gemv.build_digest()}"
-    speeds = {int(m): v for m, v in _cached(cache_dir, what, lambda: gemv_probe(choice.path)).items()}
+    against = choice.path + (" + gemm" if choice.gemm else "")
+    what = f"gemv rows against the {against} path, kernels {cpu_gemv.build_digest()}"
+    speeds = {int(m): v for m, v in _cached(cache_dir, what, lambda: gemv_probe(choice.path, choice.gemm)).items()}
     for rows, (own, theirs) in sorted(speeds.items()):
         if own < GEMV_MIN_SHARE * theirs:
             break
@@ -197,7 +208,42 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     return choice
 
 
-def gemv_probe(path: str = "bf16") -> dict[int, tuple[float, float]]:
+def _select_gemm(choice: MatmulPath, forced: bool, cache_dir: Path | None) -> None:
+    """Whether the float32 path's products over many rows go through nanoqwen's bf16_gemm: forced, or
+    measured faster than upcast_linear (once per machine and build of the kernels, cached)."""
+    from nanoqwen.ops import cpu_gemv
+
+    if forced:
+        choice.gemm, choice.gemm_reason = True, "NANOQWEN_CPU_GEMV=1"
+        return
+    what = f"gemm against upcast_linear, kernels {cpu_gemv.build_digest()}"
+    speeds = _cached(cache_dir, what, gemm_probe)
+    choice.gemm = speeds["own"] > speeds["upcast"]
+    choice.gemm_reason = f"measured {speeds['own']:.0f} vs {speeds['upcast']:.0f} GFLOP/s through upcast_linear"
+
+
+def gemm_probe() -> dict[str, float]:
+    """GFLOP/s of nanoqwen's bf16_gemm ("own") and of upcast_linear ("upcast") on bf16 operands of
+    PROBE_SHAPE: the best of seven rounds, the two alternating so that both see the same machine."""
+    from nanoqwen.ops import cpu_gemv
+
+    rows, n_in, n_out = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, n_in, generator=g).bfloat16()
+    w = torch.randn(n_out, n_in, generator=g).bfloat16()
+    best = {"own": float("inf"), "upcast": float("inf")}
+    products = {"own": cpu_gemv.bf16_gemm, "upcast": upcast_linear}
+    for fn in products.values():
+        fn(x, w)  # warm-up
+    for _ in range(7):
+        for name, fn in products.items():
+            start = time.perf_counter()
+            fn(x, w)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: round(2 * rows * n_in * n_out / t / 1e9, 1) for name, t in best.items()}
+
+
+def gemv_probe(path: str = "bf16", gemm: bool = False) -> dict[int, tuple[float, float]]:
     """For each row count of GEMV_PROBE_ROWS, GB/s of weights read by nanoqwen's bf16_gemv and by what
     those rows take without it on this path (probe_alternative), over copies of a GEMV_PROBE_SHAPE
     matrix that together exceed the L3 cache (as a decode step reads its weights from memory); best of
@@ -210,7 +256,7 @@ def gemv_probe(path: str = "bf16") -> dict[int, tuple[float, float]]:
     for rows in GEMV_PROBE_ROWS:
         x = torch.ones(rows, k, dtype=torch.bfloat16)
         gb_s = []
-        for fn in (cpu_gemv.bf16_gemv, probe_alternative(path, rows)):
+        for fn in (cpu_gemv.bf16_gemv, probe_alternative(path, rows, gemm)):
             fn(x, weights[0])  # warm-up
             best = float("inf")
             for _ in range(5):
@@ -223,9 +269,17 @@ def gemv_probe(path: str = "bf16") -> dict[int, tuple[float, float]]:
     return speeds
 
 
-def probe_alternative(path: str, rows: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """What `linear` runs for this many bf16 rows on this path without the gemv kernels."""
-    return upcast_linear if path == "float32" and rows >= UPCAST_MIN_ROWS else F.linear
+def probe_alternative(path: str, rows: int, gemm: bool = False
+                      ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """What `linear` runs for this many bf16 rows on this path (with bf16_gemm or not) without the gemv
+    kernels."""
+    if path != "float32" or rows < UPCAST_MIN_ROWS:
+        return F.linear
+    if gemm:
+        from nanoqwen.ops import cpu_gemv
+
+        return cpu_gemv.bf16_gemm
+    return upcast_linear
 
 
 def _select_path(cache_dir: Path | None) -> MatmulPath:
@@ -236,7 +290,7 @@ def _select_path(cache_dir: Path | None) -> MatmulPath:
         logger.warning("NANOQWEN_CPU_MATMUL=%s is not one of auto, %s: measuring instead",
                        forced, ", ".join(PATHS))
     found = _cached(cache_dir, "matmul", lambda: asdict(probe()))
-    return MatmulPath(**{k: v for k, v in found.items() if not k.startswith("gemv")})
+    return MatmulPath(**{k: v for k, v in found.items() if not k.startswith(("gemv", "gemm"))})
 
 
 def _cached(cache_dir: Path | None, what: str, measure: Callable[[], dict]) -> dict:

@@ -117,6 +117,15 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     return _ext.bf16_gemv(x.reshape(-1, x.shape[-1]), w, bias).view(*x.shape[:-1], w.shape[0])
 
 
+def bf16_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y = x @ w.T for bf16 or float32 x [..., K] and bf16 w [N, K], computed in float32 and rounded to x's dtype
+    once (bf16_gemv_reference's function, for many rows: prompts on CPUs without fast bf16 compute). Weights are
+    converted to float32 in cache-sized panels inside the product (csrc/gemm.cpp), not in a copy beside it."""
+    if _ext is None:
+        _require()
+    return _ext.bf16_gemm(x, w)
+
+
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = (x @ q.T) * scale for bf16 x [..., K], int8 q [N, K], bf16 scale [N]; y bf16 [..., N]."""
     if _ext is None:

@@ -1,0 +1,177 @@
+// bf16_gemm: y = x @ w.T for many rows of x (a prompt, a large batch), computed in float32 from bf16 weights,
+// for CPUs without fast bf16 arithmetic. The plain way there (ops/cpu.py's upcast_linear) converts the weights
+// to float32 and calls torch's float32 product; this does the same arithmetic in one pass, as BLIS and
+// OpenBLAS structure a GEMM (Goto's algorithm), converting bf16 while packing:
+//
+//   x is packed once into panels of kMR rows, [K][kMR] float32 each (so a kernel reads kMR values per step);
+//   the threads take blocks of kNC output columns (weight rows) in turn and walk each in steps of kKC depth:
+//   the step's weights are converted and packed into panels of kNR columns, [kKC][kNR] float32 (a panel
+//   stays in L1 while the row panels of x stream past it from L2);
+//   the kernel multiplies a kMR x kKC piece of x by a kKC x kNR panel into kMR x kNR float32 accumulators
+//   (12 AVX2 registers of 8 lanes: 6 broadcasts and 2 panel loads feed 12 FMAs a step), added to the block's
+//   float32 partial sums; the last depth block's sums are rounded to the output dtype once.
+//
+// It computes what torch.nn.functional.linear(x.float(), w.float()) computes, rounded to x's dtype, up to the
+// order of float32 additions (tests/test_cpu_gemv.py checks it against that reference). The block sizes were
+// measured on a Zen 3 (32 KiB L1, 512 KiB L2 a core): BENCHMARKS.md.
+
+#include "cpu_kernels.h"
+
+namespace nanoqwen {
+namespace {
+
+constexpr int64_t kMR = 6;     // rows of x a kernel call covers (6 x 2 accumulators + 2 panel + 1 broadcast
+constexpr int64_t kNR = 16;    // registers = 15 of AVX2's 16); output columns: two 8-lane vectors
+constexpr int64_t kKC = 256;   // depth of a block: a [kKC][kNR] float32 weight panel is 16 KiB, in L1
+constexpr int64_t kNC = 128;   // output columns of a block: its packed weights are 128 KiB, in L2
+constexpr int64_t kMC = 96;    // rows of x a kernel sweep covers per weight panel (96 x kKC float32 in L2)
+
+inline float load_float(float v) { return v; }
+inline float load_float(uint16_t v) { return bf16_to_float(v); }
+
+// x rows [0, rows) of K values (row stride ld) -> [K][kMR] float32, rows past `rows` zero.
+template <typename T>
+void pack_rows(const T* x, int64_t ld, int64_t rows, int64_t K, float* dst) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t r = 0; r < kMR; ++r) dst[k * kMR + r] = r < rows ? load_float(x[r * ld + k]) : 0.0f;
+}
+
+#ifdef NANOQWEN_AVX2
+// out[i] = lane i of each of r[0..7] (an 8 x 8 float32 transpose).
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    s[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(s[i], s[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(s[i], s[4 + i], 0x31);
+  }
+}
+#endif
+
+// Weight rows [0, cols) (bf16, row stride ld), depth [0, kc) -> one panel [kc][kNR] float32, columns past
+// `cols` zero.
+void pack_panel(const uint16_t* w, int64_t ld, int64_t cols, int64_t kc, float* dst) {
+  int64_t k = 0;
+#ifdef NANOQWEN_AVX2
+  if (cols == kNR) {
+    for (; k + 8 <= kc; k += 8)
+      for (int64_t half = 0; half < kNR; half += 8) {
+        __m256 r[8];
+        for (int64_t j = 0; j < 8; ++j) r[j] = load8_bf16(w + (half + j) * ld + k);
+        transpose8(r);  // r[i]: depth k + i of the 8 columns
+        for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (k + i) * kNR + half, r[i]);
+      }
+  }
+#endif
+  for (; k < kc; ++k)
+    for (int64_t j = 0; j < kNR; ++j) dst[k * kNR + j] = j < cols ? bf16_to_float(w[j * ld + k]) : 0.0f;
+}
+
+// acc[kMR][ldc] (+)= a [kc][kMR] @ b [kc][kNR]; `first` overwrites acc instead of adding to it.
+void kernel(int64_t kc, const float* a, const float* b, float* acc, int64_t ldc, bool first) {
+#ifdef NANOQWEN_AVX2
+  // (accumulators start at zero and acc is added after the loop: loading acc into them first made GCC keep
+  // them on the stack, a store per FMA)
+  if (!first)  // the partial sums are read after the loop; fetch them into L1 meanwhile
+    for (int64_t r = 0; r < kMR; ++r) _mm_prefetch(reinterpret_cast<const char*>(acc + r * ldc), _MM_HINT_T0);
+  __m256 c[kMR][2];
+  _Pragma("GCC unroll 6") for (int64_t r = 0; r < kMR; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * kNR), b1 = _mm256_loadu_ps(b + k * kNR + 8);
+    _Pragma("GCC unroll 6") for (int64_t r = 0; r < kMR; ++r) {
+      const __m256 ar = _mm256_broadcast_ss(a + k * kMR + r);
+      c[r][0] = _mm256_fmadd_ps(ar, b0, c[r][0]);
+      c[r][1] = _mm256_fmadd_ps(ar, b1, c[r][1]);
+    }
+  }
+  if (!first)
+    _Pragma("GCC unroll 6") for (int64_t r = 0; r < kMR; ++r)
+      for (int64_t h = 0; h < 2; ++h) c[r][h] = _mm256_add_ps(c[r][h], _mm256_loadu_ps(acc + r * ldc + 8 * h));
+  _Pragma("GCC unroll 6") for (int64_t r = 0; r < kMR; ++r)
+    for (int64_t h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * ldc + 8 * h, c[r][h]);
+#else
+  for (int64_t r = 0; r < kMR; ++r)
+    for (int64_t j = 0; j < kNR; ++j) {
+      float s = first ? 0.0f : acc[r * ldc + j];
+      for (int64_t k = 0; k < kc; ++k) s += a[k * kMR + r] * b[k * kNR + j];
+      acc[r * ldc + j] = s;
+    }
+#endif
+}
+
+inline void store(float* p, float v) { *p = v; }
+inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }
+
+template <typename TX, typename TY>
+void gemm(const TX* x, const uint16_t* w, TY* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t row_panels = (M + kMR - 1) / kMR, col_panels = (N + kNR - 1) / kNR;
+  std::vector<float> packed_x(row_panels * K * kMR);  // [row_panels][K][kMR]
+  at::parallel_for(0, row_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      pack_rows(x + p * kMR * K, K, std::min(kMR, M - p * kMR), K, packed_x.data() + p * K * kMR);
+  });
+  // Threads take blocks of kNC columns from a shared counter, so that one that runs faster (the two cores of a
+  // small machine drift apart) does more of them. An output's sum runs in the same order whoever computes it.
+  constexpr int64_t block_panels = kNC / kNR;
+  const int64_t blocks = (col_panels + block_panels - 1) / block_panels;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> panels(block_panels * kKC * kNR);  // a block's weights: [block_panels][kKC][kNR]
+    std::vector<float> sums(row_panels * kMR * kNC);       // its partial sums: [rows][kNC]
+    for (int64_t block; (block = next.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
+      const int64_t p0 = block * block_panels, np = std::min(block_panels, col_panels - p0), n0 = p0 * kNR;
+      for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+        const int64_t kc = std::min(kKC, K - k0);
+        for (int64_t j = 0; j < np; ++j)
+          pack_panel(w + (n0 + j * kNR) * K + k0, K, std::min(kNR, N - n0 - j * kNR), kc,
+                     panels.data() + j * kc * kNR);
+        for (int64_t i0 = 0; i0 < row_panels; i0 += kMC / kMR)
+          for (int64_t j = 0; j < np; ++j)
+            for (int64_t i = i0; i < std::min(row_panels, i0 + kMC / kMR); ++i)
+              kernel(kc, packed_x.data() + i * K * kMR + k0 * kMR, panels.data() + j * kc * kNR,
+                     sums.data() + i * kMR * kNC + j * kNR, kNC, k0 == 0);
+      }
+      const int64_t cols = std::min(np * kNR, N - n0);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < cols; ++c) store(y + m * N + n0 + c, sums[m * kNC + c]);
+    }
+  });
+}
+
+}  // namespace
+
+// x [..., K] bf16 or float32, w [N, K] bf16 -> y [..., N] in x's dtype: x @ w.T computed in float32.
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "bf16_gemm: x and w must be CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "bf16_gemm: x must be bfloat16 or float32, got ", x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "bf16_gemm: w must be a 2-D bfloat16 tensor, got ",
+              w.scalar_type(), " ", w.sizes());
+  const int64_t K = w.size(1), N = w.size(0);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "bf16_gemm: x's last dimension must be ", K, ", got ", x.sizes());
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  const int64_t M = y.numel() / std::max<int64_t>(N, 1);
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
+  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  if (x.scalar_type() == at::kFloat)
+    gemm(xc.data_ptr<float>(), wp, y.data_ptr<float>(), M, N, K);
+  else
+    gemm(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), wp, y.data_ptr<at::BFloat16>(), M, N, K);
+  return y;
+}
+
+}  // namespace nanoqwen
