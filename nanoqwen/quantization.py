@@ -47,6 +47,9 @@ Kernels, chosen per call:
   the process in torch 2.13: they take the dequantise path). Its float32 path is much slower than
   its bf16 one, and slower than a float32 matmul: float32 models always dequantise (about the
   float32 model's speed, with a quarter of the weight bytes).
+- CPU, more bf16 rows on the float32 path where nanoqwen's GEMM was chosen (ops/cpu.py): its int8
+  version (ops/cpu_gemv.py `int8_gemm`), which converts the int8 weights to float32 while packing
+  them, computes what the float32 dequantise path below computes (rounded once), and is faster.
 - CPU, otherwise (prefill, float32): dequantise block by block,
   `F.linear(x, Wq[rows].to(x.dtype)) * scale[rows]`, with blocks of at most ops/cpu.py's
   UPCAST_BLOCK_BYTES so a big matrix (the LM head) never has a model-dtype copy in memory.
@@ -447,6 +450,8 @@ def pick_kernel(x: torch.Tensor, in_features: int
     if cpu.int8_gemv_rows(x):
         # where nanoqwen's gemv kernels are on: its own kernel (ops/cpu_gemv.py) reads the int8 rows
         return cpu.int8_gemv
+    if cpu.int8_gemm_rows(x):  # more rows, where nanoqwen's GEMM was chosen: its int8 version
+        return cpu.int8_gemm
     rows = x.numel() // in_features if in_features else 0
     if rows <= INT8PACK_MAX_ROWS and int8pack_supported(x.dtype, in_features):
         return int8pack_linear

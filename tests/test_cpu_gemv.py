@@ -187,6 +187,16 @@ def test_bf16_gemm_matches_reference(kernels, m, k, n):
     assert ((got32 - want32).abs() <= 1e-5 * (x.float().abs() @ w.float().abs().T) + 1e-30).all()
 
 
+@pytest.mark.parametrize("m, k, n", GEMM_SIZES)
+def test_int8_gemm_matches_reference(kernels, m, k, n):
+    x, _, _, q, scale = make(m, k, n)
+    got = kernels.int8_gemm(x, q, scale)
+    magnitude = (x.float().abs() @ q.float().abs().T) * scale.float().abs()
+    want = kernels.int8_gemv_reference(x, q, scale)
+    assert_within_one_ulp(got, want, magnitude)
+    assert (got == want).float().mean().item() > 0.95
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_bf16_gemm_threads_split_columns_the_same_way(kernels, threads):
     """Threads take ranges of 16-column panels (3 threads: uneven ones); each output's sum runs in the same
@@ -213,10 +223,15 @@ def test_bf16_gemm_shapes_and_inputs(kernels):
     assert torch.equal(kernels.bf16_gemm(x[:, :0], w[:, :0]), torch.zeros(10, 33, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="x must be bfloat16 or float32"):
         kernels.bf16_gemm(x.half(), w)
-    with pytest.raises(RuntimeError, match="w must be a 2-D bfloat16"):
+    with pytest.raises(RuntimeError, match="w must be a 2-D BFloat16"):
         kernels.bf16_gemm(x, w.float())
     with pytest.raises(RuntimeError, match="x's last dimension must be 40"):
         kernels.bf16_gemm(x[:, :39], w)
+    _, _, _, q, scale = make(10, 40, 33)
+    with pytest.raises(RuntimeError, match="q must be a 2-D Char"):
+        kernels.int8_gemm(x, w, scale)
+    with pytest.raises(RuntimeError, match=r"scale must have shape \[33\]"):
+        kernels.int8_gemm(x, q, scale[:5])
 
 
 @pytest.fixture

@@ -142,7 +142,8 @@ def test_int8_linear_equals_the_dequantised_reference(dtype, rows, bias):
 def test_kernel_choice(monkeypatch):
     """Which int8 kernel takes an input: with nanoqwen's gemv kernels off (pinned: a test before this one
     may have loaded a model whose probe switched them on), int8pack for few bf16 rows, else dequantise;
-    with them on, nanoqwen's int8 kernel up to 16 rows, or the bf16 kernel's row count if higher."""
+    with them on, nanoqwen's int8 kernel up to 16 rows, or the bf16 kernel's row count if higher; more bf16
+    rows through nanoqwen's int8 GEMM where its bf16 GEMM was chosen."""
     bf16 = torch.bfloat16
     monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("bf16", "test"))
     assert pick_kernel(torch.empty(1, 64, dtype=bf16), 64) is int8pack_linear  # decode at batch 1
@@ -161,6 +162,11 @@ def test_kernel_choice(monkeypatch):
     monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("float32", "test", gemv_max_rows=64))
     assert pick_kernel(torch.empty(64, 64, dtype=bf16), 64) is cpu.int8_gemv
     assert pick_kernel(torch.empty(65, 64, dtype=bf16), 64) is dequantized_linear
+    # where nanoqwen's GEMM was chosen: its int8 version for bf16 rows past the gemv kernels'
+    monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("float32", "test", gemv_max_rows=64, gemm=True))
+    assert pick_kernel(torch.empty(64, 64, dtype=bf16), 64) is cpu.int8_gemv
+    assert pick_kernel(torch.empty(65, 64, dtype=bf16), 64) is cpu.int8_gemm
+    assert pick_kernel(torch.empty(65, 64, dtype=torch.float32), 64) is dequantized_linear
 
 
 def test_width_the_int8pack_kernel_cannot_take_runs_dequantised():

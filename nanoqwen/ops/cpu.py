@@ -142,6 +142,18 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return _gemv_kernels.int8_gemv(x, q, scale)
 
 
+def int8_gemm_rows(x: torch.Tensor) -> bool:
+    """Whether an int8 product over x's rows that int8_gemv_rows leaves goes through nanoqwen's int8_gemm:
+    where bf16_gemm was chosen (the same kernel, int8 panels; int8 prompts were measured faster through
+    it than dequantised to float32 blocks: BENCHMARKS.md), for bf16 x on the float32 path."""
+    return _in_use.gemm and x.dtype == torch.bfloat16 and upcast_16bit(x)
+
+
+def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """nanoqwen's int8 GEMM (ops/cpu_gemv.py); call where int8_gemm_rows(x) is True."""
+    return _gemv_kernels.int8_gemm(x, q, scale)
+
+
 def upcast_16bit(x: torch.Tensor) -> bool:
     """Whether a product over x's rows computes in float32 from 16-bit operands (CPU without fast
     bf16)."""

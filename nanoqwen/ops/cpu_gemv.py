@@ -126,6 +126,14 @@ def bf16_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _ext.bf16_gemm(x, w)
 
 
+def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = (x @ q.T) * scale for bf16 or float32 x [..., K], int8 q [N, K], bf16 scale [N], in float32, rounded to
+    x's dtype once (int8_gemv_reference's function, for many rows): bf16_gemm with int8 weights."""
+    if _ext is None:
+        _require()
+    return _ext.int8_gemm(x, q, scale)
+
+
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = (x @ q.T) * scale for bf16 x [..., K], int8 q [N, K], bf16 scale [N]; y bf16 [..., N]."""
     if _ext is None:

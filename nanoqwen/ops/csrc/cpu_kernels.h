@@ -3,7 +3,7 @@
 // are shared among threads, and the kernels' entry points, one file each:
 //
 //   gemv.cpp        bf16_gemv, int8_gemv: y = x @ w.T for few rows of x, streaming the weights once
-//   gemm.cpp        bf16_gemm: y = x @ w.T for many rows of x in float32 from bf16 weights (no fast bf16 compute)
+//   gemm.cpp        bf16_gemm, int8_gemm: y = x @ w.T for many rows of x in float32 from bf16 / int8 weights
 //   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill)
 //   decode_ops.cpp  rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a decode step's rest
 //   module.cpp      decode_layers (all decoder layers of a decode step in one call) and the Python bindings
@@ -137,6 +137,7 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w, const std::option
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
 // gemm.cpp
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w);
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
 // int4_gemv.cpp
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const at::Tensor& offset);

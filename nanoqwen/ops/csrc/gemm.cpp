@@ -1,5 +1,6 @@
 // bf16_gemm: y = x @ w.T for many rows of x (a prompt, a large batch), computed in float32 from bf16 weights,
-// for CPUs without fast bf16 arithmetic. The plain way there (ops/cpu.py's upcast_linear) converts the weights
+// for CPUs without fast bf16 arithmetic; int8_gemm: the same with int8 weights and a scale per output,
+// y = (x @ q.T) * scale (quantization.py's format). The plain way there (ops/cpu.py's upcast_linear) converts the weights
 // to float32 and calls torch's float32 product; this does the same arithmetic in one pass, as BLIS and
 // OpenBLAS structure a GEMM (Goto's algorithm), converting bf16 while packing:
 //
@@ -57,23 +58,24 @@ inline void transpose8(__m256 r[8]) {
 }
 #endif
 
-// Weight rows [0, cols) (bf16, row stride ld), depth [0, kc) -> one panel [kc][kNR] float32, columns past
-// `cols` zero.
-void pack_panel(const uint16_t* w, int64_t ld, int64_t cols, int64_t kc, float* dst) {
+// Weight rows [0, cols) (bf16 or int8, row stride ld), depth [0, kc) -> one panel [kc][kNR] float32, columns
+// past `cols` zero.
+template <typename TW>
+void pack_panel(const TW* w, int64_t ld, int64_t cols, int64_t kc, float* dst) {
   int64_t k = 0;
 #ifdef NANOQWEN_AVX2
   if (cols == kNR) {
     for (; k + 8 <= kc; k += 8)
       for (int64_t half = 0; half < kNR; half += 8) {
         __m256 r[8];
-        for (int64_t j = 0; j < 8; ++j) r[j] = load8_bf16(w + (half + j) * ld + k);
+        for (int64_t j = 0; j < 8; ++j) r[j] = load8(w + (half + j) * ld + k);
         transpose8(r);  // r[i]: depth k + i of the 8 columns
         for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (k + i) * kNR + half, r[i]);
       }
   }
 #endif
   for (; k < kc; ++k)
-    for (int64_t j = 0; j < kNR; ++j) dst[k * kNR + j] = j < cols ? bf16_to_float(w[j * ld + k]) : 0.0f;
+    for (int64_t j = 0; j < kNR; ++j) dst[k * kNR + j] = j < cols ? to_float(w[j * ld + k]) : 0.0f;
 }
 
 // acc[kMR][ldc] (+)= a [kc][kMR] @ b [kc][kNR]; `first` overwrites acc instead of adding to it.
@@ -111,8 +113,9 @@ void kernel(int64_t kc, const float* a, const float* b, float* acc, int64_t ldc,
 inline void store(float* p, float v) { *p = v; }
 inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }
 
-template <typename TX, typename TY>
-void gemm(const TX* x, const uint16_t* w, TY* y, int64_t M, int64_t N, int64_t K) {
+// y [M, N] = (x [M, K] @ w [N, K].T) * scale [N] (bf16; none: 1), rounded to TY once.
+template <typename TX, typename TW, typename TY>
+void gemm(const TX* x, const TW* w, const uint16_t* scale, TY* y, int64_t M, int64_t N, int64_t K) {
   const int64_t row_panels = (M + kMR - 1) / kMR, col_panels = (N + kNR - 1) / kNR;
   std::vector<float> packed_x(row_panels * K * kMR);  // [row_panels][K][kMR]
   at::parallel_for(0, row_panels, 1, [&](int64_t begin, int64_t end) {
@@ -142,36 +145,56 @@ void gemm(const TX* x, const uint16_t* w, TY* y, int64_t M, int64_t N, int64_t K
                      sums.data() + i * kMR * kNC + j * kNR, kNC, k0 == 0);
       }
       const int64_t cols = std::min(np * kNR, N - n0);
+      float col_scale[kNC];
+      for (int64_t c = 0; c < cols; ++c) col_scale[c] = scale ? bf16_to_float(scale[n0 + c]) : 1.0f;
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t c = 0; c < cols; ++c) store(y + m * N + n0 + c, sums[m * kNC + c]);
+        for (int64_t c = 0; c < cols; ++c) store(y + m * N + n0 + c, sums[m * kNC + c] * col_scale[c]);
     }
   });
 }
 
 }  // namespace
 
-// x [..., K] bf16 or float32, w [N, K] bf16 -> y [..., N] in x's dtype: x @ w.T computed in float32.
-at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "bf16_gemm: x and w must be CPU tensors");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
-              "bf16_gemm: x must be bfloat16 or float32, got ", x.scalar_type());
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "bf16_gemm: w must be a 2-D bfloat16 tensor, got ",
-              w.scalar_type(), " ", w.sizes());
+namespace {
+
+// y [..., N] in x's dtype = (x [..., K] @ w [N, K].T) * scale [N], x bf16 or float32, w bf16 or int8.
+template <typename TW>
+at::Tensor gemm_entry(const char* name, const at::Tensor& x, const at::Tensor& w, const at::Tensor* scale) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), name, ": x and w must be CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, name,
+              ": x must be bfloat16 or float32, got ", x.scalar_type());
+  const auto w_type = std::is_same_v<TW, int8_t> ? at::kChar : at::kBFloat16;
+  TORCH_CHECK(w.scalar_type() == w_type && w.dim() == 2, name, ": ", scale ? "q" : "w", " must be a 2-D ",
+              w_type, " tensor, got ", w.scalar_type(), " ", w.sizes());
   const int64_t K = w.size(1), N = w.size(0);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "bf16_gemm: x's last dimension must be ", K, ", got ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, name, ": x's last dimension must be ", K, ", got ", x.sizes());
+  if (scale) check_vector(*scale, "scale", N);
   const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const at::Tensor sc = scale ? scale->contiguous() : at::Tensor();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
   const int64_t M = y.numel() / std::max<int64_t>(N, 1);
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
-  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const TW*>(wc.data_ptr());
+  const auto* sp = scale ? reinterpret_cast<const uint16_t*>(sc.data_ptr<at::BFloat16>()) : nullptr;
   if (x.scalar_type() == at::kFloat)
-    gemm(xc.data_ptr<float>(), wp, y.data_ptr<float>(), M, N, K);
+    gemm(xc.data_ptr<float>(), wp, sp, y.data_ptr<float>(), M, N, K);
   else
-    gemm(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), wp, y.data_ptr<at::BFloat16>(), M, N, K);
+    gemm(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), wp, sp, y.data_ptr<at::BFloat16>(), M,
+         N, K);
   return y;
+}
+
+}  // namespace
+
+// x [..., K] bf16 or float32, w [N, K] bf16 -> y [..., N] in x's dtype: x @ w.T computed in float32.
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) { return gemm_entry<uint16_t>("bf16_gemm", x, w, nullptr); }
+
+// x [..., K] bf16 or float32, q [N, K] int8, scale [N] bf16 -> y [..., N] in x's dtype: (x @ q.T) * scale in float32.
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+  return gemm_entry<int8_t>("int8_gemm", x, q, &scale);
 }
 
 }  // namespace nanoqwen

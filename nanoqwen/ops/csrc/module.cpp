@@ -93,6 +93,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_gemm", &bf16_gemm, "y = x @ w.T for many rows of x, in float32 from bf16 weights (packed panels)",
         py::arg("x"), py::arg("w"), py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemm", &int8_gemm, "y = (x @ q.T) * scale for many rows of x, in float32 from int8 weights",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemv", &int4_gemv, "y = x @ (offset + scale * q).T for few rows of x (group-wise int4 weights)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, "int4_gemv's product for many rows of x: packed panels, a small GEMM",
