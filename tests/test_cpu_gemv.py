@@ -234,6 +234,50 @@ def test_bf16_gemm_shapes_and_inputs(kernels):
         kernels.int8_gemm(x, q, scale[:5])
 
 
+# q heads, kv heads, D, prompt tokens, cached tokens: blocks of 128 queries (the last one partial), GQA groups of
+# 1 and 2, D not a multiple of 16, more keys than a depth block (256) of the values' product
+@pytest.mark.parametrize("hq, hkv, d, t, num_cached", [(4, 2, 32, 150, 0), (4, 2, 32, 150, 37), (2, 1, 40, 5, 300),
+                                                       (3, 3, 16, 129, 0), (16, 8, 128, 300, 0)])
+def test_prefill_attention_matches_the_blocked_reference(kernels, monkeypatch, hq, hkv, d, t, num_cached):
+    """One C++ call computes prefill_attention_blocked's function on the float32 path (scores and probabilities
+    rounded to bf16 where it rounds them): within a bf16 rounding of it, nearly all outputs the same bits, and
+    within the documented definition's tolerance of attention_reference."""
+    from nanoqwen.models.qwen3 import attention_reference
+    from nanoqwen.ops import attention, cpu
+
+    monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("float32", "test"))
+    g = torch.Generator().manual_seed(t + num_cached)
+    q = torch.randn(t, hq, d, generator=g).bfloat16()
+    k = torch.randn(num_cached + t, hkv, d, generator=g).bfloat16()
+    v = torch.randn(num_cached + t, hkv, d, generator=g).bfloat16()
+    got = kernels.prefill_attention(q, k, v, num_cached, d**-0.5, 128)
+    want = attention.prefill_attention_blocked(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               num_cached).transpose(0, 1)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=0.01, rtol=0.016)
+    assert (got == want).float().mean().item() > 0.99
+    pos = torch.arange(num_cached, num_cached + t)[:, None]
+    mask = (torch.arange(num_cached + t)[None, :] <= pos)[None, None]
+    ref = attention_reference(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask)[0]
+    torch.testing.assert_close(got, ref.transpose(0, 1), atol=0.03, rtol=0.02)
+    # k and v as views of another layout (copied), and the threads taking the tasks in another order: same bits
+    k2, v2 = k.transpose(0, 1).contiguous().transpose(0, 1), v.transpose(0, 1).contiguous().transpose(0, 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(kernels.prefill_attention(q, k2, v2, num_cached, d**-0.5, 128), got)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_prefill_attention_wrong_inputs_raise(kernels):
+    q, k = torch.zeros(4, 2, 8, dtype=torch.bfloat16), torch.zeros(4, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="3-D bfloat16"):
+        kernels.prefill_attention(q.float(), k, k, 0, 1.0, 128)
+    with pytest.raises(RuntimeError, match=r"k and v \[num_cached \+ T, Hkv, D\]"):
+        kernels.prefill_attention(q, k, k, 2, 1.0, 128)
+
+
 @pytest.fixture
 def fresh_state(monkeypatch):
     """cpu_gemv with its cached build state reset (restored after the test)."""

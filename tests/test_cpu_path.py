@@ -278,7 +278,8 @@ def test_own_decode_kernels_give_transformers_greedy_tokens(own_kernels, checkpo
                                                             path_in_use):
     """nanoqwen's C++ decode step (gemv, RMSNorm, RoPE, SwiGLU, paged attention reading the cache in
     place; ops/cpu_gemv.py) and torch's ops give transformers' bf16 greedy tokens, alone and for
-    three sequences decoding together (rows of different lengths in one attention call)."""
+    three sequences decoding together (rows of different lengths in one attention call). Forced on,
+    the kernels take the prompts too: products through bf16_gemm, attention through prefill_attention."""
     from nanoqwen.ops import cpu_gemv
 
     if own_kernels == "1" and not cpu_gemv.available():
@@ -289,6 +290,11 @@ def test_own_decode_kernels_give_transformers_greedy_tokens(own_kernels, checkpo
     prompts = [LONG_PROMPT[:n] for n in (7, 30, 80)]
     model = hf_model(path, torch.bfloat16)
     refs = [hf_greedy(model, p, 12) for p in prompts]
+    prompt_attention = []
+    if own_kernels == "1":
+        original = cpu_gemv.prefill_attention
+        monkeypatch.setattr(cpu_gemv, "prefill_attention",
+                            lambda q, *a: prompt_attention.append(q.shape[0]) or original(q, *a))
     llm = LLM(path, dtype="bfloat16", device="cpu", max_model_len=128, block_size=16)
     runner = llm.llm_engine.runner
     assert runner.attention_backend == ("cpu" if own_kernels == "1" else None)
@@ -296,9 +302,21 @@ def test_own_decode_kernels_give_transformers_greedy_tokens(own_kernels, checkpo
     # (forced on with them: the 80-token prompt's products go through bf16_gemm)
     assert ("nanoqwen's bf16_gemm" in llm.llm_engine.kernel_path) == (own_kernels == "1")
     assert [our_greedy(llm, p, 12) for p in prompts] == refs
+    assert bool(prompt_attention) == (own_kernels == "1")
     together = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                             use_tqdm=False)
     assert [o.token_ids for o in together] == refs
+
+
+def test_prompt_attention_goes_to_the_cpp_kernel_where_the_gemm_was_chosen(path_in_use):
+    q = torch.zeros(3, 2, 8, dtype=torch.bfloat16)
+    cpu.use_matmul_path(cpu.MatmulPath("float32", "test", gemm=True))
+    assert cpu.own_prefill_attention(q) and not cpu.own_prefill_attention(q.float())
+    assert not cpu.own_prefill_attention(q.half())
+    cpu.use_matmul_path(cpu.MatmulPath("float32", "test"))
+    assert not cpu.own_prefill_attention(q)
+    cpu.use_matmul_path(cpu.MatmulPath("bf16", "test", gemm=True))
+    assert not cpu.own_prefill_attention(q)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])

@@ -6,7 +6,8 @@ tests/test_gpu_paths.py hold them to it.
 - attention_sdpa: prompt chunks through torch's fused scaled_dot_product_attention (GPU, and
   float32 on CPU);
 - prefill_attention_blocked: prompt chunks on CPU in bf16/fp16, where it is faster than the fused
-  kernel;
+  kernel; on the float32 path where nanoqwen's GEMM was chosen (ops/cpu.py), its function in one
+  C++ call (ops/cpu_gemv.py prefill_attention);
 - decode_attention: one query per sequence, the query heads of a group folded into one SDPA call
   (CPU).
 The paged decode kernels that read the KV cache in place (GPU) are in ops/paged_attention.py.
@@ -25,6 +26,8 @@ from nanoqwen.ops.paged_attention import paged_decode_attention
 if TYPE_CHECKING:
     from nanoqwen.engine.attention_metadata import AttentionMetadata, PrefillChunk
     from nanoqwen.engine.kv_cache import KVCache
+
+PREFILL_BLOCK = 128  # query rows a block of CPU prompt attention takes (its keys: those up to its last query)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
@@ -58,9 +61,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       chunk: PrefillChunk) -> torch.Tensor:
     """One prompt chunk: q [T, Hq, D]; k, v [1, Hkv, S, D]
     (its whole context, S = chunk.context_len)."""
+    num_cached = chunk.context_len - chunk.query_len
+    if cpu.own_prefill_attention(q):  # the same function in one C++ call (k, v: [S, Hkv, D], the cache's layout)
+        return cpu.prefill_attention(q, k[0].transpose(0, 1), v[0].transpose(0, 1), num_cached, PREFILL_BLOCK)
     qh = q.transpose(0, 1)  # [Hq, T, D]
     if q.device.type == "cpu" and q.dtype != torch.float32:
-        out = prefill_attention_blocked(qh, k[0], v[0], chunk.context_len - chunk.query_len)
+        out = prefill_attention_blocked(qh, k[0], v[0], num_cached)
     else:
         # nothing cached before: the plain causal mask
         causal = chunk.context_len == chunk.query_len
@@ -77,7 +83,7 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 def prefill_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int,
-                              block: int = 128) -> torch.Tensor:
+                              block: int = PREFILL_BLOCK) -> torch.Tensor:
     """attention_reference for one prompt chunk, causal, in blocks of query rows (the CPU fast path
     in bf16/fp16).
 

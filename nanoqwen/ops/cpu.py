@@ -154,6 +154,19 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return _gemv_kernels.int8_gemm(x, q, scale)
 
 
+def own_prefill_attention(q: torch.Tensor) -> bool:
+    """Whether a prompt chunk's attention (bf16 q) goes through nanoqwen's C++ prefill_attention: where its
+    GEMM was chosen (the same kernel computes the two products), on the float32 path."""
+    return _in_use.gemm and q.dtype == torch.bfloat16 and upcast_16bit(q)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int,
+                      block: int) -> torch.Tensor:
+    """nanoqwen's prompt attention (ops/cpu_gemv.py) for q [T, Hq, D], k and v [S, Hkv, D]; call where
+    own_prefill_attention(q) is True."""
+    return _gemv_kernels.prefill_attention(q, k, v, num_cached, q.shape[-1] ** -0.5, block)
+
+
 def upcast_16bit(x: torch.Tensor) -> bool:
     """Whether a product over x's rows computes in float32 from 16-bit operands (CPU without fast
     bf16)."""

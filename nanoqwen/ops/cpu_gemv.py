@@ -134,6 +134,17 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return _ext.int8_gemm(x, q, scale)
 
 
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float,
+                      block: int) -> torch.Tensor:
+    """ops/attention.py prefill_attention_blocked's function (float32 products, scores and probabilities
+    rounded to bf16) for one prompt chunk: bf16 q [T, Hq, D] at positions num_cached .. num_cached + T - 1,
+    k and v [num_cached + T, Hkv, D] (the paged cache's layout) -> [T, Hq, D]. One call: each kv head's query
+    blocks run as two products of bf16_gemm's kernel around a softmax, the threads taking them in turn."""
+    if _ext is None:
+        _require()
+    return _ext.prefill_attention(q, k, v, num_cached, scale, block)
+
+
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = (x @ q.T) * scale for bf16 x [..., K], int8 q [N, K], bf16 scale [N]; y bf16 [..., N]."""
     if _ext is None:

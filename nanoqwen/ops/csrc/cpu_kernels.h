@@ -3,7 +3,8 @@
 // are shared among threads, and the kernels' entry points, one file each:
 //
 //   gemv.cpp        bf16_gemv, int8_gemv: y = x @ w.T for few rows of x, streaming the weights once
-//   gemm.cpp        bf16_gemm, int8_gemm: y = x @ w.T for many rows of x in float32 from bf16 / int8 weights
+//   gemm.cpp        bf16_gemm, int8_gemm: y = x @ w.T for many rows of x in float32 from bf16 / int8 weights;
+//                   prefill_attention: a prompt chunk's attention, its two products through the same kernel
 //   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill)
 //   decode_ops.cpp  rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a decode step's rest
 //   module.cpp      decode_layers (all decoder layers of a decode step in one call) and the Python bindings
@@ -77,6 +78,20 @@ inline void store8_bf16(uint16_t* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
+// e^x for 8 floats (Cephes' expf: a degree-5 polynomial after range reduction, within 2 float32 ulps).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
 // The sum of the 8 lanes of v.
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // 4 lanes
@@ -138,6 +153,8 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 // gemm.cpp
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_cached,
+                             double scale, int64_t block);
 // int4_gemv.cpp
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const at::Tensor& offset);

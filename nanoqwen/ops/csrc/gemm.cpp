@@ -78,6 +78,22 @@ void pack_panel(const TW* w, int64_t ld, int64_t cols, int64_t kc, float* dst) {
     for (int64_t j = 0; j < kNR; ++j) dst[k * kNR + j] = j < cols ? to_float(w[j * ld + k]) : 0.0f;
 }
 
+// Rows [0, kc) of a matrix stored depth-major (v [kc][ld], bf16), columns [0, cols) -> one panel [kc][kNR]
+// float32, columns past `cols` zero (attention's values: no transpose).
+void pack_panel_rows(const uint16_t* v, int64_t ld, int64_t cols, int64_t kc, float* dst) {
+  for (int64_t k = 0; k < kc; ++k) {
+    int64_t j = 0;
+#ifdef NANOQWEN_AVX2
+    if (cols == kNR) {
+      _mm256_storeu_ps(dst + k * kNR, load8_bf16(v + k * ld));
+      _mm256_storeu_ps(dst + k * kNR + 8, load8_bf16(v + k * ld + 8));
+      continue;
+    }
+#endif
+    for (; j < kNR; ++j) dst[k * kNR + j] = j < cols ? bf16_to_float(v[k * ld + j]) : 0.0f;
+  }
+}
+
 // acc[kMR][ldc] (+)= a [kc][kMR] @ b [kc][kNR]; `first` overwrites acc instead of adding to it.
 void kernel(int64_t kc, const float* a, const float* b, float* acc, int64_t ldc, bool first) {
 #ifdef NANOQWEN_AVX2
@@ -195,6 +211,105 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) { return gemm_ent
 // x [..., K] bf16 or float32, q [N, K] int8, scale [N] bf16 -> y [..., N] in x's dtype: (x @ q.T) * scale in float32.
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   return gemm_entry<int8_t>("int8_gemm", x, q, &scale);
+}
+
+// ---- Prompt attention: ops/attention.py prefill_attention_blocked's function on the float32 path, its two
+// products through the kernel above.
+//
+// A task is one kv head h and one block of query positions [t0, t0 + b): its G query heads' rows, G * b of
+// them, attend to keys [0, num_cached + t0 + b). scores = bf16(scale * q . k) (the keys packed as weight
+// panels); a query's later keys masked; probs = bf16(softmax(scores)) in float32, written straight into x's
+// packed layout; out = bf16(probs @ v) (v packed without a transpose: it is depth-major already). Tasks are
+// taken from a shared counter. q [T, Hq, D], k and v [S, Hkv, D] (the paged cache's layout), out [T, Hq, D].
+namespace {
+
+void attention_task(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t h, int64_t t0,
+                    int64_t b, int64_t num_cached, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                    std::vector<float>& buf) {
+  const int64_t G = Hq / Hkv, rows = G * b, row_panels = (rows + kMR - 1) / kMR, keys = num_cached + t0 + b;
+  const int64_t key_pad = (keys + kNR - 1) / kNR * kNR, d_pad = (D + kNR - 1) / kNR * kNR;
+  buf.resize(row_panels * kMR * (D + 2 * key_pad + d_pad) + kKC * d_pad);
+  float* qp = buf.data();                        // [row_panels][D][kMR]
+  float* s = qp + row_panels * kMR * D;          // scores [rows][key_pad]
+  float* pp = s + row_panels * kMR * key_pad;    // probs, packed [row_panels][keys][kMR]
+  float* o = pp + row_panels * kMR * key_pad;    // out [rows][d_pad]
+  float* panels = o + row_panels * kMR * d_pad;  // weight panels of one depth step
+  const auto row = [&](int64_t r) { return q + ((t0 + r % b) * Hq + h * G + r / b) * D; };  // r = g * b + i
+  for (int64_t r = 0; r < row_panels * kMR; ++r)
+    for (int64_t d = 0; d < D; ++d) qp[(r / kMR) * D * kMR + d * kMR + r % kMR] = r < rows ? bf16_to_float(row(r)[d]) : 0.0f;
+  const int64_t ldk = Hkv * D;
+  for (int64_t k0 = 0; k0 < D; k0 += kKC) {  // scores: q [rows, D] @ k [keys, D].T
+    const int64_t kc = std::min(kKC, D - k0);
+    for (int64_t j = 0; j < key_pad / kNR; ++j) {
+      pack_panel(k + j * kNR * ldk + h * D + k0, ldk, std::min(kNR, keys - j * kNR), kc, panels);
+      for (int64_t i = 0; i < row_panels; ++i)
+        kernel(kc, qp + i * D * kMR + k0 * kMR, panels, s + i * kMR * key_pad + j * kNR, key_pad, k0 == 0);
+    }
+  }
+  for (int64_t r = 0; r < row_panels * kMR; ++r) {  // softmax over each row's visible keys, rounded as torch rounds
+    float* sr = s + r * key_pad;
+    float* pr = pp + (r / kMR) * keys * kMR + r % kMR;
+    const int64_t visible = r < rows ? num_cached + t0 + r % b + 1 : 0;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, sr[j] = round_bf16(scale * sr[j]));
+    int64_t j = 0;
+#ifdef NANOQWEN_AVX2
+    __m256 total = _mm256_setzero_ps();
+    for (; j + 8 <= visible; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), _mm256_set1_ps(mx)));
+      _mm256_storeu_ps(sr + j, e);
+      total = _mm256_add_ps(total, e);
+    }
+    sum = hsum(total);
+#endif
+    for (; j < visible; ++j) sum += (sr[j] = std::exp(sr[j] - mx));
+    for (j = 0; j < keys; ++j) pr[j * kMR] = j < visible ? round_bf16(sr[j] / sum) : 0.0f;
+  }
+  const int64_t ldv = Hkv * D;
+  for (int64_t k0 = 0; k0 < keys; k0 += kKC) {  // out: probs [rows, keys] @ v [keys, D]
+    const int64_t kc = std::min(kKC, keys - k0);
+    for (int64_t j = 0; j < d_pad / kNR; ++j)
+      pack_panel_rows(v + k0 * ldv + h * D + j * kNR, ldv, std::min(kNR, D - j * kNR), kc, panels + j * kc * kNR);
+    for (int64_t i = 0; i < row_panels; ++i)
+      for (int64_t j = 0; j < d_pad / kNR; ++j)
+        kernel(kc, pp + i * keys * kMR + k0 * kMR, panels + j * kc * kNR, o + i * kMR * d_pad + j * kNR, d_pad, k0 == 0);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* dst = out + (row(r) - q);
+    for (int64_t d = 0; d < D; ++d) dst[d] = float_to_bf16(o[r * d_pad + d]);
+  }
+}
+
+}  // namespace
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_cached,
+                             double scale, int64_t block) {
+  for (const auto* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3,
+                "prefill_attention: q, k and v must be 3-D bfloat16 CPU tensors, got ", t->scalar_type(), " ", t->sizes());
+  }
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && k.size(2) == D && v.sizes() == k.sizes() && k.size(0) == num_cached + T &&
+                  num_cached >= 0 && block > 0,
+              "prefill_attention: q [T, Hq, D], k and v [num_cached + T, Hkv, D] with Hq a multiple of Hkv; got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes(), ", num_cached ", num_cached);
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  if (out.numel() == 0) return out;
+  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+  const auto* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr());
+  const auto* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t blocks = (T + block - 1) / block, tasks = Hkv * blocks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
+    std::vector<float> buf;
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      const int64_t h = task % Hkv, t0 = (blocks - 1 - task / Hkv) * block;  // the longest blocks first
+      attention_task(qp, kp, vp, op, h, t0, std::min(block, T - t0), num_cached, Hq, Hkv, D, float(scale), buf);
+    }
+  });
+  return out;
 }
 
 }  // namespace nanoqwen

@@ -95,6 +95,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm", &int8_gemm, "y = (x @ q.T) * scale for many rows of x, in float32 from int8 weights",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention", &prefill_attention, "a prompt chunk's causal attention in float32 from bf16 q, k, v "
+        "(ops/attention.py prefill_attention_blocked's function)", py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("num_cached"), py::arg("scale"), py::arg("block"), py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemv", &int4_gemv, "y = x @ (offset + scale * q).T for few rows of x (group-wise int4 weights)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, "int4_gemv's product for many rows of x: packed panels, a small GEMM",
