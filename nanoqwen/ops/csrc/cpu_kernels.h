@@ -118,6 +118,23 @@ inline int32_t hsum_epi32(__m256i v) {
 inline float to_float(uint16_t v) { return bf16_to_float(v); }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 
+// s[j] = e^(s[j] - mx) for j < n, in place; returns their sum (a softmax's numerators and its denominator).
+inline float exp_minus_max(float* s, int64_t n, float mx) {
+  int64_t j = 0;
+  float sum = 0.0f;
+#ifdef NANOQWEN_AVX2
+  __m256 total = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(s + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  sum = hsum(total);
+#endif
+  for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+  return sum;
+}
+
 // body(begin, end) over the rows [0, N) on torch's threads: the work of at::parallel_for(0, N, grain, body),
 // shared out so that a thread that streams its weights more slowly in this call does fewer rows. Each thread
 // first takes its own contiguous share of the first kOwnSharePercent of the rows (one sequential stream per

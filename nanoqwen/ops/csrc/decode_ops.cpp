@@ -339,21 +339,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
       float* l = span_l.data() + task * Hq;
       for (int64_t hq = 0; hq < Hq; ++hq) {  // scores -> exp(s - m), their sum l
         float* s = scores.data() + hq * longest;
-        float mx = -INFINITY, sum = 0.0f;
+        float mx = -INFINITY;
         for (int64_t j = 0; j < len; ++j) mx = std::max(mx, s[j]);
-        int64_t j = 0;
-#ifdef NANOQWEN_AVX2
-        __m256 total = _mm256_setzero_ps();
-        for (; j + 8 <= len; j += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
-          _mm256_storeu_ps(s + j, e);
-          total = _mm256_add_ps(total, e);
-        }
-        sum = hsum(total);
-#endif
-        for (; j < len; ++j) sum += (s[j] = std::exp(s[j] - mx));
         m[hq] = mx;
-        l[hq] = sum;
+        l[hq] = exp_minus_max(s, len, mx);
       }
       float* o = span_o.data() + task * Hq * D;
       for (int64_t j = 0; j < len; j += kGroup) {

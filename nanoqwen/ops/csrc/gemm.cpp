@@ -250,20 +250,10 @@ void attention_task(const uint16_t* q, const uint16_t* k, const uint16_t* v, uin
     float* sr = s + r * key_pad;
     float* pr = pp + (r / kMR) * keys * kMR + r % kMR;
     const int64_t visible = r < rows ? num_cached + t0 + r % b + 1 : 0;
-    float mx = -INFINITY, sum = 0.0f;
+    float mx = -INFINITY;
     for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, sr[j] = round_bf16(scale * sr[j]));
-    int64_t j = 0;
-#ifdef NANOQWEN_AVX2
-    __m256 total = _mm256_setzero_ps();
-    for (; j + 8 <= visible; j += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), _mm256_set1_ps(mx)));
-      _mm256_storeu_ps(sr + j, e);
-      total = _mm256_add_ps(total, e);
-    }
-    sum = hsum(total);
-#endif
-    for (; j < visible; ++j) sum += (sr[j] = std::exp(sr[j] - mx));
-    for (j = 0; j < keys; ++j) pr[j * kMR] = j < visible ? round_bf16(sr[j] / sum) : 0.0f;
+    const float sum = exp_minus_max(sr, visible, mx);
+    for (int64_t j = 0; j < keys; ++j) pr[j * kMR] = j < visible ? round_bf16(sr[j] / sum) : 0.0f;
   }
   const int64_t ldv = Hkv * D;
   for (int64_t k0 = 0; k0 < keys; k0 += kKC) {  // out: probs [rows, keys] @ v [keys, D]
