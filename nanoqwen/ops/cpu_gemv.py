@@ -1,6 +1,7 @@
-"""Kernels for CPU decode steps: matrix-vector products (bf16, int8 and int4 weights times a few rows of bf16
-activations), and the rest of a decode step in few calls (RMSNorm, RoPE, SwiGLU for few rows; attention
-reading the paged KV cache in place).
+"""nanoqwen's CPU kernels. For decode steps: matrix-vector products (bf16, int8 and int4 weights times a few rows
+of bf16 activations), and the rest of a decode step in few calls (RMSNorm, RoPE, SwiGLU for few rows; attention
+reading the paged KV cache in place). For prompts on CPUs without fast bf16 arithmetic: a GEMM and prompt
+attention (below).
 
 Decoding one token (or a handful of sequences) multiplies each weight matrix by 1..8 activation rows. Each
 weight is then used only a few times, so the product is bound by how fast the weights stream from memory, and
@@ -26,6 +27,13 @@ For more than 8 rows (a prompt, a large batch) `int4_gemv` computes the same fun
 (each vector lane an output column), and every row of x runs over the panel in register tiles of 4 rows. The
 integer products run at twice the rate of bf16 ones (VNNI) or float32 FMAs (AVX2 maddubs), so a 4-bit
 prompt runs faster than the bf16 model's (BENCHMARKS.md), with the same numerics as a 4-bit decode step.
+
+On CPUs whose bf16 matrix products are slow (ops/cpu.py's float32 path), products over many rows compute in
+float32. `bf16_gemm` (and `int8_gemm`) do that as BLIS and OpenBLAS structure a GEMM (csrc/gemm.cpp): x packed
+once, the weights converted to float32 while they are packed into cache-sized panels, a 6 x 16 register-tiled FMA
+kernel; the same function as upcast_linear (convert blocks, then torch's float32 product), faster where ops/cpu.py
+measured it so. `prefill_attention` runs a prompt chunk's attention through the same kernel in one call, rounding
+where ops/attention.py's prefill_attention_blocked rounds.
 
 The extension is compiled on first use with torch.utils.cpp_extension (a C++ compiler is needed; the build
 is cached in torch's extensions folder under a name that hashes the source and flags, so an edit rebuilds;
