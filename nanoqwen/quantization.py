@@ -450,7 +450,7 @@ def pick_kernel(x: torch.Tensor, in_features: int
     if cpu.int8_gemv_rows(x):
         # where nanoqwen's gemv kernels are on: its own kernel (ops/cpu_gemv.py) reads the int8 rows
         return cpu.int8_gemv
-    if cpu.int8_gemm_rows(x):  # more rows, where nanoqwen's GEMM was chosen: its int8 version
+    if cpu.own_gemm(x):  # more rows, where nanoqwen's GEMM was chosen: its int8 version
         return cpu.int8_gemm
     rows = x.numel() // in_features if in_features else 0
     if rows <= INT8PACK_MAX_ROWS and int8pack_supported(x.dtype, in_features):

@@ -311,12 +311,12 @@ def test_own_decode_kernels_give_transformers_greedy_tokens(own_kernels, checkpo
 def test_prompt_attention_goes_to_the_cpp_kernel_where_the_gemm_was_chosen(path_in_use):
     q = torch.zeros(3, 2, 8, dtype=torch.bfloat16)
     cpu.use_matmul_path(cpu.MatmulPath("float32", "test", gemm=True))
-    assert cpu.own_prefill_attention(q) and not cpu.own_prefill_attention(q.float())
-    assert not cpu.own_prefill_attention(q.half())
+    assert cpu.own_gemm(q) and not cpu.own_gemm(q.float())
+    assert not cpu.own_gemm(q.half())
     cpu.use_matmul_path(cpu.MatmulPath("float32", "test"))
-    assert not cpu.own_prefill_attention(q)
+    assert not cpu.own_gemm(q)
     cpu.use_matmul_path(cpu.MatmulPath("bf16", "test", gemm=True))
-    assert not cpu.own_prefill_attention(q)
+    assert not cpu.own_gemm(q)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])

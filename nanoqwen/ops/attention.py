@@ -62,7 +62,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """One prompt chunk: q [T, Hq, D]; k, v [1, Hkv, S, D]
     (its whole context, S = chunk.context_len)."""
     num_cached = chunk.context_len - chunk.query_len
-    if cpu.own_prefill_attention(q):  # the same function in one C++ call (k, v: [S, Hkv, D], the cache's layout)
+    if cpu.own_gemm(q):  # the same function in one C++ call (k, v: [S, Hkv, D], the cache's layout)
         return cpu.prefill_attention(q, k[0].transpose(0, 1), v[0].transpose(0, 1), num_cached, PREFILL_BLOCK)
     qh = q.transpose(0, 1)  # [Hq, T, D]
     if q.device.type == "cpu" and q.dtype != torch.float32:

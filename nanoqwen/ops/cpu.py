@@ -121,7 +121,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     if _in_use.gemv and rows <= _in_use.gemv_max_rows and bf16:
         return _gemv_kernels.bf16_gemv(x, weight, bias)
     if rows >= UPCAST_MIN_ROWS and upcast_16bit(x):
-        if _in_use.gemm and bf16 and bias is None:
+        if own_gemm(x) and bf16 and bias is None:
             return _gemv_kernels.bf16_gemm(x, weight)
         return upcast_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -142,28 +142,23 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return _gemv_kernels.int8_gemv(x, q, scale)
 
 
-def int8_gemm_rows(x: torch.Tensor) -> bool:
-    """Whether an int8 product over x's rows that int8_gemv_rows leaves goes through nanoqwen's int8_gemm:
-    where bf16_gemm was chosen (the same kernel, int8 panels; int8 prompts were measured faster through
-    it than dequantised to float32 blocks: BENCHMARKS.md), for bf16 x on the float32 path."""
+def own_gemm(x: torch.Tensor) -> bool:
+    """Whether work over bf16 x's many rows goes through nanoqwen's GEMM kernel: the products (bf16_gemm, and
+    int8_gemm for the int8 rows int8_gemv_rows leaves: measured faster than dequantising to float32 blocks,
+    BENCHMARKS.md) and a prompt chunk's attention (prefill_attention, its two products). Where the GEMM was
+    chosen, on the float32 path."""
     return _in_use.gemm and x.dtype == torch.bfloat16 and upcast_16bit(x)
 
 
 def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """nanoqwen's int8 GEMM (ops/cpu_gemv.py); call where int8_gemm_rows(x) is True."""
+    """nanoqwen's int8 GEMM (ops/cpu_gemv.py); call where own_gemm(x) is True."""
     return _gemv_kernels.int8_gemm(x, q, scale)
-
-
-def own_prefill_attention(q: torch.Tensor) -> bool:
-    """Whether a prompt chunk's attention (bf16 q) goes through nanoqwen's C++ prefill_attention: where its
-    GEMM was chosen (the same kernel computes the two products), on the float32 path."""
-    return _in_use.gemm and q.dtype == torch.bfloat16 and upcast_16bit(q)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int,
                       block: int) -> torch.Tensor:
     """nanoqwen's prompt attention (ops/cpu_gemv.py) for q [T, Hq, D], k and v [S, Hkv, D]; call where
-    own_prefill_attention(q) is True."""
+    own_gemm(q) is True."""
     return _gemv_kernels.prefill_attention(q, k, v, num_cached, q.shape[-1] ** -0.5, block)
 
 

@@ -126,6 +126,22 @@ void kernel(int64_t kc, const float* a, const float* b, float* acc, int64_t ldc,
 #endif
 }
 
+// acc [row_panels * kMR][ldc], columns [0, np * kNR) = a @ b: a packed [row_panels][K][kMR], b's np column panels
+// packed by pack(j, k0, kc, dst) one depth step [k0, k0 + kc) at a time into `panels` (np * kKC * kNR floats). Each
+// panel stays in L1 while up to kMC rows of a stream past it.
+template <typename Pack>
+void block_product(const float* a, int64_t row_panels, int64_t K, int64_t np, const Pack& pack, float* panels,
+                   float* acc, int64_t ldc) {
+  for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+    const int64_t kc = std::min(kKC, K - k0);
+    for (int64_t j = 0; j < np; ++j) pack(j, k0, kc, panels + j * kc * kNR);
+    for (int64_t i0 = 0; i0 < row_panels; i0 += kMC / kMR)
+      for (int64_t j = 0; j < np; ++j)
+        for (int64_t i = i0; i < std::min(row_panels, i0 + kMC / kMR); ++i)
+          kernel(kc, a + i * K * kMR + k0 * kMR, panels + j * kc * kNR, acc + i * kMR * ldc + j * kNR, ldc, k0 == 0);
+  }
+}
+
 inline void store(float* p, float v) { *p = v; }
 inline void store(at::BFloat16* p, float v) { *p = at::BFloat16(v); }
 
@@ -149,17 +165,10 @@ void gemm(const TX* x, const TW* w, const uint16_t* scale, TY* y, int64_t M, int
     std::vector<float> sums(row_panels * kMR * kNC);       // its partial sums: [rows][kNC]
     for (int64_t block; (block = next.fetch_add(1, std::memory_order_relaxed)) < blocks;) {
       const int64_t p0 = block * block_panels, np = std::min(block_panels, col_panels - p0), n0 = p0 * kNR;
-      for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-        const int64_t kc = std::min(kKC, K - k0);
-        for (int64_t j = 0; j < np; ++j)
-          pack_panel(w + (n0 + j * kNR) * K + k0, K, std::min(kNR, N - n0 - j * kNR), kc,
-                     panels.data() + j * kc * kNR);
-        for (int64_t i0 = 0; i0 < row_panels; i0 += kMC / kMR)
-          for (int64_t j = 0; j < np; ++j)
-            for (int64_t i = i0; i < std::min(row_panels, i0 + kMC / kMR); ++i)
-              kernel(kc, packed_x.data() + i * K * kMR + k0 * kMR, panels.data() + j * kc * kNR,
-                     sums.data() + i * kMR * kNC + j * kNR, kNC, k0 == 0);
-      }
+      const auto pack = [&](int64_t j, int64_t k0, int64_t kc, float* dst) {
+        pack_panel(w + (n0 + j * kNR) * K + k0, K, std::min(kNR, N - n0 - j * kNR), kc, dst);
+      };
+      block_product(packed_x.data(), row_panels, K, np, pack, panels.data(), sums.data(), kNC);
       const int64_t cols = std::min(np * kNR, N - n0);
       float col_scale[kNC];
       for (int64_t c = 0; c < cols; ++c) col_scale[c] = scale ? bf16_to_float(scale[n0 + c]) : 1.0f;
@@ -228,23 +237,22 @@ void attention_task(const uint16_t* q, const uint16_t* k, const uint16_t* v, uin
                     std::vector<float>& buf) {
   const int64_t G = Hq / Hkv, rows = G * b, row_panels = (rows + kMR - 1) / kMR, keys = num_cached + t0 + b;
   const int64_t key_pad = (keys + kNR - 1) / kNR * kNR, d_pad = (D + kNR - 1) / kNR * kNR;
-  buf.resize(row_panels * kMR * (D + 2 * key_pad + d_pad) + kKC * d_pad);
+  buf.resize(row_panels * kMR * (D + 2 * key_pad + d_pad) + kKC * std::max(kNC, d_pad));
   float* qp = buf.data();                        // [row_panels][D][kMR]
   float* s = qp + row_panels * kMR * D;          // scores [rows][key_pad]
   float* pp = s + row_panels * kMR * key_pad;    // probs, packed [row_panels][keys][kMR]
   float* o = pp + row_panels * kMR * key_pad;    // out [rows][d_pad]
-  float* panels = o + row_panels * kMR * d_pad;  // weight panels of one depth step
+  float* panels = o + row_panels * kMR * d_pad;  // the panels of one depth step
   const auto row = [&](int64_t r) { return q + ((t0 + r % b) * Hq + h * G + r / b) * D; };  // r = g * b + i
   for (int64_t r = 0; r < row_panels * kMR; ++r)
     for (int64_t d = 0; d < D; ++d) qp[(r / kMR) * D * kMR + d * kMR + r % kMR] = r < rows ? bf16_to_float(row(r)[d]) : 0.0f;
-  const int64_t ldk = Hkv * D;
-  for (int64_t k0 = 0; k0 < D; k0 += kKC) {  // scores: q [rows, D] @ k [keys, D].T
-    const int64_t kc = std::min(kKC, D - k0);
-    for (int64_t j = 0; j < key_pad / kNR; ++j) {
-      pack_panel(k + j * kNR * ldk + h * D + k0, ldk, std::min(kNR, keys - j * kNR), kc, panels);
-      for (int64_t i = 0; i < row_panels; ++i)
-        kernel(kc, qp + i * D * kMR + k0 * kMR, panels, s + i * kMR * key_pad + j * kNR, key_pad, k0 == 0);
-    }
+  const int64_t ld = Hkv * D;  // a position's row in k and v
+  for (int64_t n0 = 0; n0 < keys; n0 += kNC) {  // scores: q [rows, D] @ k [keys, D].T, kNC keys at a time
+    const auto pack_keys = [&](int64_t j, int64_t k0, int64_t kc, float* dst) {
+      pack_panel(k + (n0 + j * kNR) * ld + h * D + k0, ld, std::min(kNR, keys - n0 - j * kNR), kc, dst);
+    };
+    const int64_t np = (std::min(kNC, keys - n0) + kNR - 1) / kNR;
+    block_product(qp, row_panels, D, np, pack_keys, panels, s + n0, key_pad);
   }
   for (int64_t r = 0; r < row_panels * kMR; ++r) {  // softmax over each row's visible keys, rounded as torch rounds
     float* sr = s + r * key_pad;
@@ -255,15 +263,10 @@ void attention_task(const uint16_t* q, const uint16_t* k, const uint16_t* v, uin
     const float sum = exp_minus_max(sr, visible, mx);
     for (int64_t j = 0; j < keys; ++j) pr[j * kMR] = j < visible ? round_bf16(sr[j] / sum) : 0.0f;
   }
-  const int64_t ldv = Hkv * D;
-  for (int64_t k0 = 0; k0 < keys; k0 += kKC) {  // out: probs [rows, keys] @ v [keys, D]
-    const int64_t kc = std::min(kKC, keys - k0);
-    for (int64_t j = 0; j < d_pad / kNR; ++j)
-      pack_panel_rows(v + k0 * ldv + h * D + j * kNR, ldv, std::min(kNR, D - j * kNR), kc, panels + j * kc * kNR);
-    for (int64_t i = 0; i < row_panels; ++i)
-      for (int64_t j = 0; j < d_pad / kNR; ++j)
-        kernel(kc, pp + i * keys * kMR + k0 * kMR, panels + j * kc * kNR, o + i * kMR * d_pad + j * kNR, d_pad, k0 == 0);
-  }
+  const auto pack_values = [&](int64_t j, int64_t k0, int64_t kc, float* dst) {
+    pack_panel_rows(v + k0 * ld + h * D + j * kNR, ld, std::min(kNR, D - j * kNR), kc, dst);
+  };
+  block_product(pp, row_panels, keys, d_pad / kNR, pack_values, panels, o, d_pad);  // out: probs @ v [keys, D]
   for (int64_t r = 0; r < rows; ++r) {
     uint16_t* dst = out + (row(r) - q);
     for (int64_t d = 0; d < D; ++d) dst[d] = float_to_bf16(o[r * d_pad + d]);
