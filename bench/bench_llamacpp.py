@@ -27,9 +27,13 @@ and each system's figure is its best round. Prompt processing is one 512-token f
 the tokens, batch 512; nanoqwen: a generate of 1 token); batch-1 decode is 64 tokens after a 32-token prompt
 (llama.cpp: 64 one-token `eval` calls, as llama-bench's tg does, no sampling; nanoqwen: generate 65 tokens minus
 generate 1, greedy). Each round also times nanoqwen's three formats at batch 16 (16 such prompts at once), for
-int8 and int4 against bf16 there. The bound of a decode row is the read bandwidth (a sum of 1 GiB, read once a
-round; the highest reading of the run) over the bytes a step reads (every matrix once, the tied embedding as the
-LM head); of prefill, the faster of the bf16 and float32 matmul rates over its FLOPs.
+int8 and int4 against bf16 there. The bound of a decode row is the read bandwidth (a sum of 1 GiB) over the bytes a
+step reads (every matrix once, the tied embedding as the LM head); of prefill, the faster of the bf16 and float32
+matmul rates over its FLOPs. The bandwidth is read twice for each decode timing, just before and just after it,
+and that timing's bound uses the higher reading; each system's decode fraction of its bound is the median of its
+rounds' fractions. The table also gives the fraction as earlier runs computed it, the best round over the
+highest reading of the whole run: two extremes of a drifting machine, taken minutes apart, so an underestimate
+wherever the drift is large.
 """
 
 from __future__ import annotations
@@ -198,21 +202,41 @@ class Child:
         self.proc.wait()
 
 
+class ReadBandwidth:
+    """The read bandwidth now (GB/s): a torch sum over 1 GiB of float32 (bench_model.read_bandwidth's measure), the
+    best of three, the tensor kept between readings (so a reading takes a fraction of a second)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.x = torch.ones(1 << 28, dtype=torch.float32)
+        self.x.sum()
+        self.readings: list[float] = []
+
+    def __call__(self) -> float:
+        self.readings.append(self.x.numel() * 4 / bench_model.best_of(self.x.sum, 3) / 1e9)
+        return self.readings[-1]
+
+
 def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds: int
                ) -> tuple[dict[str, dict], list[float]]:
-    """Per system: its facts, its best rates, every round's rates and (nanoqwen) the sorted per-round ratios
-    against its llama.cpp pair; and the read bandwidth (GB/s), read once a round."""
+    """Per system: its facts, its best rates, every round's rates, the read bandwidth beside each decode timing
+    (the higher of the readings just before and just after it) and (nanoqwen) the sorted per-round ratios against
+    its llama.cpp pair; and every read bandwidth reading of the run (GB/s)."""
     rates = {name: {"prefill_tok_s": [], "decode_b1_tok_s": []} for name in children}
+    beside = {name: [] for name in children}
     ours = [name for _, name in pairs if name in children]
-    bandwidth = []
+    read_bandwidth = ReadBandwidth()
     for r in range(rounds):
-        bandwidth.append(bench_model.read_bandwidth())
         for pair in pairs:
             for what, tokens, key in (("prefill", bench_model.PREFILL_LEN, "prefill_tok_s"),
                                       ("decode", DECODE_TOKENS, "decode_b1_tok_s")):
                 for name in (pair if r % 2 == 0 else pair[::-1]):
                     if name in children:
+                        before = read_bandwidth() if what == "decode" else 0.0
                         rates[name][key].append(tokens / children[name].time(what))
+                        if what == "decode":
+                            beside[name].append(max(before, read_bandwidth()))
         turn = r % max(1, len(ours))
         for name in ours[turn:] + ours[:turn]:  # nanoqwen's formats at batch 16, in turn
             rates[name].setdefault("decode_b16_tok_s", []).append(16 * DECODE_TOKENS / children[name].time("decode16"))
@@ -220,12 +244,13 @@ def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds:
                                                             for n, x in rates.items()}), file=sys.stderr, flush=True)
     results = {}
     for name, child in children.items():
-        results[name] = {**child.info, **{k: max(v) for k, v in rates[name].items()}, "rounds": rates[name]}
+        results[name] = {**child.info, **{k: max(v) for k, v in rates[name].items()}, "rounds": rates[name],
+                         "decode_bandwidth": beside[name]}
     for llama, ours in pairs:
         if llama in children and ours in children:
             results[ours]["paired"] = {k: sorted(a / b for a, b in zip(rates[ours][k], rates[llama][k], strict=True))
                                        for k in ("prefill_tok_s", "decode_b1_tok_s")}
-    return results, bandwidth
+    return results, read_bandwidth.readings
 
 
 def table(results: dict[str, dict], bandwidth: list[float], ceil: dict, rounds: int) -> str:
@@ -233,34 +258,44 @@ def table(results: dict[str, dict], bandwidth: list[float], ceil: dict, rounds: 
     ours = results["nanoqwen"]
     flops_per_token = 2 * ours["layer_params"]
 
-    def decode_bound(r: dict) -> float:  # every matrix read once a step (llama.cpp: the whole file)
-        return max(bandwidth) * 1e9 / r.get("decode_read_bytes", r.get("file_bytes"))
+    def step_bytes(r: dict) -> int:  # every matrix read once a step (llama.cpp: the whole file)
+        return r.get("decode_read_bytes", r.get("file_bytes"))
+
+    def fraction_beside(r: dict) -> list[float]:  # each round's decode rate over the bound read beside it
+        return sorted(rate * step_bytes(r) / (gb_s * 1e9)
+                      for rate, gb_s in zip(r["rounds"]["decode_b1_tok_s"], r["decode_bandwidth"], strict=True))
 
     rows = [("16-bit", "llama.cpp bf16", "llama-bf16", "nanoqwen bf16", "nanoqwen"),
             ("8-bit", "llama.cpp q8_0", "llama-q8_0", "nanoqwen int8", "nanoqwen-int8"),
             ("4-bit", "llama.cpp q4_0", "llama-q4_0", "nanoqwen int4", "nanoqwen-int4")]
     lines = ["| weights | system | prefill 512 (tok/s) | / llama.cpp | / bound | decode b1 (tok/s) | / llama.cpp "
-             "| / bound (tok/s) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| / bound beside it (rounds) | best / highest bound (tok/s) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     spreads = []
     for bits, llama_label, llama_key, our_label, our_key in rows:
         for label, key in ((llama_label, llama_key), (our_label, our_key)):
             r = results.get(key)
             if r is None:
-                lines.append(f"| {bits} | {label} | – | | | – | | |")
+                lines.append(f"| {bits} | {label} | – | | | – | | | |")
                 continue
             paired = r.get("paired", {})
             ratio = {k: f"{statistics.median(paired[k]):.2f}×" if k in paired else ""
                      for k in ("prefill_tok_s", "decode_b1_tok_s")}
             spreads += [f"{paired[k][0]:.2f}–{paired[k][-1]:.2f}" for k in paired]
-            bound = decode_bound(r)
+            bound = max(bandwidth) * 1e9 / step_bytes(r)
+            fractions = fraction_beside(r)
             lines.append(f"| {bits} | {label} | {r['prefill_tok_s']:.1f} | {ratio['prefill_tok_s']} | "
                          f"{r['prefill_tok_s'] * flops_per_token / matmul:.0%} | {r['decode_b1_tok_s']:.1f} | "
-                         f"{ratio['decode_b1_tok_s']} | {r['decode_b1_tok_s'] / bound:.0%} ({bound:.1f}) |")
+                         f"{ratio['decode_b1_tok_s']} | **{statistics.median(fractions):.0%}** "
+                         f"({fractions[0]:.0%}–{fractions[-1]:.0%}) | {r['decode_b1_tok_s'] / bound:.0%} "
+                         f"({bound:.1f}) |")
     lines += ["", f"Each system's figure is its best of {rounds} rounds; each \"/ llama.cpp\" is the median of the "
               f"rounds' ratios, each of two timings taken back to back (the rounds' ratios ranged: "
               f"{', '.join(spreads)}, in table order). Bounds measured in the same run: read bandwidth (sum of "
-              f"1 GiB, once a round) {min(bandwidth):.1f}–{max(bandwidth):.1f} GB/s, the decode bounds use the "
-              f"highest; matmul "
+              f"1 GiB, just before and just after each decode timing) {min(bandwidth):.1f}–{max(bandwidth):.1f} "
+              f"GB/s. \"/ bound beside it\": the median (and range) of the rounds' decode rates, each over the "
+              f"bound from the higher of its two readings; \"best / highest bound\": the best round over the "
+              f"bound from the run's highest reading (in parentheses, tok/s). Matmul "
               f"{ceil['bf16_tflop_s'] * 1e3:.0f} GFLOP/s in bf16, {ceil.get('f32_tflop_s', 0) * 1e3:.0f} in "
               f"float32 (prefill's bound: the faster, over {flops_per_token / 1e9:.2f} GFLOP a token); decode: the "
               "read bandwidth over the bytes a step reads (nanoqwen: every projection and the LM head; "

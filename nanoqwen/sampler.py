@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoqwen.ops import cpu_gemv
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.structured_outputs import apply_bitmasks
 
@@ -53,14 +54,19 @@ def argmax(values: torch.Tensor) -> torch.Tensor:
     (the first index on ties; a NaN counts as the largest), found faster on CPU.
 
     torch's CPU argmax walks a row one value at a time, while its amax is vectorised (over Qwen3's
-    151,936 logits that is a few % of a decode step, BENCHMARKS.md). So, when V is a multiple of
-    the block: the max of each block of 128 values [B, V/128], the first block holding
-    the row's max (a plain argmax over V/128 values), then the first max inside that block. The
-    first block holding the max holds its first index, so the answer is torch.argmax's
-    (tests/test_sampler.py checks ties, NaN and -inf rows).
+    151,936 logits that is a few % of a decode step, BENCHMARKS.md). Where nanoqwen's CPU kernels
+    are loaded, one call of its argmax (ops/cpu_gemv.py: a vectorised max, then its first index).
+    Otherwise, when V is a multiple of the block: the max of each block of 128 values [B, V/128],
+    the first block holding the row's max (a plain argmax over V/128 values), then the first max
+    inside that block. The first block holding the max holds its first index, so the answer is
+    torch.argmax's (tests/test_sampler.py checks ties, NaN and -inf rows on every path).
     """
     rows, vocab = values.shape
-    if not values.is_cpu or vocab % ARGMAX_BLOCK or rows == 0:
+    if not values.is_cpu or rows == 0 or vocab == 0:
+        return values.argmax(dim=-1)
+    if values.dtype == torch.float32 and cpu_gemv.loaded():
+        return cpu_gemv.argmax(values)
+    if vocab % ARGMAX_BLOCK:
         return values.argmax(dim=-1)
     blocks = values.reshape(rows, vocab // ARGMAX_BLOCK, ARGMAX_BLOCK)  # [B, V/128, 128]
     block = blocks.amax(dim=-1).argmax(dim=-1)  # [B]

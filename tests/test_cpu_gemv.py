@@ -546,7 +546,7 @@ def test_rms_norm_rope_and_swiglu_round_where_the_reference_rounds(kernels):
 
 
 def test_attention_inputs_match_the_kernels_one_by_one(kernels):
-    """decode_layers' QK-norm + RoPE + KV store in one pass equals rms_norm, apply_rope and index_copy_ called in
+    """decode_model's QK-norm + RoPE + KV store in one pass equals rms_norm, apply_rope and index_copy_ called in
     turn, bit for bit: head widths with and without a scalar tail, scattered slots, GQA."""
     g = torch.Generator().manual_seed(5)
     for hq, hkv, d in ((16, 8, 128), (6, 3, 20), (4, 1, 24)):
@@ -615,10 +615,11 @@ def test_paged_decode_attention_short_spans_for_the_threads(kernels, threads):
         torch.set_num_threads(before)
 
 
-def test_decode_layers_take_one_cache_per_layer(kernels):
-    """decode_layers runs layer i on caches [i] and refuses caches for another number of layers, naming them."""
+def test_decode_model_takes_one_cache_per_layer(kernels):
+    """decode_model runs layer i on caches [i] and refuses caches for another number of layers, naming them; it
+    returns float32 logits, one row per token."""
     g = torch.Generator().manual_seed(6)
-    h, hq, hkv, d, inter, blocks, block_size = 32, 2, 1, 16, 48, 2, 4
+    h, hq, hkv, d, inter, blocks, block_size, vocab = 32, 2, 1, 16, 48, 2, 4, 40
 
     def rand(*shape):
         return torch.randn(*shape, generator=g).bfloat16()
@@ -627,14 +628,16 @@ def test_decode_layers_take_one_cache_per_layer(kernels):
         input_norm=rand(h), post_norm=rand(h), eps=1e-6, qkv_proj=[rand((hq + 2 * hkv) * d, h)], q_norm=rand(d),
         k_norm=rand(d), o_proj=[rand(h, hq * d)], gate_up_proj=[rand(2 * inter, h)], down_proj=[rand(h, inter)],
         num_heads=hq) for _ in range(2)]
-    x, cos, sin = rand(1, h), rand(1, d), rand(1, d)
+    model = kernels.decoder_model_weights(embed=rand(vocab, h), cos=torch.rand(8, d), sin=torch.rand(8, d),
+                                          layers=layers, norm=rand(h), eps=1e-6, lm_head=[rand(vocab, h)])
     step = (torch.tensor([5]), torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32))
     k_caches, v_caches = torch.zeros(2, 2, blocks, block_size, hkv, d, dtype=torch.bfloat16)
-    kernels.decode_layers(x, layers, cos, sin, k_caches, v_caches, *step)
+    logits = kernels.decode_model(model, torch.tensor([3]), torch.tensor([5]), k_caches, v_caches, *step)
+    assert logits.dtype == torch.float32 and logits.shape == (1, vocab)
     assert k_caches[0].abs().sum() > 0 and k_caches[1].abs().sum() > 0  # each layer stored its key
     assert not torch.equal(k_caches[0], k_caches[1])
     with pytest.raises(RuntimeError, match=r"k_caches and v_caches must be \[2, blocks"):
-        kernels.decode_layers(x, layers, cos, sin, k_caches[:1], v_caches[:1], *step)
+        kernels.decode_model(model, torch.tensor([3]), torch.tensor([5]), k_caches[:1], v_caches[:1], *step)
 
 
 def test_paged_decode_attention_long_contexts(kernels):

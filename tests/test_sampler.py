@@ -88,13 +88,23 @@ def test_top_k_1_equals_greedy_and_temperature_0_is_argmax():
     assert out.logprobs == [None] * 4  # nobody asked for logprobs
 
 
-def test_blocked_argmax_is_torch_argmax_on_ties_nan_and_inf():
-    """sampler.argmax's CPU path (block maxima, then the first block holding the row's max) gives
-    torch.argmax's index: the first of tied maxima, across and inside blocks, a NaN as the largest,
-    an all -inf row's 0; rows of any length go through it (V a multiple of the block) or not."""
+@pytest.mark.parametrize("path", ["kernel", "blocks"])
+def test_cpu_argmax_is_torch_argmax_on_ties_nan_and_inf(path, monkeypatch):
+    """sampler.argmax's CPU paths (nanoqwen's C++ argmax where its kernels are loaded; else block
+    maxima, then the first block holding the row's max) give torch.argmax's index: the first of
+    tied maxima, across and inside blocks, a NaN as the largest, an all -inf row's 0; rows of any
+    length (the kernel's 8 lanes and its tail; the blocks' multiple of 128, else torch.argmax)."""
+    from nanoqwen.ops import cpu_gemv
+
+    if path == "kernel" and not cpu_gemv.available():
+        pytest.skip("nanoqwen's CPU kernels cannot be built here")
+    if path == "blocks":
+        monkeypatch.setattr(cpu_gemv, "loaded", lambda: False)
+    used = []
+    monkeypatch.setattr(cpu_gemv, "argmax", lambda v, run=cpu_gemv.argmax: used.append(1) or run(v))
     vocab = 12 * ARGMAX_BLOCK
     g = torch.Generator().manual_seed(0)
-    rows = torch.randn(10, vocab, generator=g)
+    rows = torch.randn(13, vocab, generator=g)
     rows[1, [300, 5, 900]] = 50.0  # tied maxima in three blocks: the first index is 5
     rows[2, [260, 261]] = 50.0  # tied inside one block
     rows[3, 700], rows[3, 1000] = float("nan"), float("nan")  # the first NaN wins
@@ -104,14 +114,19 @@ def test_blocked_argmax_is_torch_argmax_on_ties_nan_and_inf():
     rows[7, -1] = 50.0  # the last value of the row
     rows[8] = 1.0  # all equal: 0
     rows[9, 2 * ARGMAX_BLOCK] = rows[9].max()  # ties a value of the row's first max
+    rows[10, vocab - 3] = 50.0  # in the last 7 values (the kernel's tail when V is cut by one)
+    rows[11, vocab - 4] = float("nan")  # a NaN in that tail
+    rows[12, [vocab - 9, vocab - 2]] = 50.0  # tied between the last full 8 lanes and that tail
     expected = rows.argmax(-1)
     assert expected[:3].tolist() != [0, 0, 0]  # the cases above are not trivially 0
     assert torch.equal(argmax(rows), expected)
     assert torch.equal(argmax(rows[:, ::2]), rows[:, ::2].argmax(-1))  # strided (a copy), V/2 still blocks
     assert torch.equal(argmax(rows.bfloat16()), rows.bfloat16().argmax(-1))
-    odd = rows[:, :vocab - 1]  # V not a multiple of the block: torch.argmax itself
+    odd = rows[:, :vocab - 1]  # V not a multiple of the block or of 8 lanes
     assert torch.equal(argmax(odd), odd.argmax(-1))
+    assert torch.equal(argmax(rows[:, :5]), rows[:, :5].argmax(-1))  # shorter than 8 lanes
     assert argmax(torch.empty(0, vocab)).shape == (0,)
+    assert bool(used) == (path == "kernel")
 
 
 def test_samples_follow_the_distribution():

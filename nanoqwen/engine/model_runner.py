@@ -228,9 +228,10 @@ class ModelRunner:
         input_ids = torch.tensor(step.input_ids, device=self.device)
         if (self.fused_decoder is not None and not step.prefill and meta.paged_decode is not None
                 and len(step.decode) <= cpu.matmul_path().gemv_max_rows):
-            hidden = self.fused_decoder(input_ids, self.kv_cache, meta)
-        else:
-            hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)
+            logits = self.fused_decoder(input_ids, self.kv_cache, meta)  # [N, V]: every decode row samples
+            rows = step.sample_rows
+            return logits if rows == list(range(len(rows))) else logits[torch.tensor(rows)]
+        hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)
         if not step.sample_rows:
             return None
         hidden = hidden[torch.tensor(step.sample_rows, device=self.device)]  # [M, H]

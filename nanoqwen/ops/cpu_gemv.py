@@ -39,7 +39,7 @@ The extension is compiled on first use with torch.utils.cpp_extension (a C++ com
 is cached in torch's extensions folder under a name that hashes the source and flags, so an edit rebuilds;
 a build killed midway leaves a lock file there, removed after STALE_LOCK_SECONDS).
 The decode-step kernels (`rms_norm`, `apply_rope`, `swiglu`, `paged_decode_attention`, and `attention_inputs`,
-QK-norm, RoPE and the KV store in one pass for `decode_layers`) exist because a
+QK-norm, RoPE and the KV store in one pass for `decode_model`) exist because a
 decode step's elementwise work is small: in plain torch each RMSNorm or RoPE is 5-9 ops, each a dispatch and
 an allocation costing microseconds, and attention gathered each sequence's blocks into a new tensor first;
 per step that was more time than the matmuls' of a 4-bit model (BENCHMARKS.md). Each computes what its
@@ -208,10 +208,23 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return _ext.swiglu(gate_up)
 
 
+def argmax(values: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(values, dim=-1) for float32 values [B, V] (V > 0) -> int64 [B]: the first of tied maxima, a NaN
+    as the largest."""
+    if _ext is None:
+        _require()
+    return _ext.argmax(values)
+
+
+def loaded() -> bool:
+    """Whether the kernels are built and loaded in this process (False before the first available(): never builds)."""
+    return _ext is not None
+
+
 def attention_inputs(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, num_heads: int,
                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor) -> torch.Tensor:
-    """decode_layers' step between qkv_proj and attention, for bf16 qkv [M, (Hq + 2 Hkv) D]: q and k through
+    """decode_model's step between qkv_proj and attention, for bf16 qkv [M, (Hq + 2 Hkv) D]: q and k through
     rms_norm (per head) and apply_rope, k and v stored at slot_mapping in k_cache, v_cache [blocks, block_size,
     Hkv, D] -> q [M, Hq, D]; the same bits as those kernels and index_copy_."""
     if _ext is None:
@@ -233,20 +246,28 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def decoder_layer_weights(**weights: object) -> object:
-    """A decoder layer's weights gathered for decode_layers (ops/decode_step.py names them): a C++ object that
+    """A decoder layer's weights gathered for decode_model (ops/decode_step.py names them): a C++ object that
     holds the tensors (no copy)."""
     _require()
     return _ext.DecoderLayerWeights(**weights)
 
 
-def decode_layers(x: torch.Tensor, layers: list, cos: torch.Tensor, sin: torch.Tensor, k_caches: torch.Tensor,
-                  v_caches: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor) -> torch.Tensor:
-    """The decoder layers (decoder_layer_weights each) for decode rows x [M, H] bf16, one C++ call a step; layer i
-    uses the caches k_caches[i], v_caches[i]."""
+def decoder_model_weights(**weights: object) -> object:
+    """A model's weights gathered for decode_model (ops/decode_step.py names them; `layers`: decoder_layer_weights
+    each): a C++ object that holds the tensors (no copy)."""
+    _require()
+    return _ext.DecoderModelWeights(**weights)
+
+
+def decode_model(model: object, input_ids: torch.Tensor, positions: torch.Tensor, k_caches: torch.Tensor,
+                 v_caches: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor) -> torch.Tensor:
+    """A decode step's forward (decoder_model_weights), one C++ call: input_ids [M] at positions [M] -> float32
+    logits [M, V]; layer i uses the caches k_caches[i], v_caches[i]."""
     if _ext is None:
         _require()
-    return _ext.decode_layers(x, layers, cos, sin, k_caches, v_caches, slot_mapping, block_tables, context_lens)
+    return _ext.decode_model(model, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables,
+                             context_lens)
 
 
 def _require() -> None:

@@ -1,18 +1,20 @@
-"""The CPU decode step with one C++ call for all decoder layers: a fast path beside the model's forward.
+"""The CPU decode step in one C++ call, from token ids to logits: a fast path beside the model's forward.
 
 On a CPU without fast bf16 (ops/cpu.py), a decode step of a few sequences already runs every part of a layer
 through nanoqwen's own kernels (ops/cpu_gemv.py): RMSNorm, the projections (bf16, int8 or int4), QK-norm,
 RoPE, the KV store, paged attention, SwiGLU. Called from Python one by one they leave gaps: about 20 module
-calls a layer, each some microseconds of Python and dispatch, and the kernels' threads fall asleep between
-them (BENCHMARKS.md measures what this buys). `decode_layers` in csrc/module.cpp calls, layer after layer,
-the same kernels in the same order as `DecoderLayer.forward` does on this path (QK-norm, RoPE and the KV store
-in one pass over the rows: `attention_inputs`), so the result is the same bits (tests/test_cpu_path.py
-compares them); only the embedding, the final norm and the LM head stay in Python.
+calls a layer, each some microseconds of Python and dispatch (more in a decode step, where the weights streamed
+through the caches have pushed Python's own data out of them), and the kernels' threads fall asleep between
+them (BENCHMARKS.md measures what this buys). `decode_model` in csrc/module.cpp takes the embedding's rows and
+the step's cos and sin as RotaryEmbedding gives them, calls, layer after layer, the same kernels in the same order
+as `DecoderLayer.forward` does on this path (QK-norm, RoPE and the KV store in one pass over the rows:
+`attention_inputs`), then the final norm and the LM head: so the same logits, to the bit, as the model's forward
+and compute_logits (tests/test_cpu_path.py compares them).
 
 Used by ModelRunner for steps of decode rows only (no prompt chunk), up to the gemv kernels' row count
 (cpu.matmul_path().gemv_max_rows), when
 `FusedDecoder.supports(model)`: bf16 activations, the "cpu" paged attention backend, dense layers (not MoE),
-no attention bias, one rank. NANOQWEN_FUSED_DECODE=0 turns it off (the per-module path).
+no attention bias, an LM head, one rank. NANOQWEN_FUSED_DECODE=0 turns it off (the per-module path).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 
 
 def linear_tensors(linear: Linear) -> list[torch.Tensor]:
-    """What decode_layers takes for a linear: (weight) bf16, (weight, scale) int8, (weight, scale, offset)
+    """What decode_model takes for a linear: (weight) bf16, (weight, scale) int8, (weight, scale, offset)
     int4."""
     from nanoqwen.quantization import Int4Linear, Int8Linear
 
@@ -43,12 +45,14 @@ def linear_tensors(linear: Linear) -> list[torch.Tensor]:
 
 
 class FusedDecoder:
-    """Runs a model's decode steps through decode_layers; the model's modules keep their tensors (nothing
+    """Runs a model's decode steps through decode_model; the model's modules keep their tensors (nothing
     copied)."""
 
     def __init__(self, model: Qwen3ForCausalLM) -> None:
-        self.model = model
-        self.layers = [cpu_gemv.decoder_layer_weights(**self._layer_weights(layer)) for layer in model.layers]
+        layers = [cpu_gemv.decoder_layer_weights(**self._layer_weights(layer)) for layer in model.layers]
+        self.weights = cpu_gemv.decoder_model_weights(
+            embed=model.embed_tokens.weight, cos=model.rotary.cos, sin=model.rotary.sin, layers=layers,
+            norm=model.norm.weight, eps=model.norm.eps, lm_head=linear_tensors(model.lm_head))
 
     @staticmethod
     def supports(model: Qwen3ForCausalLM, attention_backend: str | None) -> bool:
@@ -57,6 +61,7 @@ class FusedDecoder:
         c = model.config
         return (os.environ.get("NANOQWEN_FUSED_DECODE", "1") != "0" and attention_backend == "cpu"
                 and model.tp_size == 1 and model.embed_tokens.weight.dtype == torch.bfloat16
+                and model.lm_head is not None and model.lm_head.bias is None
                 and not c.attention_bias and all(isinstance(layer.mlp, MLP) for layer in model.layers)
                 and all(linear.bias is None for layer in model.layers
                         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -73,10 +78,8 @@ class FusedDecoder:
                 "num_heads": attn.num_heads}
 
     def __call__(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids [B] (one decode token per sequence) -> final hidden states [B, H]: the model's forward."""
-        model, paged = self.model, meta.paged_decode
-        x = model.embed_tokens(input_ids)
-        cos, sin = model.rotary(meta.positions, x.dtype)
-        x = cpu_gemv.decode_layers(x, self.layers, cos, sin, kv_cache.k, kv_cache.v, meta.slot_mapping,
-                                   paged.block_tables, paged.context_lens)
-        return model.norm(x)
+        """input_ids [B] (one decode token per sequence) -> float32 logits [B, V]: the model's forward and
+        compute_logits."""
+        paged = meta.paged_decode
+        return cpu_gemv.decode_model(self.weights, input_ids, meta.positions, kv_cache.k, kv_cache.v,
+                                     meta.slot_mapping, paged.block_tables, paged.context_lens)

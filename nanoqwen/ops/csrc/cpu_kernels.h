@@ -6,8 +6,9 @@
 //   gemm.cpp        bf16_gemm, int8_gemm: y = x @ w.T for many rows of x in float32 from bf16 / int8 weights;
 //                   prefill_attention: a prompt chunk's attention, its two products through the same kernel
 //   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill)
-//   decode_ops.cpp  rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a decode step's rest
-//   module.cpp      decode_layers (all decoder layers of a decode step in one call) and the Python bindings
+//   decode_ops.cpp  rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a decode step's rest;
+//                   argmax: the sampler's greedy choice
+//   module.cpp      decode_model (a decode step's whole forward in one call) and the Python bindings
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -181,6 +182,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor swiglu(const at::Tensor& gate_up);
+at::Tensor argmax(const at::Tensor& values);
 at::Tensor attention_inputs(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
                             double eps, int64_t num_heads, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& k_cache, const at::Tensor& v_cache,

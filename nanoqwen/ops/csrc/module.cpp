@@ -1,5 +1,5 @@
-// The extension's Python module: the kernels of the files beside this one (cpu_kernels.h lists them), and all
-// decoder layers of a decode step in one call (nanoqwen/ops/decode_step.py drives it).
+// The extension's Python module: the kernels of the files beside this one (cpu_kernels.h lists them), and a
+// decode step's whole forward in one call (nanoqwen/ops/decode_step.py drives it).
 
 #include <torch/extension.h>
 
@@ -7,7 +7,7 @@
 
 namespace nanoqwen {
 
-// A decoder layer's weights as decode_layers takes them, gathered once (ops/decode_step.py makes one a layer). Each
+// A decoder layer's weights as decode_model takes them, gathered once (ops/decode_step.py makes one a layer). Each
 // linear is given as its tensors: (w) bf16, (q, scale) int8, (packed, scale, offset) int4.
 struct DecoderLayerWeights {
   at::Tensor input_norm, post_norm;
@@ -16,6 +16,16 @@ struct DecoderLayerWeights {
   at::Tensor q_norm, k_norm;
   std::vector<at::Tensor> o_proj, gate_up_proj, down_proj;
   int64_t num_heads;
+};
+
+// The whole model as decode_model takes it: the embedding table, RotaryEmbedding's cos and sin tables (float32,
+// [max_len, D]), the decoder layers, the final norm and the LM head (a linear's tensors, as above).
+struct DecoderModelWeights {
+  at::Tensor embed, cos, sin;
+  std::vector<DecoderLayerWeights> layers;
+  at::Tensor norm;
+  double eps;
+  std::vector<at::Tensor> lm_head;
 };
 
 namespace {
@@ -44,18 +54,23 @@ at::Tensor decode_layer(const at::Tensor& x, const DecoderLayerWeights& w, const
 
 }  // namespace
 
-// The decoder layers for decode rows x [M, H] bf16, one call a step: layer i with its weights layers[i] and its
-// caches k_caches[i], v_caches[i] ([layers, blocks, block_size, Hkv, D]), the rest shared by all layers.
-at::Tensor decode_layers(at::Tensor x, const std::vector<const DecoderLayerWeights*>& layers, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& k_caches, const at::Tensor& v_caches,
-                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& context_lens) {
+// A decode step's forward, one call a step: input_ids [M] (one token per row) at positions [M] -> float32 logits
+// [M, V], as Qwen3ForCausalLM's forward and compute_logits give them on this path (the embedding's rows, cos and
+// sin cast to bf16 as RotaryEmbedding casts them, the layers, the final norm, the LM head). Layer i uses the
+// caches k_caches[i], v_caches[i] ([layers, blocks, block_size, Hkv, D]); the rest is shared by all layers.
+at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& positions,
+                        const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  const auto& layers = model.layers;
   TORCH_CHECK(k_caches.dim() == 5 && k_caches.size(0) == int64_t(layers.size()) && v_caches.sizes() == k_caches.sizes(),
               "k_caches and v_caches must be [", layers.size(), ", blocks, block_size, Hkv, D], got ", k_caches.sizes(),
               " and ", v_caches.sizes());
+  at::Tensor x = model.embed.index_select(0, input_ids);  // [M, H]
+  const at::Tensor cos = model.cos.index_select(0, positions).to(at::kBFloat16);  // [M, D]
+  const at::Tensor sin = model.sin.index_select(0, positions).to(at::kBFloat16);
   for (size_t i = 0; i < layers.size(); ++i)
-    x = decode_layer(x, *layers[i], cos, sin, k_caches[i], v_caches[i], slot_mapping, block_tables, context_lens);
-  return x;
+    x = decode_layer(x, layers[i], cos, sin, k_caches[i], v_caches[i], slot_mapping, block_tables, context_lens);
+  return linear(rms_norm(x, model.norm, model.eps), model.lm_head).to(at::kFloat);  // [M, V]
 }
 
 bool has_avx2() {
@@ -108,6 +123,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   m.def("swiglu", &swiglu, "models.qwen3.swiglu for bf16 gate_up [N, 2I]", py::arg("gate_up"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("argmax", &argmax, "torch.argmax(values, dim=-1) for float32 values [B, V]", py::arg("values"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("attention_inputs", &attention_inputs, "q, k normed and rotated, k and v stored: decode_layer's step "
         "between qkv_proj and attention", py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
         py::arg("num_heads"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
@@ -116,7 +133,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   // (module_local: two builds of this extension in one process each keep their own)
-  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", "a decoder layer's weights as decode_layers takes them",
+  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", "a decoder layer's weights as decode_model takes them",
                                   py::module_local())
       .def(py::init([](at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<at::Tensor> qkv_proj,
                        at::Tensor q_norm, at::Tensor k_norm, std::vector<at::Tensor> o_proj,
@@ -126,9 +143,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_proj"), py::arg("q_norm"),
            py::arg("k_norm"), py::arg("o_proj"), py::arg("gate_up_proj"), py::arg("down_proj"), py::arg("num_heads"));
-  m.def("decode_layers", &decode_layers, "the decoder layers for decode rows, one call a step (see ops/decode_step.py)",
-        py::arg("x"), py::arg("layers"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"), py::arg("v_caches"),
-        py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
+  py::class_<DecoderModelWeights>(m, "DecoderModelWeights", "a model's weights as decode_model takes them",
+                                  py::module_local())
+      .def(py::init([](at::Tensor embed, at::Tensor cos, at::Tensor sin, std::vector<DecoderLayerWeights> layers,
+                       at::Tensor norm, double eps, std::vector<at::Tensor> lm_head) {
+             return DecoderModelWeights{embed, cos, sin, std::move(layers), norm, eps, lm_head};
+           }),
+           py::arg("embed"), py::arg("cos"), py::arg("sin"), py::arg("layers"), py::arg("norm"), py::arg("eps"),
+           py::arg("lm_head"));
+  m.def("decode_model", &decode_model, "a decode step's forward, input ids to float32 logits, one call a step "
+        "(see ops/decode_step.py)", py::arg("model"), py::arg("input_ids"), py::arg("positions"), py::arg("k_caches"),
+        py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
         py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
   m.def("has_vnni", &has_vnni, "whether int4_gemv's integer dot products use AVX-512 VNNI (else AVX2)");
