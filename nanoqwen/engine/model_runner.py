@@ -228,9 +228,9 @@ class ModelRunner:
         input_ids = torch.tensor(step.input_ids, device=self.device)
         if (self.fused_decoder is not None and not step.prefill and meta.paged_decode is not None
                 and len(step.decode) <= cpu.matmul_path().gemv_max_rows):
-            logits = self.fused_decoder(input_ids, self.kv_cache, meta)  # [N, V]: every decode row samples
-            rows = step.sample_rows
-            return logits if rows == list(range(len(rows))) else logits[torch.tensor(rows)]
+            logits = self.fused_decoder(input_ids, self.kv_cache, meta)  # [N, V]: every row's
+            rows = step.sample_rows  # (each row once, in order, unless drafts or forks say otherwise)
+            return logits if rows == list(range(len(logits))) else logits[torch.tensor(rows)]
         hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)
         if not step.sample_rows:
             return None
