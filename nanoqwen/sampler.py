@@ -7,7 +7,9 @@ Each row goes through these steps, with its own SamplingParams:
 a. logprobs (rows that ask for them) come from the RAW model logits: log_softmax in float32
    before any penalty, temperature or filter (vLLM's default "raw_logprobs" mode).
 b. min_tokens: while the row has fewer output tokens than min_tokens, its stop token ids
-   (eos unless ignore_eos, plus params.stop_token_ids, as the engine passes them) get -inf.
+   (eos unless ignore_eos, plus params.stop_token_ids, as the engine passes them) get -inf;
+   unless that leaves the row no token at all (its grammar allows nothing but a stop: the
+   answer is complete), where the grammar's end wins.
 c. repetition_penalty over every token seen in the prompt or the output (a logit > 0 is
    divided by it, one <= 0 multiplied, as in HF/vLLM), then presence_penalty and
    frequency_penalty over the output tokens
@@ -151,8 +153,8 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
 def block_stop_tokens(logits: torch.Tensor, params: list[SamplingParams],
                       output_token_ids: list[list[int]],
                       stop_token_ids: list[set[int]]) -> torch.Tensor:
-    """logits [B, V] -> a copy with each row's stop ids at -inf while it is short of min_tokens;
-    see step b."""
+    """logits [B, V] -> a copy with each row's stop ids at -inf while it is short of min_tokens,
+    except in a row that this would leave with no token to sample; see step b."""
     vocab = logits.shape[1]
     index = [(i, t) for i, p in enumerate(params) if len(output_token_ids[i]) < p.min_tokens
              for t in stop_token_ids[i] if 0 <= t < vocab]
@@ -160,7 +162,11 @@ def block_stop_tokens(logits: torch.Tensor, params: list[SamplingParams],
         return logits
     rows, cols = torch.tensor(index, device=logits.device).unbind(1)
     minus_inf = torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype)
-    return logits.index_put((rows, cols), minus_inf)
+    blocked = logits.index_put((rows, cols), minus_inf)
+    touched = rows.unique()
+    left_empty = touched[torch.isneginf(blocked[touched]).all(dim=-1)]  # only stops were allowed
+    blocked[left_empty] = logits[left_empty]
+    return blocked
 
 
 def compute_logprobs(raw_logits: torch.Tensor, params: list[SamplingParams],

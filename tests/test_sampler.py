@@ -269,6 +269,18 @@ def test_min_tokens_blocks_sampled_rows_too_and_only_its_rows():
     assert draws.count(2) > 150
 
 
+def test_min_tokens_yields_to_a_grammar_that_allows_only_a_stop():
+    """A row whose allowed tokens (its grammar's bitmask: the rest at -inf) are only stop ids ends
+    there even short of min_tokens: blocking them would leave nothing to sample (a fuzzed
+    request with an empty guided_regex and min_tokens once sampled a token outside its grammar).
+    Other rows keep min_tokens."""
+    inf = float("-inf")
+    logits = torch.tensor([[inf, inf, 1.0, inf], [0.5, inf, 2.0, inf]])  # row 0: only the stop 2
+    for params in ([SamplingParams(temperature=0, min_tokens=5)] * 2, [SamplingParams(min_tokens=5)] * 2):
+        gen = torch.Generator().manual_seed(0)
+        assert tokens(logits, params, generators=[gen, gen], outputs=[[], []], stops=[{2}, {2}]) == [2, 0]
+
+
 # --- logprobs -------------------------------------------------------------------------------------
 
 def test_logprobs_of_the_chosen_token_ranks_and_top():
