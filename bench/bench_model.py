@@ -139,7 +139,12 @@ def read_bandwidth(device: str = "cpu") -> float:
     x = torch.ones(1 << 28, dtype=torch.float32, device=device)
     x.sum()
     sync()
-    return x.numel() * 4 / best_of(lambda: (x.sum(), sync()), 5) / 1e9
+    return sum_bandwidth(x, 5, sync)
+
+
+def sum_bandwidth(x, repeats: int, sync=lambda: None) -> float:
+    """GB/s of a torch sum over the float32 tensor x (already warmed up), best of `repeats`."""
+    return x.numel() * 4 / best_of(lambda: (x.sum(), sync()), repeats) / 1e9
 
 
 def ceilings(device: str) -> dict:
