@@ -192,7 +192,7 @@ def test_int8_gemm_matches_reference(kernels, m, k, n):
     x, _, _, q, scale = make(m, k, n)
     got = kernels.int8_gemm(x, q, scale)
     magnitude = (x.float().abs() @ q.float().abs().T) * scale.float().abs()
-    want = kernels.int8_gemv_reference(x, q, scale)
+    want = kernels.int8_linear_reference(x, q, scale)
     assert_within_one_ulp(got, want, magnitude)
     assert (got == want).float().mean().item() > 0.95
 
@@ -439,6 +439,33 @@ def test_int4_gemv_threads_and_leading_dims(kernels):
     assert y.shape == (2, 1, 1001) and torch.equal(y[:, 0], kernels.int4_gemv(x[:2], packed, scale, offset))
 
 
+def test_int8_gemv_quantises_x_to_int16_in_blocks(kernels):
+    """int8_gemv reads x rounded to int16 in blocks of 64: an outlier of 2^15 sets its block's scale to about 1,
+    so the block's values under 1/2 round to 0 and no longer count, while the next block (its own scale, and
+    the last block of K = 64 + 36 shorter) keeps them. int8_linear_reference, on x as it is, counts them. (The
+    outlier meets zero weights, so that the small values' products are not lost in its output's rounding.)"""
+    assert cpu_gemv.INT8_X_BLOCK == 64
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-128, 128, (5, 100), generator=g, dtype=torch.int8)
+    q[:, 3] = 0
+    scale = torch.full((5,), 2.0**-6, dtype=torch.bfloat16)
+    x = torch.zeros(1, 100, dtype=torch.bfloat16)
+    x[0, 3] = 2.0**15
+    small = torch.linspace(0.01, 0.3, 36).to(torch.bfloat16)
+    with_small = x.clone()
+    with_small[0, 10:46] += small  # in the outlier's block (elements 0-63): rounded away
+    with_small[0, 64:] = small  # the last block, of its own: kept
+    only_second = x.clone()
+    only_second[0, 64:] = small
+    got = check_int8(kernels, with_small, q, scale)
+    assert torch.equal(got, kernels.int8_gemv(only_second, q, scale))
+    assert not torch.equal(got, kernels.int8_gemv(x, q, scale))
+    assert not torch.equal(got, kernels.int8_linear_reference(with_small, q, scale))
+    x_read = cpu_gemv.quantize_activations(with_small, 64, levels=32767)
+    assert torch.equal(x_read[0, :64] != 0, x[0, :64] != 0)
+    assert (x_read[0, 64:] - small.float()).abs().max() <= small.float().max() / 32767 / 2 + 1e-9  # half a step
+
+
 @pytest.mark.parametrize("kernel", ["int4_gemv", "int4_gemm"])
 def test_int4_gemv_quantises_x_to_int8_in_blocks_of_the_group_size(kernels, kernel):
     """An outlier of 127 sets its block's scale to 1: the block's small values round to 0 and no longer
@@ -461,10 +488,10 @@ def test_int4_gemv_quantises_x_to_int8_in_blocks_of_the_group_size(kernels, kern
     assert (x_read[0, 64:] - small.float()).abs().max() <= small.float().max() / 127 / 2 + 1e-6  # half a step
 
 
-def test_int4_gemv_without_vnni_matches_reference(tmp_path):
+def test_integer_kernels_without_vnni_match_references(tmp_path):
     """With the CPU limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) the kernels are built without AVX-512 VNNI
-    (maddubs instead of vpdpbusd), as on an AVX2-only CPU; the same reference holds, for the streaming
-    passes and the panels."""
+    (maddubs instead of vpdpbusd for int4, vpmaddwd instead of vpdpwssd for int8), as on an AVX2-only CPU;
+    the same references hold, for int4's streaming passes and panels and for int8_gemv."""
     import os
     import subprocess
     import sys
@@ -473,13 +500,16 @@ def test_int4_gemv_without_vnni_matches_reference(tmp_path):
         pytest.skip("CPU gemv kernels not available here")
     script = (
         "import sys, torch; sys.path.insert(0, 'tests')\n"
-        "from test_cpu_gemv import make_int4, check_int4\n"
+        "from test_cpu_gemv import make, make_int4, check_int4, check_int8\n"
         "from nanoqwen.ops import cpu_gemv as k\n"
         "assert k.available() and k.int4_dot_instructions() == 'AVX2', k.compile_flags()\n"
         "assert k.bf16_dot_instructions() == 'AVX2 FMA', k.compile_flags()\n"
         "for m, kk, group, n in [(1, 1024 + 64, 64, 257), (3, 256, 128, 3), (5, 96, 32, 7), (9, 1024, 64, 65)]:\n"
         "    check_int4(k, *make_int4(m, kk, n, group))\n"
         "    check_int4(k, *make_int4(m + 4, kk, n, group), kernel='int4_gemm')\n"
+        "for m, kk, n in [(1, 1024 + 7, 257), (3, 100, 3), (16, 64, 65)]:\n"
+        "    x, _, _, q, scale = make(m, kk, n)\n"
+        "    assert (check_int8(k, x, q, scale) == k.int8_gemv_reference(x, q, scale)).float().mean() > 0.95\n"
         "print('ok')\n")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,14 +13,17 @@ spend their time converting and reshuffling rather than reading.
 The kernels in csrc/ (gemv.cpp, int4_gemv.cpp, decode_ops.cpp; module.cpp binds them; cpu_kernels.h says
 what each holds) do the simple thing, as llama.cpp and vLLM do for this case: each weight row is read once,
 widened to float32 in AVX2 registers, multiplied with all rows of x with FMA into several float32
-accumulators, and each output is rounded to bf16 once. Threads split the output rows. They compute
-exactly what `bf16_gemv_reference` and `int8_gemv_reference` below compute, up to the order of float32
-additions (tests/test_cpu_gemv.py checks this; bench/bench_gemv.py measures the speed). `int4_gemv` does
-less work per weight, as llama.cpp does for 4-bit weights: x is quantised to int8 once per call, in blocks
-of the weights' group size (64), and each group's products are integer dot products (AVX2 maddubs, or
-AVX-512 VNNI's vpdpbusd where the CPU has it), scaled in float32 once per group; it computes
-`int4_gemv_reference` (x quantised the same way) up to the order of float32 additions. Widening each nibble
-to float32 for an FMA, as it did before, kept it compute-bound at well under the read bandwidth.
+accumulators, and each output is rounded to bf16 once. Threads split the output rows. `bf16_gemv` computes
+exactly what `bf16_gemv_reference` below computes, up to the order of float32 additions
+(tests/test_cpu_gemv.py checks this; bench/bench_gemv.py measures the speed). The integer kernels do less
+work per weight, as llama.cpp does for quantised weights: x is quantised once per call, in blocks, and each
+block's products are integer dot products scaled in float32 once per block. `int8_gemv` rounds x to int16 in
+blocks of INT8_X_BLOCK (64) elements (less than a hundredth of a bf16 step) and multiplies 16 weights
+widened to int16 in one instruction (AVX2 vpmaddwd, AVX-512 VNNI's vpdpwssd); `int4_gemv` rounds x to int8
+in blocks of the weights' group size (64) and multiplies with maddubs (AVX2) or vpdpbusd (VNNI). Each
+computes its reference (`int8_gemv_reference`, `int4_gemv_reference`: x quantised the same way) up to the
+order of float32 additions. Widening each weight to float32 for an FMA, as they did before, kept them
+compute-bound under the read bandwidth.
 
 For more than 8 rows (a prompt, a large batch) `int4_gemv` computes the same function as a small GEMM,
 `int4_gemm`: the weights are unpacked 16 rows at a time into a panel laid out for the integer dot product
@@ -90,19 +93,31 @@ def bf16_gemv_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
     return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(torch.bfloat16)
 
 
+INT8_X_BLOCK = 64  # elements of x per int16 scale in int8_gemv (csrc/gemv.cpp's kXBlock)
+
+
+def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(x @ q.T) * scale in float32, rounded to x's dtype once: an int8 linear (int8_gemm computes this)."""
+    return (F.linear(x.float(), q.float()) * scale.float()).to(x.dtype)
+
+
 def int8_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """What int8_gemv computes: (x @ q.T) * scale in float32, rounded to bf16 once."""
-    return (F.linear(x.float(), q.float()) * scale.float()).to(torch.bfloat16)
+    """What int8_gemv computes: int8_linear_reference of bf16 x quantised to int16 in blocks of INT8_X_BLOCK
+    (quantize_activations), rounded to bf16 once."""
+    x_read = quantize_activations(x, INT8_X_BLOCK, levels=32767)
+    return (F.linear(x_read, q.float()) * scale.float()).to(torch.bfloat16)
 
 
-def quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x rounded as int4_gemv reads it: int8 in blocks of `block` consecutive elements of each row, one
-    float32 scale d = max|x| / 127 per block (xq = round(x / d), half to even), returned as d * xq in
+def quantize_activations(x: torch.Tensor, block: int, levels: int = 127) -> torch.Tensor:
+    """x rounded as int4_gemv (int8: levels 127) and int8_gemv (int16: levels 32767) read it: in blocks of
+    `block` consecutive elements of each row (the last one shorter where `block` does not divide K), one
+    float32 scale d = max|x| / levels per block (xq = round(x / d), half to even), returned as d * xq in
     float32 [..., K]."""
-    xb = x.float().unflatten(-1, (-1, block))  # [..., K / block, block]
-    d = xb.abs().amax(-1, keepdim=True) / 127
+    k = x.shape[-1]
+    xb = F.pad(x.float(), (0, -k % block)).unflatten(-1, (-1, block))  # [..., ceil(K / block), block]
+    d = xb.abs().amax(-1, keepdim=True) / levels
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return ((xb * inverse).round() * d).flatten(-2)
+    return ((xb * inverse).round() * d).flatten(-2)[..., :k]
 
 
 def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
@@ -136,7 +151,7 @@ def bf16_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = (x @ q.T) * scale for bf16 or float32 x [..., K], int8 q [N, K], bf16 scale [N], in float32, rounded to
-    x's dtype once (int8_gemv_reference's function, for many rows): bf16_gemm with int8 weights."""
+    x's dtype once (int8_linear_reference's function, for many rows): bf16_gemm with int8 weights."""
     if _ext is None:
         _require()
     return _ext.int8_gemm(x, q, scale)

@@ -119,6 +119,20 @@ inline int32_t hsum_epi32(__m256i v) {
 inline float to_float(uint16_t v) { return bf16_to_float(v); }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 
+// max |x[i]| for i < n (bf16 x): the scale of a block of x quantised to integers (int4_gemv, int8_gemv).
+inline float absmax_bf16(const uint16_t* x, int64_t n) {
+  int64_t i = 0;
+  float amax = 0.0f;
+#ifdef NANOQWEN_AVX2
+  __m256 vmax = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, load8_bf16(x + i)));  // |x|
+  amax = hmax(vmax);
+#endif
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(bf16_to_float(x[i])));
+  return amax;
+}
+
 // s[j] = e^(s[j] - mx) for j < n, in place; returns their sum (a softmax's numerators and its denominator).
 inline float exp_minus_max(float* s, int64_t n, float mx) {
   int64_t j = 0;

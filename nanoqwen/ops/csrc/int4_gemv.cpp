@@ -51,18 +51,9 @@ QuantizedX quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t G) {
     for (int64_t b = first; b < last; ++b) {  // block b: group b % (K / G) of row b / (K / G)
       const uint16_t* xb = x + b * G;
       int8_t* qb = out.xq.data() + b * G;
-      int64_t k = 0;
-      float amax = 0.0f;
-#ifdef NANOQWEN_AVX2
-      __m256 vmax = _mm256_setzero_ps();
-      const __m256 sign = _mm256_set1_ps(-0.0f);
-      for (; k + 8 <= G; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, load8_bf16(xb + k)));  // |x|
-      amax = hmax(vmax);
-#endif
-      for (; k < G; ++k) amax = std::max(amax, std::fabs(bf16_to_float(xb[k])));
-      const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+      const float d = absmax_bf16(xb, G) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
       int32_t sum = 0;
-      k = 0;
+      int64_t k = 0;
 #ifdef NANOQWEN_AVX2
       __m256i vsum = _mm256_setzero_si256();
       const __m256 inv8 = _mm256_set1_ps(inv);
