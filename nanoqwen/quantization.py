@@ -39,7 +39,8 @@ Kernels, chosen per call:
   rows (int8pack was slower at each row count), or up to the bf16 kernel's measured row count where
   that is higher: nanoqwen's own AVX2 kernel (ops/cpu_gemv.py `int8_gemv`), which streams the int8
   rows once for all the rows of x. It multiplies in integers: x rounded to int16 in blocks of 64
-  (one float32 scale each: less than a hundredth of a bf16 step), int16 products summed in int32.
+  (one float32 scale each: an error of at most 2^-16 of the block's largest value), int16 products summed
+  in int32.
 - CPU, few rows (decode), bf16/fp16 activations: `torch.ops.aten._weight_int8pack_mm`, which reads
   the int8 matrix directly: half the bytes of a bf16 matrix-vector product, so batch-1 decode runs
   faster. Its cost grows with every 4 rows while a bf16 matmul's barely grows, so above

@@ -18,8 +18,8 @@ exactly what `bf16_gemv_reference` below computes, up to the order of float32 ad
 (tests/test_cpu_gemv.py checks this; bench/bench_gemv.py measures the speed). The integer kernels do less
 work per weight, as llama.cpp does for quantised weights: x is quantised once per call, in blocks, and each
 block's products are integer dot products scaled in float32 once per block. `int8_gemv` rounds x to int16 in
-blocks of INT8_X_BLOCK (64) elements (less than a hundredth of a bf16 step) and multiplies 16 weights
-widened to int16 in one instruction (AVX2 vpmaddwd, AVX-512 VNNI's vpdpwssd); `int4_gemv` rounds x to int8
+blocks of INT8_X_BLOCK (64) elements (an error of at most 2^-16 of the block's largest value) and multiplies
+16 weights widened to int16 in one instruction (AVX2 vpmaddwd, AVX-512 VNNI's vpdpwssd); `int4_gemv` rounds x to int8
 in blocks of the weights' group size (64) and multiplies with maddubs (AVX2) or vpdpbusd (VNNI). Each
 computes its reference (`int8_gemv_reference`, `int4_gemv_reference`: x quantised the same way) up to the
 order of float32 additions. Widening each weight to float32 for an FMA, as they did before, kept them

@@ -127,8 +127,8 @@ inline void dot_rows(const uint16_t* x, int64_t K, const uint16_t* const* w, flo
 // integer one: 16 weights sign-extended to int16 in one instruction, multiplied with 16 xq and summed in
 // pairs into 8 int32 lanes in one more (vpdpwssd with AVX-512 VNNI; vpmaddwd and an add without). At block
 // end the int32 sums go to float32, times d. A block's sum is at most 64 * 128 * 32767 < 2^31. The rounding
-// of x is 2^-16 of its block's largest element at most, so x' = d * xq differs from x by less than a
-// hundredth of a bf16 step (bf16 keeps 8 significant bits): int8_gemv_reference computes with that x'.
+// of x is at most 2^-16 of its block's largest element (a 256th of that element's bf16 step; smaller elements
+// keep fewer bits): int8_gemv_reference computes with that x' = d * xq.
 constexpr int64_t kXBlock = 64;
 
 // x quantised for int8_gemv: xq [M, K] int16, d [M, blocks] float32, blocks = ceil(K / kXBlock) (the last
