@@ -501,6 +501,7 @@ def test_integer_kernels_without_vnni_match_references(tmp_path):
     script = (
         "import sys, torch; sys.path.insert(0, 'tests')\n"
         "from test_cpu_gemv import make, make_int4, check_int4, check_int8\n"
+        "from test_cpu_gemv import test_int8_gemv_quantises_x_to_int16_in_blocks as int16_blocks\n"
         "from nanoqwen.ops import cpu_gemv as k\n"
         "assert k.available() and k.int4_dot_instructions() == 'AVX2', k.compile_flags()\n"
         "assert k.bf16_dot_instructions() == 'AVX2 FMA', k.compile_flags()\n"
@@ -510,6 +511,7 @@ def test_integer_kernels_without_vnni_match_references(tmp_path):
         "for m, kk, n in [(1, 1024 + 7, 257), (3, 100, 3), (16, 64, 65)]:\n"
         "    x, _, _, q, scale = make(m, kk, n)\n"
         "    assert (check_int8(k, x, q, scale) == k.int8_gemv_reference(x, q, scale)).float().mean() > 0.95\n"
+        "int16_blocks(k)\n"
         "print('ok')\n")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

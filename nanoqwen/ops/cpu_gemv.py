@@ -104,8 +104,8 @@ def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor)
 def int8_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """What int8_gemv computes: int8_linear_reference of bf16 x quantised to int16 in blocks of INT8_X_BLOCK
     (quantize_activations), rounded to bf16 once."""
-    x_read = quantize_activations(x, INT8_X_BLOCK, levels=32767)
-    return (F.linear(x_read, q.float()) * scale.float()).to(torch.bfloat16)
+    x_read = quantize_activations(x, INT8_X_BLOCK, levels=32767)  # float32: rounded to bf16 below, once
+    return int8_linear_reference(x_read, q, scale).to(torch.bfloat16)
 
 
 def quantize_activations(x: torch.Tensor, block: int, levels: int = 127) -> torch.Tensor:

@@ -136,22 +136,19 @@ constexpr int64_t kXBlock = 64;
 struct Int16X {
   std::vector<int16_t> xq;
   std::vector<float> d;
-  int64_t K, blocks;
+  int64_t blocks;
 };
 
-// Rows m0.. of an Int16X (what one register block of rows reads).
+// Rows m0.. of an Int16X (what one register block of rows reads: rows_from below).
 struct Int16Rows {
   const int16_t* xq;
   const float* d;
   int64_t blocks;
 };
-inline Int16Rows rows_from(const Int16X& x, int64_t m0) {
-  return {x.xq.data() + m0 * x.K, x.d.data() + m0 * x.blocks, x.blocks};
-}
 
 Int16X quantize_x_int16(const uint16_t* x, int64_t M, int64_t K) {
   const int64_t blocks = (K + kXBlock - 1) / kXBlock;
-  Int16X out{std::vector<int16_t>(M * K), std::vector<float>(M * blocks), K, blocks};
+  Int16X out{std::vector<int16_t>(M * K), std::vector<float>(M * blocks), blocks};
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t first = b * kXBlock, n = std::min(K, first + kXBlock) - first;
@@ -232,7 +229,9 @@ inline void dot_rows(const Int16Rows& x, int64_t K, const int8_t* const* w, floa
 // Rows m0.. of x as dot_rows takes them.
 inline const float* rows_from(const float* x, int64_t m0, int64_t K) { return x + m0 * K; }
 inline const uint16_t* rows_from(const uint16_t* x, int64_t m0, int64_t K) { return x + m0 * K; }
-inline Int16Rows rows_from(const Int16X* x, int64_t m0, int64_t) { return rows_from(*x, m0); }
+inline Int16Rows rows_from(const Int16X* x, int64_t m0, int64_t K) {
+  return {x->xq.data() + m0 * K, x->d.data() + m0 * x->blocks, x->blocks};
+}
 
 // Rows of x per register block: float32 x with AVX2 4 (12 accumulators of the 16 registers); bf16 x with
 // AVX-512 BF16 8 (24 of the 32 AVX-512 vector registers); int16 x: a float32 and an int32 accumulator per
