@@ -79,8 +79,14 @@ g of row o, with lo, hi its smallest and largest weight,
 
 Two nibbles per byte: `weight` is uint8 [out, in/2]; in group g (G/2 bytes) byte j holds element j
 in its low and element j + G/2 in its high nibble, so a kernel turns 8 bytes into 16 weights with an
-AND and a shift (nanoqwen/ops/csrc/int4_gemv.cpp). Bytes read per weight: 0.5 + 4 / G (4.5 bits at G
-= 64, as llama.cpp's q4_0). The group size was chosen by measured quality and speed
+AND and a shift (nanoqwen/ops/csrc/int4_gemv.cpp). The rows are stored in blocks of INT4_BLOCK_ROWS =
+16 (the last block holds what is left), each block lane by lane: for each group and each 4 bytes of
+it, the block's rows' 4 bytes one row after the other, and likewise each group's 16 scales and
+offsets. A vector then holds the same 8 elements of 8 rows, one row a lane, so the kernel's dot
+products add up each row in its own lane (no sums across lanes, the scales a vector load).
+Rows [16 i, 16 j) (or to the end) are whole blocks: they slice and dequantise on their own.
+Bytes read per weight: 0.5 + 4 / G (4.5 bits at G = 64, as llama.cpp's q4_0). The group size was
+chosen by measured quality and speed
 (BENCHMARKS.md). Kernels: for bf16 rows on a CPU with AVX2 (up to 8, decode), nanoqwen's own
 `int4_gemv` (whatever the matmul path: torch's int4 CPU kernel reads far below the bandwidth),
 which quantises the activations to int8 in blocks of G (one float32 scale each, as llama.cpp's
@@ -122,6 +128,7 @@ DEQUANT_BLOCK_BYTES = 16 << 20
 QUANTIZE_BLOCK_ELEMENTS = 1 << 18  # rows quantised at a time: float32 temporaries of 1 MiB
 KEEP_UNQUANTIZED = ("gate",)  # Linears left as they are, by attribute name: Qwen3-MoE's router
 INT4_GROUP_SIZE = 64  # inputs per int4 scale and offset (module docstring)
+INT4_BLOCK_ROWS = 16  # int4 rows stored lane by lane, a block at a time (module docstring)
 
 
 def check_quantization(method: str | None) -> str | None:
@@ -283,7 +290,7 @@ def int4_group_size(in_features: int, name: str = "a matrix") -> int:
 def quantize_int4(weight: torch.Tensor, group_size: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W [out, in] -> (packed uint8 [out, in/2], scale [out, in/G], offset [out, in/G] in W's
-    dtype); see the module docstring."""
+    dtype), rows in blocks of INT4_BLOCK_ROWS stored lane by lane; see the module docstring."""
     out_features, in_features = weight.shape
     g = group_size or int4_group_size(in_features)
     groups, dtype, device = in_features // g, weight.dtype, weight.device
@@ -292,7 +299,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int | None = None
     offset = torch.empty(out_features, groups, dtype=dtype, device=device)
     up = torch.tensor(float("inf"), dtype=dtype, device=device)
     step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(in_features, 1))
-    for start in range(0, out_features, step):  # row blocks that fit a cache
+    step = -(-step // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS  # row blocks that fit a cache, whole blocks of lanes
+    for start in range(0, out_features, step):
         rows = slice(start, start + step)
         w = weight[rows].float().view(-1, groups, g)  # [r, groups, G]
         lo, hi = w.amin(-1), w.amax(-1)
@@ -302,20 +310,41 @@ def quantize_int4(weight: torch.Tensor, group_size: int | None = None
         o = lo.to(dtype)
         q = ((w - o.float()[..., None]) / s.float()[..., None]).round_().clamp_(0, 15).to(torch.uint8)
         low, high = q.view(-1, groups, 2, g // 2).unbind(2)  # elements j and j + G/2 of each group
-        packed[rows] = (low | (high << 4)).view(-1, in_features // 2)
-        scale[rows], offset[rows] = s, o
+        packed[rows] = int4_rows_to_lanes((low | (high << 4)).view(-1, in_features // 2), 4)
+        scale[rows], offset[rows] = int4_rows_to_lanes(s, 1), int4_rows_to_lanes(o, 1)
     return packed, scale, offset
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
                     ) -> torch.Tensor:
     """offset + scale * q in float32 [out, in]: the weight an Int4Linear computes with (plain
-    torch: the reference for the kernels)."""
+    torch: the reference for the kernels). Any whole blocks of rows (rows [16 i, 16 j), or to the
+    end) dequantise on their own."""
+    packed, scale, offset = int4_lanes_to_rows(packed, 4), int4_lanes_to_rows(scale, 1), int4_lanes_to_rows(offset, 1)
     out_features, groups = scale.shape
     q = torch.stack([packed & 15, packed >> 4], dim=1)  # [out, 2, in/2]: low nibbles, high nibbles
     q = q.view(out_features, 2, groups, -1).transpose(1, 2)  # [out, groups, 2, G/2]
     w = offset.float()[..., None] + scale.float()[..., None] * q.reshape(out_features, groups, -1)
     return w.view(out_features, -1)
+
+
+def int4_rows_to_lanes(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows [n, c * width] (c pieces of `width` values each) stored lane by lane in blocks of
+    INT4_BLOCK_ROWS rows (the last block holds what is left): a block of L rows as [c, L, width]."""
+    n, c = t.shape[0], t.shape[1] // width
+    full = n - n % INT4_BLOCK_ROWS
+    lanes = t[:full].view(full // INT4_BLOCK_ROWS, INT4_BLOCK_ROWS, c, width).transpose(1, 2)
+    tail = t[full:].view(n - full, c, width).transpose(0, 1)
+    return torch.cat([lanes.reshape(full, c * width), tail.reshape(n - full, c * width)])
+
+
+def int4_lanes_to_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows stored by int4_rows_to_lanes, back in row order."""
+    n, c = t.shape[0], t.shape[1] // width
+    full = n - n % INT4_BLOCK_ROWS
+    rows = t[:full].view(full // INT4_BLOCK_ROWS, c, INT4_BLOCK_ROWS, width).transpose(1, 2)
+    tail = t[full:].view(c, n - full, width).transpose(0, 1)
+    return torch.cat([rows.reshape(full, c * width), tail.reshape(n - full, c * width)])
 
 
 class Int4Linear(QuantizedLinear):
@@ -360,10 +389,11 @@ class Int4Experts(Experts):
         nn.Module.__init__(self)  # not Experts.__init__: no model-dtype parameters to allocate
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(experts, name)  # [E, out, in]
-            packed, scale, offset = quantize_int4(w.reshape(-1, w.shape[-1]))
-            self.register_buffer(name, packed.view(*w.shape[:2], -1))
-            self.register_buffer(f"{name}_scale", scale.view(*w.shape[:2], -1))
-            self.register_buffer(f"{name}_offset", offset.view(*w.shape[:2], -1))
+            # each expert quantised on its own, so that no block of 16 rows spans two experts
+            packed, scale, offset = zip(*(quantize_int4(expert) for expert in w), strict=True)
+            self.register_buffer(name, torch.stack(packed))
+            self.register_buffer(f"{name}_scale", torch.stack(scale))
+            self.register_buffer(f"{name}_offset", torch.stack(offset))
 
     def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         return int4_linear(x, getattr(self, name)[e], getattr(self, f"{name}_scale")[e],
@@ -392,7 +422,8 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     def product(start: int, end: int) -> torch.Tensor:  # x @ W4[start:end].T, W4 unpacked to the compute dtype
         return F.linear(xc, dequantize_int4(packed[start:end], scale[start:end], offset[start:end]).to(compute))
 
-    return cpu.linear_in_row_blocks(x, out_features, _block_rows(xc, in_features), product)
+    block_rows = max(1, _block_rows(xc, in_features) // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS  # whole blocks
+    return cpu.linear_in_row_blocks(x, out_features, block_rows, product)
 
 
 _int4_state: list = []  # [cpu_gemv module or None], once looked up

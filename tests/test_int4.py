@@ -29,6 +29,7 @@ from nanoqwen.quantization import (
     dequantize_int4,
     int4_dequantized_linear,
     int4_group_size,
+    int4_lanes_to_rows,
     quantize_int4,
     quantize_model,
     weight_bytes,
@@ -47,10 +48,13 @@ def no_kernels(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_round_trip_error_is_at_most_half_a_step_per_group(dtype):
     w = random_weight(96, 128, dtype)  # a zero row, an outlier, a tiny row
-    packed, scale, offset = quantize_int4(w)
+    packed, stored_scale, stored_offset = quantize_int4(w)
     assert packed.dtype == torch.uint8 and packed.shape == (96, 64)
-    assert scale.dtype == offset.dtype == dtype and scale.shape == offset.shape == (96, 2)
-    err = (w.double() - dequantize_int4(packed, scale, offset).double()).abs().view(96, 2, 64)
+    assert stored_scale.dtype == stored_offset.dtype == dtype
+    assert stored_scale.shape == stored_offset.shape == (96, 2)
+    err = (w.double() - dequantize_int4(packed, stored_scale, stored_offset).double()).abs().view(96, 2, 64)
+    # row o's scales and offsets (stored lane by lane: the next test)
+    scale, offset = int4_lanes_to_rows(stored_scale, 1), int4_lanes_to_rows(stored_offset, 1)
     # half a step, plus the offset's own rounding to the stored dtype (half an ulp of the minimum)
     lo = w.double().view(96, 2, 64).amin(-1)
     allowed = scale.double() / 2 + (lo - offset.double()).abs() + 1e-12
@@ -63,18 +67,32 @@ def test_round_trip_error_is_at_most_half_a_step_per_group(dtype):
     assert (scale.double()[nonconstant] >= exact * (1 - 2**-23)).all()
     step = torch.clamp(exact * 2 * info.eps, min=info.smallest_normal * info.eps)
     assert (scale.double()[nonconstant] <= exact + step).all()
-    assert (dequantize_int4(packed, scale, offset)[1] == 0).all() and (scale[1] == 1).all()
+    assert (dequantize_int4(packed, stored_scale, stored_offset)[1] == 0).all() and (scale[1] == 1).all()
 
 
-def test_two_weights_per_byte_element_j_low_and_j_plus_half_high():
-    # one group of 32 whose weights are their own indices: q = index, offset 0, scale 1 ... 31 / 15
-    w = torch.cat([torch.arange(16.0), torch.arange(16.0)]).view(1, 32)
-    packed, scale, offset = quantize_int4(w, 32)
-    assert offset.item() == 0 and scale.item() == 1
-    assert packed[0].tolist() == [j | (j << 4) for j in range(16)]
-    w[0, 16:] = 15 - w[0, 16:]  # high nibbles reversed
-    packed, _, _ = quantize_int4(w, 32)
-    assert packed[0].tolist() == [j | ((15 - j) << 4) for j in range(16)]
+def test_rows_are_stored_lane_by_lane_in_blocks_of_16():
+    # 40 rows (two blocks of 16 and one of 8), two groups of 32: row r's q is (j + r) % 16 at element
+    # j of a group (0 and 15 in every group: offset 0), its scale (r % 8 + 1) / 8 (exact in bfloat16)
+    rows, groups, g = 40, 2, 32
+    q = (torch.arange(groups * g) % g + torch.arange(rows)[:, None]) % 16  # [rows, 64]
+    row_scale = (torch.arange(rows) % 8 + 1) / 8
+    w = (q * row_scale[:, None]).bfloat16()
+    packed, scale, offset = quantize_int4(w, g)
+    assert (offset == 0).all()
+    row_bytes = (q[:, :16] | q[:, 16:32] << 4, q[:, 32:48] | q[:, 48:] << 4)  # each group's 16 bytes
+    flat_packed, flat_scale = packed.reshape(-1), scale.reshape(-1)
+    for r in range(rows):
+        n0, lane = r // 16 * 16, r % 16
+        lanes = min(16, rows - n0)  # the last block holds 8
+        for group in range(groups):
+            assert flat_scale[n0 * groups + group * lanes + lane] == row_scale[r]
+            for c in range(4):  # 4 bytes at a time: chunk c of the group, lane by lane
+                at = n0 * 32 + ((group * 4 + c) * lanes + lane) * 4
+                assert flat_packed[at:at + 4].tolist() == row_bytes[group][r, 4 * c:4 * c + 4].tolist()
+    assert torch.equal(dequantize_int4(packed, scale, offset), w.float())
+    # whole blocks dequantise on their own (int4_dequantized_linear takes rows in blocks of 16)
+    assert torch.equal(dequantize_int4(packed[16:], scale[16:], offset[16:]), w[16:].float())
+    assert torch.equal(dequantize_int4(packed[:16], scale[:16], offset[:16]), w[:16].float())
 
 
 def test_group_size_is_64_or_the_largest_of_32_and_16_that_fits():

@@ -55,8 +55,8 @@ for the rest of the process).
 
 Inputs: x bf16 [..., K] (any leading shape, M = their product; bf16 and int8: groups of 16 rows re-read the
 weights, so those kernels are meant for M <= 16), weights bf16 / int8 [N, K], bias / scale bf16 [N], all on
-the CPU; int4: packed uint8 [N, K/2], scale and offset bf16 [N, K/G] (the format of nanoqwen/quantization.py,
-groups of 4 rows).
+the CPU; int4: packed uint8 [N, K/2], scale and offset bf16 [N, K/G] (the format of nanoqwen/quantization.py:
+rows stored lane by lane in blocks of 16).
 Non-contiguous inputs are copied to contiguous ones first (correct, but a copied weight costs an extra pass);
 other dtypes, devices or shapes raise RuntimeError with a message naming the argument.
 """

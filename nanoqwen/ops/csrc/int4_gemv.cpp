@@ -6,28 +6,35 @@
 //
 // int4 layout (nanoqwen/quantization.py): row n is cut into groups of G consecutive elements (G % 16 == 0);
 // group g has G/2 bytes, byte j holding element j in its low nibble and element j + G/2 in its high nibble,
-// each a q in 0..15, and the weight is offset[n, g] + scale[n, g] * q.
+// each a q in 0..15, and the weight is offset[n, g] + scale[n, g] * q. The rows are stored in blocks of
+// kBlockRows = 16 (the last block holds the N % 16 rows left, if any), a block of L rows lane by lane: for
+// each group g and each 4 bytes c of it (c < G/8), the L rows' bytes 4c .. 4c + 3, one row after the other
+// (4 L bytes); scale and offset for each group the L rows' values. 32 bytes then hold 4 bytes of each of 8
+// rows, elements 4c .. 4c + 3 (low nibbles) and G/2 + 4c .. (high) of each, and one integer dot product
+// instruction with x's 4 int8 of those elements broadcast adds each row's 4 products into that row's own lane:
+// the lanes are output rows, so no sum crosses lanes, and a group's scales and offsets load as vectors of 8
+// rows. (Rows one after the other, each summed along K inside a vector, took three times the instructions
+// per weight byte: the kernel ran at 0.6-0.8 of this rate from cache, BENCHMARKS.md.)
 
 #include "cpu_kernels.h"
 
 namespace nanoqwen {
 namespace {
 
-// ---- Few rows of x (decode): int4 weights times int8-quantised activations (the q4 x q8 dot product
-// llama.cpp uses).
+constexpr int kBlockRows = 16;  // weight rows stored lane by lane (the layout above)
+constexpr int kBlockVectors = kBlockRows / 8;
+
+// ---- x quantised to int8 (the q4 x q8 dot product llama.cpp uses).
 //
 // A float FMA per weight made the int4 kernel compute-bound, far below the read bandwidth (BENCHMARKS.md).
 // Instead, x is quantised once per call to int8 in blocks of the weights' group size G (symmetric, one
 // float32 scale per block: d = max|x| / 127, xq = round(x / d)), and each group's dot product
-// sum_k q[k] * xq[k] is an integer one: 32 nibbles times 32 int8 in two instructions (maddubs: u8 x s8 pairs
-// summed to int16, at most 4 * 15 * 127 after adding the low and high nibbles' sums; madd with ones: int16
-// pairs to int32), or one (vpdpbusd) with AVX-512 VNNI. Per group g of row r and of x row m:
+// sum_k q[k] * xq[k] is an integer one (vpdpbusd with AVX-512 VNNI; maddubs, u8 x s8 pairs summed to int16,
+// at most 2 * 15 * 127, then madd with ones to int32, on AVX2). Per group g of row r and of x row m:
 //     y[m, r] = sum_g scale[r, g] * d[m, g] * (sum_{k in g} q[r, k] xq[m, k])  +  sum_g offset[r, g] * xs[m, g]
 // with xs[m, g] = d[m, g] * sum_{k in g} xq[m, k] (once per call): exactly x' @ W4.T for the dequantised
 // activations x' = d * xq, which int4_gemv_reference in nanoqwen/ops/cpu_gemv.py computes. One float
-// conversion and one FMA per group and row of x; the rest is integer work.
-
-constexpr int kMaxRowsInt4 = 8;  // rows of x per pass over the weights
+// conversion and two FMAs per group and 8 rows; the rest is integer work.
 
 // x quantised for int4_gemv: xq [M, K] int8; d and xs [M, K / G] float32 as above.
 struct QuantizedX {
@@ -35,7 +42,7 @@ struct QuantizedX {
   std::vector<float> d, xs;
 };
 
-// Rows m0.. of a QuantizedX (what one pass over the weights reads).
+// Rows m0.. of a QuantizedX (what a register tile reads).
 struct QuantizedRows {
   const int8_t* xq;
   const float* d;
@@ -78,132 +85,155 @@ QuantizedX quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t G) {
 }
 
 #ifdef NANOQWEN_AVX2
-// acc + the 64 products of 32 low nibbles with xq_lo and 32 high nibbles with xq_hi, summed to 8 int32 lanes.
-inline __m256i dot64(__m256i acc, __m256i lo, __m256i xq_lo, __m256i hi, __m256i xq_hi) {
+// isum + for each of the 8 int32 lanes the sum of its 4 products of u8 w (0..15) with s8 x.
+// (vpdpbusd as inline assembly, not _mm256_dpbusd_epi32: in panel_tile's loop GCC 12 copies each accumulator to
+// another register and back around every one of those, two extra instructions per product instruction; the
+// panels ran 1.3-1.4x faster without them.)
+inline __m256i dot4(__m256i isum, __m256i w, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, xq_lo), hi, xq_hi);
+  asm("vpdpbusd %2, %1, %0" : "+v"(isum) : "v"(w), "v"(x));
+  return isum;
 #else
-  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xq_lo), _mm256_maddubs_epi16(hi, xq_hi));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
+}
+
+// x's 4 int8 at p, broadcast to the 8 lanes.
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return _mm256_set1_epi32(four);
+}
+
+// One group's float work for a register tile of T rows of x and 16 weight rows: acc[t][v] += (scale * d[t]) *
+// isum[t][v] + offset * xs[t], s and o the group's scales and offsets of the 16 rows (two vectors of 8), d and
+// xs the tile's first row's (x.d, x.xs + m0 * groups + g; the next row's groups later).
+template <int T>
+inline void add_group(__m256 (&acc)[T][kBlockVectors], const __m256i (&isum)[T][kBlockVectors],
+                      const __m256 (&s)[kBlockVectors], const __m256 (&o)[kBlockVectors], const float* d,
+                      const float* xs, int64_t groups) {
+  for (int v = 0; v < kBlockVectors; ++v)
+    for (int t = 0; t < T; ++t) {
+      const __m256 sd = _mm256_mul_ps(s[v], _mm256_set1_ps(d[t * groups]));
+      acc[t][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][v]), sd, acc[t][v]);
+      acc[t][v] = _mm256_fmadd_ps(o[v], _mm256_set1_ps(xs[t * groups]), acc[t][v]);
+    }
+}
+
+// y[m0 + t, n0 .. n0 + cols - 1] from a tile's accumulators (each output rounded to bf16 once).
+template <int T>
+inline void store_tile(const __m256 (&acc)[T][kBlockVectors], int64_t N, int64_t m0, int64_t n0, int cols,
+                       at::BFloat16* y) {
+  for (int t = 0; t < T; ++t) {
+    uint16_t* row = reinterpret_cast<uint16_t*>(y + (m0 + t) * N + n0);
+    if (cols == kBlockRows) {
+      for (int v = 0; v < kBlockVectors; ++v) store8_bf16(row + 8 * v, acc[t][v]);
+      continue;
+    }
+    alignas(32) float out[kBlockRows];
+    for (int v = 0; v < kBlockVectors; ++v) _mm256_store_ps(out + 8 * v, acc[t][v]);
+    for (int c = 0; c < cols; ++c) row[c] = float_to_bf16(out[c]);
+  }
 }
 #endif
 
-// dots[r][m] = y[m, r] above for R packed int4 rows (layout at the top) and M rows of quantised x. C is the
-// number of 32-byte chunks in a group when known at compile time (1 for the default G = 64, so the group loop
-// unrolls with no inner loop: 1.1-1.3x the rate from cache, BENCHMARKS.md), 0 to take it from G.
-template <int M, int R, int C>
-inline void dot_rows_int4(const QuantizedRows& x, int64_t K, int64_t G, const uint8_t* const* w,
-                          const uint16_t* const* scale, const uint16_t* const* offset, float (*dots)[M]) {
-  const int64_t groups = K / G, half = G / 2;
-  int64_t g0 = 0;  // groups whose offsets the vector loop covered
+// ---- Few rows of x (decode): each block of 16 weight rows read once, its nibbles unpacked in registers.
+
+constexpr int kMaxRowsInt4 = 8;  // rows of x that stream the weights; more go through the panels below
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int kDecodeTile = 4;  // rows of x per register tile (AVX-512: 32 vector registers)
+#else
+constexpr int kDecodeTile = 2;  // (AVX2: 16 vector registers)
+#endif
+
+// y[m0 .. m0 + T - 1, n0 .. n0 + 15] for one whole block of packed weights (w, scale, offset: the block's). C is
+// the number of 4-byte chunks in a group (G / 8) where known at compile time (8 for the default G = 64: the
+// chunk loop unrolls), 0 to take it from G.
+template <int T, int C>
+void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* w, const uint16_t* scale,
+                const uint16_t* offset, int64_t N, int64_t n0, at::BFloat16* y) {
 #ifdef NANOQWEN_AVX2
-  if (half % 32 == 0) {  // G a multiple of 64: 32 bytes hold 32 low and 32 high nibbles of the group
-    const __m256i nibble = _mm256_set1_epi8(0xF);
-    __m256 acc[R][M];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-    for (int64_t g8 = 0; g8 < groups; g8 += 8) {
-      // scale[r, g] * d[m, g] for the next 8 groups, computed 8 at a time; each group then broadcasts its
-      // factor with one load, in place of a scalar bf16 conversion, multiply and broadcast per group and row
-      // of x, a large share of a group's instructions next to its two integer dot products.
-      const int64_t n8 = std::min<int64_t>(8, groups - g8);
-      alignas(32) float sd[R][M][8];
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < M; ++m) {
-          const float* d = x.d + m * groups + g8;
-          if (n8 == 8) {
-            _mm256_store_ps(sd[r][m], _mm256_mul_ps(load8_bf16(scale[r] + g8), _mm256_loadu_ps(d)));
-          } else {
-            for (int64_t j = 0; j < n8; ++j) sd[r][m][j] = bf16_to_float(scale[r][g8 + j]) * d[j];
-          }
+  const int64_t groups = K / G, chunks = C > 0 ? C : G / 8;
+  const __m256i nibble = _mm256_set1_epi8(0xF);
+  __m256 acc[T][kBlockVectors];
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < kBlockVectors; ++v) acc[t][v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    // (one row of x: the low and high nibbles' products in sums of their own, two chains of dependent dot
+    // products per vector, not one; more rows of x give the chains without them)
+    constexpr int S = T == 1 ? 2 : 1;
+    __m256i isum[T][kBlockVectors], isum_hi[T][kBlockVectors];
+    for (int t = 0; t < T; ++t)
+      for (int v = 0; v < kBlockVectors; ++v) isum[t][v] = isum_hi[t][v] = _mm256_setzero_si256();
+    for (int64_t c = 0; c < chunks; ++c) {  // bytes 4c.. of the group's rows: elements 4c.. and G/2 + 4c..
+      const uint8_t* wc = w + (g * chunks + c) * kBlockRows * 4;
+      _mm_prefetch(reinterpret_cast<const char*>(wc) + kPrefetchBytes, _MM_HINT_T0);
+      __m256i lo[kBlockVectors], hi[kBlockVectors];
+      for (int v = 0; v < kBlockVectors; ++v) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * v));
+        lo[v] = _mm256_and_si256(b, nibble);
+        hi[v] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+      }
+      for (int t = 0; t < T; ++t) {
+        const int8_t* xg = x.xq + (m0 + t) * K + g * G + 4 * c;
+        const __m256i x_lo = broadcast4(xg), x_hi = broadcast4(xg + G / 2);
+        for (int v = 0; v < kBlockVectors; ++v) {
+          isum[t][v] = dot4(isum[t][v], lo[v], x_lo);
+          if constexpr (S == 2) isum_hi[t][v] = dot4(isum_hi[t][v], hi[v], x_hi);
+          else isum[t][v] = dot4(isum[t][v], hi[v], x_hi);
         }
-      for (int64_t j = 0; j < n8; ++j) {
-        const int64_t g = g8 + j;
-        __m256i isum[R][M];
-        for (int r = 0; r < R; ++r) {
-          _mm_prefetch(reinterpret_cast<const char*>(w[r] + g * half) + kPrefetchBytes, _MM_HINT_T0);
-          for (int m = 0; m < M; ++m) isum[r][m] = _mm256_setzero_si256();
-        }
-        for (int64_t chunk = 0; chunk < (C > 0 ? C : half / 32); ++chunk)
-          for (int r = 0; r < R; ++r) {
-            const int64_t c = 32 * chunk;
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + g * half + c));
-            const __m256i lo = _mm256_and_si256(v, nibble);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-            for (int m = 0; m < M; ++m) {
-              const int8_t* xg = x.xq + m * K + g * G + c;  // elements c.. (low nibbles) and c + G/2.. (high)
-              isum[r][m] = dot64(isum[r][m], lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)), hi,
-                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + half)));
-            }
-          }
-        for (int r = 0; r < R; ++r)
-          for (int m = 0; m < M; ++m)
-            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][m]), _mm256_broadcast_ss(&sd[r][m][j]),
-                                        acc[r][m]);
       }
     }
-    for (; g0 + 8 <= groups; g0 += 8)  // the offsets, 8 groups at a time
-      for (int r = 0; r < R; ++r) {
-        const __m256 o = load8_bf16(offset[r] + g0);
-        for (int m = 0; m < M; ++m)
-          acc[r][m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(x.xs + m * groups + g0), acc[r][m]);
-      }
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) dots[r][m] = hsum(acc[r][m]);
-  } else
-#endif
-  {  // scalar: group sizes 16 and 32, or no AVX2 (byte j of a group: element j low, element j + G/2 high)
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) {
-        float total = 0.0f;
-        for (int64_t g = 0; g < groups; ++g) {
-          int32_t isum = 0;
-          for (int64_t j = 0; j < half; ++j) {
-            const uint8_t byte = w[r][g * half + j];
-            isum += (byte & 0xF) * x.xq[m * K + g * G + j] + (byte >> 4) * x.xq[m * K + g * G + half + j];
-          }
-          total += bf16_to_float(scale[r][g]) * x.d[m * groups + g] * static_cast<float>(isum);
-        }
-        dots[r][m] = total;
-      }
+    if constexpr (S == 2)
+      for (int t = 0; t < T; ++t)
+        for (int v = 0; v < kBlockVectors; ++v) isum[t][v] = _mm256_add_epi32(isum[t][v], isum_hi[t][v]);
+    __m256 s[kBlockVectors], o[kBlockVectors];
+    for (int v = 0; v < kBlockVectors; ++v) {
+      s[v] = load8_bf16(scale + g * kBlockRows + 8 * v);
+      o[v] = load8_bf16(offset + g * kBlockRows + 8 * v);
+    }
+    add_group<T>(acc, isum, s, o, x.d + m0 * groups + g, x.xs + m0 * groups + g, groups);
   }
-  for (int r = 0; r < R; ++r)  // offsets of the groups left
-    for (int m = 0; m < M; ++m)
-      for (int64_t g = g0; g < groups; ++g) dots[r][m] += bf16_to_float(offset[r][g]) * x.xs[m * groups + g];
+  store_tile<T>(acc, N, m0, n0, kBlockRows, y);
+#endif
 }
 
-// y[m, n] for n in [begin, end): the int4 counterpart of rows() in gemv.cpp (two streams for M <= 2).
-template <int M>
-__attribute__((noinline)) void rows_int4(const QuantizedRows& x, const uint8_t* w, const uint16_t* scale,
-                                         const uint16_t* offset, int64_t K, int64_t G, int64_t N, int64_t begin,
-                                         int64_t end, at::BFloat16* y) {
-  constexpr int R = M <= 2 ? 2 : 1;
-  const int64_t groups = K / G;
-  float dots[R][M];
-  auto run = [&](auto r_count, const int64_t* n) {
-    constexpr int RR = decltype(r_count)::value;
-    const uint8_t* wr[RR];
-    const uint16_t *sr[RR], *orr[RR];
-    for (int r = 0; r < RR; ++r) {
-      wr[r] = w + n[r] * (K / 2);
-      sr[r] = scale + n[r] * groups;
-      orr[r] = offset + n[r] * groups;
+// y[m, n0 + lane] for rows m0 .. m0 + rows - 1 of x and a block of L packed rows, one value at a time, with the
+// vector loop's float operations in its order (so the same bits): the last block when N % 16 != 0 (the vector
+// loop above takes whole blocks), and every block without AVX2.
+void block_scalar(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, int rows, const uint8_t* w,
+                  const uint16_t* scale, const uint16_t* offset, int L, int64_t N, int64_t n0, at::BFloat16* y) {
+  const int64_t groups = K / G, chunks = G / 8;
+  for (int64_t m = m0; m < m0 + rows; ++m)
+    for (int lane = 0; lane < L; ++lane) {
+      float total = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t isum = 0;
+        for (int64_t c = 0; c < chunks; ++c)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = w[((g * chunks + c) * L + lane) * 4 + i];
+            const int8_t* xg = x.xq + m * K + g * G + 4 * c + i;
+            isum += (byte & 0xF) * xg[0] + (byte >> 4) * xg[G / 2];
+          }
+        const float sd = bf16_to_float(scale[g * L + lane]) * x.d[m * groups + g];  // as add_group, lane by lane
+        total = std::fma(static_cast<float>(isum), sd, total);
+        total = std::fma(bf16_to_float(offset[g * L + lane]), x.xs[m * groups + g], total);
+      }
+      y[m * N + n0 + lane] = at::BFloat16(total);  // one rounding, RNE
     }
-    if (G == 64)
-      dot_rows_int4<M, RR, 1>(x, K, G, wr, sr, orr, dots);
-    else
-      dot_rows_int4<M, RR, 0>(x, K, G, wr, sr, orr, dots);
-    for (int r = 0; r < RR; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n[r]] = at::BFloat16(dots[r][m]);  // one rounding, RNE
-  };
-  const int64_t part = (end - begin) / R;
-  for (int64_t i = 0; i < part; ++i) {
-    int64_t n[R];
-    for (int r = 0; r < R; ++r) n[r] = begin + r * part + i;
-    run(std::integral_constant<int, R>{}, n);
+}
+
+// block_tile for T = rows (1 .. kDecodeTile) rows of x.
+template <int T = kDecodeTile>
+void block_tiles(int rows, const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* w,
+                 const uint16_t* scale, const uint16_t* offset, int64_t N, int64_t n0, at::BFloat16* y) {
+  if constexpr (T > 1) {
+    if (rows < T) return block_tiles<T - 1>(rows, x, K, G, m0, w, scale, offset, N, n0, y);
   }
-  for (int64_t n = begin + R * part; n < end; ++n) run(std::integral_constant<int, 1>{}, &n);
+  if (G == 64)
+    block_tile<T, 8>(x, K, G, m0, w, scale, offset, N, n0, y);
+  else
+    block_tile<T, 0>(x, K, G, m0, w, scale, offset, N, n0, y);
 }
 
 // Checks of int4_gemv's weights; returns G (the group size).
@@ -251,142 +281,93 @@ Int4Product prepare_int4(const at::Tensor& x_in, const at::Tensor& packed_in, co
   return p;
 }
 
-// Passes of kMaxRowsInt4 rows of x, each streaming the weights once (few rows: decode); rows_int4 above.
+// Few rows of x: the blocks of weight rows shared among the threads (parallel_rows), each block read from memory
+// once and run by every tile of rows of x.
 void int4_passes(const Int4Product& p) {
   const int64_t K = p.K, N = p.N, G = p.G, groups = K / G;
-  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, K / 2));
-  for (int64_t m0 = 0; m0 < p.M; m0 += kMaxRowsInt4) {
-    const int m_rows = static_cast<int>(std::min<int64_t>(kMaxRowsInt4, p.M - m0));
-    const QuantizedRows part{p.xq.xq.data() + m0 * K, p.xq.d.data() + m0 * groups, p.xq.xs.data() + m0 * groups};
-    const uint8_t* wp = p.wp();
-    const uint16_t *sp = p.sp(), *op = p.op();
-    at::BFloat16* yo = p.yp() + m0 * N;
-    parallel_rows(N, grain, [&](int64_t begin, int64_t end) {
-      switch (m_rows) {
-        case 1: return rows_int4<1>(part, wp, sp, op, K, G, N, begin, end, yo);
-        case 2: return rows_int4<2>(part, wp, sp, op, K, G, N, begin, end, yo);
-        case 3: return rows_int4<3>(part, wp, sp, op, K, G, N, begin, end, yo);
-        case 4: return rows_int4<4>(part, wp, sp, op, K, G, N, begin, end, yo);
-        case 5: return rows_int4<5>(part, wp, sp, op, K, G, N, begin, end, yo);
-        case 6: return rows_int4<6>(part, wp, sp, op, K, G, N, begin, end, yo);
-        case 7: return rows_int4<7>(part, wp, sp, op, K, G, N, begin, end, yo);
-        default: return rows_int4<8>(part, wp, sp, op, K, G, N, begin, end, yo);
+  const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, kBlockRows * K / 2));
+  const QuantizedRows x{p.xq.xq.data(), p.xq.d.data(), p.xq.xs.data()};
+  parallel_rows(blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBlockRows;
+      const int L = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
+      const uint8_t* w = p.wp() + n0 * (K / 2);
+      const uint16_t *s = p.sp() + n0 * groups, *o = p.op() + n0 * groups;
+      for (int64_t m0 = 0; m0 < p.M; m0 += kDecodeTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kDecodeTile, p.M - m0));
+#ifdef NANOQWEN_AVX2
+        if (L == kBlockRows) {
+          block_tiles(rows, x, K, G, m0, w, s, o, N, n0, p.yp());
+          continue;
+        }
+#endif
+        block_scalar(x, K, G, m0, rows, w, s, o, L, N, n0, p.yp());
       }
-    });
-  }
+    }
+  });
 }
 
-// ---- int4 products over many rows of x (prefill, large batches): a small GEMM on packed panels.
+// ---- int4 products over many rows of x (prefill, large batches): a small GEMM on unpacked panels.
 //
-// int4_passes above reads each weight row once per pass of 8 rows of x, summing each group's dot product along
-// K inside a vector and then across its lanes: fine while the weights' bytes are the cost, but with hundreds
-// of rows the same nibbles are unpacked again for every pass and every row's result needs a horizontal sum.
-// int4_gemm computes the same function (x quantised per group as above; same integer dots, same per-group
-// float32 FMAs, only the order of the float32 additions differs) the way GEMMs do: it cuts W into panels of
-// kPanelRows rows, unpacks one panel at a time into a small buffer laid out for the integer dot instruction,
-// and runs every row of x over it.
+// block_tile above unpacks each nibble in registers for every tile of rows of x that reads it: fine while the
+// weights' bytes are the cost, but with hundreds of rows the same nibbles would be unpacked again for every
+// tile. int4_gemm computes the same function (x quantised per group as above; same integer dots, same
+// per-group float32 FMAs, only the order of the float32 additions differs) the way GEMMs do: it unpacks one
+// block of 16 weight rows at a time into a small buffer, a panel, and runs every row of x over it.
 //
 // Panel layout: for group g and each 4 consecutive elements (a "quad" kq of the group) the panel holds
-// kPanelRows * 4 bytes, lane by lane: weight row n0 + lane, elements g * G + 4 * kq .. + 3, each 0..15. One
-// 32-byte vector is then 8 weight rows x 4 elements, and one vpdpbusd (or maddubs + madd) with x's 4 int8 of
-// that quad broadcast to all lanes adds the 4 products of each row into its int32 lane: the lanes are output
-// columns, so a group's sum needs no horizontal add, and its scale and offset are vectors of 8 rows
-// (panel_scale, panel_offset: float32 [groups][kPanelRows]). A register tile is kTileRows rows of x times the
-// panel's 16 rows (2 vectors).
-constexpr int kPanelRows = 16;  // weight rows per panel (a multiple of 8: vectors of 8 lanes)
-constexpr int kPanelVectors = kPanelRows / 8;
+// kBlockRows * 4 bytes, lane by lane: weight row n0 + lane, elements g * G + 4 * kq .. + 3, each 0..15 (rows past
+// N as zeros); its scales and offsets as float32 [groups][kBlockRows]. The packed block's 4 bytes c of each row
+// unpack to quads c (low nibbles) and G/8 + c (high): one AND, or a shift and an AND, per 32 bytes. A register
+// tile is kTileRows rows of x times the panel's 16 rows (2 vectors).
 constexpr int kTileRows = 4;  // rows of x per register tile (measured against 3, 5 and 6, and panels of 24, 32)
 
-#ifdef NANOQWEN_AVX2
-// The 8x8 matrix of int32 in r[0..7] transposed in place: r[i] lane j <- r[j] lane i.
-inline void transpose8x8_epi32(__m256i r[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);      // r_i0 r_i+1,0 r_i1 r_i+1,1 | (same, lanes 4, 5)
-    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);  // lanes 2, 3 | 6, 7
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-  }
-}
-
-// isum + for each of the 8 int32 lanes the sum of its 4 products of u8 w (0..15) with s8 x.
-// (vpdpbusd as inline assembly, not _mm256_dpbusd_epi32: in panel_tile's loop GCC 12 copies each accumulator to
-// another register and back around every one of those, two extra instructions per product instruction; the
-// panels ran 1.3-1.4x faster without them.)
-inline __m256i dot4(__m256i isum, __m256i w, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  asm("vpdpbusd %2, %1, %0" : "+v"(isum) : "v"(w), "v"(x));
-  return isum;
-#else
-  return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-#endif
-}
-#endif
-
-// Unpacks weight rows n0 .. n0 + kPanelRows - 1 (rows past N as zeros) into panel, panel_scale, panel_offset.
+// Unpacks the block of weight rows n0 .. (L = min(16, N - n0) of them) into panel, panel_scale, panel_offset.
 void pack_panel(const uint8_t* wp, const uint16_t* sp, const uint16_t* op, int64_t N, int64_t K, int64_t G,
                 int64_t n0, uint8_t* panel, float* panel_scale, float* panel_offset) {
-  const int64_t groups = K / G, half = G / 2, quads = G / 4;
+  const int64_t groups = K / G, chunks = G / 8, quads = G / 4;
+  const int L = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
+  const uint8_t* w = wp + n0 * (K / 2);
+  const uint16_t *s = sp + n0 * groups, *o = op + n0 * groups;
   for (int64_t g = 0; g < groups; ++g)
-    for (int lane = 0; lane < kPanelRows; ++lane) {
-      const bool row = n0 + lane < N;
-      panel_scale[g * kPanelRows + lane] = row ? bf16_to_float(sp[(n0 + lane) * groups + g]) : 0.0f;
-      panel_offset[g * kPanelRows + lane] = row ? bf16_to_float(op[(n0 + lane) * groups + g]) : 0.0f;
+    for (int lane = 0; lane < kBlockRows; ++lane) {
+      panel_scale[g * kBlockRows + lane] = lane < L ? bf16_to_float(s[g * L + lane]) : 0.0f;
+      panel_offset[g * kBlockRows + lane] = lane < L ? bf16_to_float(o[g * L + lane]) : 0.0f;
     }
 #ifdef NANOQWEN_AVX2
-  if (G % 64 == 0 && n0 + kPanelRows <= N) {  // 8 rows at a time: 32 bytes of each unpack to 8 quads each
+  if (L == kBlockRows) {
     const __m256i nibble = _mm256_set1_epi8(0xF);
     for (int64_t g = 0; g < groups; ++g)
-      for (int64_t c = 0; c < half; c += 32)  // bytes c.. of the group: elements c.. (low), c + G/2.. (high)
-        for (int v = 0; v < kPanelVectors; ++v) {
-          __m256i lo[8], hi[8];
-          for (int r = 0; r < 8; ++r) {
-            const __m256i b = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(wp + (n0 + 8 * v + r) * (K / 2) + g * half + c));
-            lo[r] = _mm256_and_si256(b, nibble);                         // quads c/4 .. c/4 + 7 of row r
-            hi[r] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);  // quads (c + G/2)/4 ..
-          }
-          transpose8x8_epi32(lo);  // lo[i]: quad c/4 + i of the 8 rows
-          transpose8x8_epi32(hi);
-          for (int i = 0; i < 8; ++i) {
-            uint8_t* at_lo = panel + ((g * quads + c / 4 + i) * kPanelRows + 8 * v) * 4;
-            uint8_t* at_hi = panel + ((g * quads + (c + half) / 4 + i) * kPanelRows + 8 * v) * 4;
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(at_lo), lo[i]);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(at_hi), hi[i]);
-          }
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int v = 0; v < kBlockVectors; ++v) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + ((g * chunks + c) * 2 + v) * 32));
+          uint8_t* at_lo = panel + ((g * quads + c) * kBlockRows + 8 * v) * 4;
+          uint8_t* at_hi = panel + ((g * quads + chunks + c) * kBlockRows + 8 * v) * 4;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(at_lo), _mm256_and_si256(b, nibble));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(at_hi), _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble));
         }
     return;
   }
 #endif
-  for (int lane = 0; lane < kPanelRows; ++lane)  // any G (a multiple of 16), and the last, partial panel
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t g = k / G, j = k % G;
-      uint8_t q = 0;
-      if (n0 + lane < N) {
-        const uint8_t b = wp[(n0 + lane) * (K / 2) + g * half + j % half];
-        q = j < half ? (b & 0xF) : (b >> 4);
-      }
-      panel[((g * quads + j / 4) * kPanelRows + lane) * 4 + j % 4] = q;
-    }
+  for (int64_t g = 0; g < groups; ++g)  // the last, partial block (and any block without AVX2)
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int lane = 0; lane < kBlockRows; ++lane)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t b = lane < L ? w[((g * chunks + c) * L + lane) * 4 + i] : 0;
+          panel[((g * quads + c) * kBlockRows + lane) * 4 + i] = b & 0xF;
+          panel[((g * quads + chunks + c) * kBlockRows + lane) * 4 + i] = b >> 4;
+        }
 }
 
-// y[m, n0 ..] for rows m0 .. m0 + T - 1 of x over one packed panel; cols = how many of its rows are real.
+// y[m, n0 ..] for rows m0 .. m0 + T - 1 of x over one panel; cols = how many of its rows are real.
 template <int T>
 void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* panel,
                 const float* panel_scale, const float* panel_offset, int64_t N, int64_t n0, int cols,
                 at::BFloat16* y) {
   const int64_t groups = K / G, quads = G / 4;
-  float out[T][kPanelRows];
 #ifdef NANOQWEN_AVX2
-  constexpr int V = kPanelVectors;
+  constexpr int V = kBlockVectors;
   __m256 acc[T][V];
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < V; ++v) acc[t][v] = _mm256_setzero_ps();
@@ -394,55 +375,39 @@ void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
     __m256i isum[T][V];
     for (int t = 0; t < T; ++t)
       for (int v = 0; v < V; ++v) isum[t][v] = _mm256_setzero_si256();
-    const uint8_t* pg = panel + g * quads * kPanelRows * 4;
+    const uint8_t* pg = panel + g * quads * kBlockRows * 4;
     for (int64_t kq = 0; kq < quads; ++kq) {
       __m256i w[V];
       for (int v = 0; v < V; ++v)
-        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + kq * kPanelRows * 4 + 32 * v));
+        w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + kq * kBlockRows * 4 + 32 * v));
       for (int t = 0; t < T; ++t) {
-        int32_t four;  // x's 4 int8 of this quad
-        std::memcpy(&four, x.xq + (m0 + t) * K + g * G + 4 * kq, 4);
-        const __m256i xb = _mm256_set1_epi32(four);
+        const __m256i xb = broadcast4(x.xq + (m0 + t) * K + g * G + 4 * kq);  // x's 4 int8 of this quad
         for (int v = 0; v < V; ++v) isum[t][v] = dot4(isum[t][v], w[v], xb);
       }
     }
+    __m256 s[V], o[V];
     for (int v = 0; v < V; ++v) {
-      const __m256 s = _mm256_loadu_ps(panel_scale + g * kPanelRows + 8 * v);
-      const __m256 o = _mm256_loadu_ps(panel_offset + g * kPanelRows + 8 * v);
-      for (int t = 0; t < T; ++t) {  // as int4_gemv: (scale * d) * isum, then offset * xs
-        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(x.d[(m0 + t) * groups + g]));
-        acc[t][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][v]), sd, acc[t][v]);
-        acc[t][v] = _mm256_fmadd_ps(o, _mm256_set1_ps(x.xs[(m0 + t) * groups + g]), acc[t][v]);
-      }
+      s[v] = _mm256_loadu_ps(panel_scale + g * kBlockRows + 8 * v);
+      o[v] = _mm256_loadu_ps(panel_offset + g * kBlockRows + 8 * v);
     }
+    add_group<T>(acc, isum, s, o, x.d + m0 * groups + g, x.xs + m0 * groups + g, groups);
   }
-  for (int t = 0; t < T; ++t)
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(out[t] + 8 * v, acc[t][v]);
+  store_tile<T>(acc, N, m0, n0, cols, y);
 #else
   for (int t = 0; t < T; ++t)
-    for (int lane = 0; lane < kPanelRows; ++lane) {
+    for (int lane = 0; lane < cols; ++lane) {
       float total = 0.0f;
       for (int64_t g = 0; g < groups; ++g) {
         int32_t isum = 0;
         for (int64_t j = 0; j < G; ++j)
-          isum += panel[((g * quads + j / 4) * kPanelRows + lane) * 4 + j % 4] * x.xq[(m0 + t) * K + g * G + j];
-        total += panel_scale[g * kPanelRows + lane] * x.d[(m0 + t) * groups + g] * static_cast<float>(isum);
-        total += panel_offset[g * kPanelRows + lane] * x.xs[(m0 + t) * groups + g];
+          isum += panel[((g * quads + j / 4) * kBlockRows + lane) * 4 + j % 4] * x.xq[(m0 + t) * K + g * G + j];
+        const float sd = panel_scale[g * kBlockRows + lane] * x.d[(m0 + t) * groups + g];  // as add_group
+        total = std::fma(static_cast<float>(isum), sd, total);
+        total = std::fma(panel_offset[g * kBlockRows + lane], x.xs[(m0 + t) * groups + g], total);
       }
-      out[t][lane] = total;
+      y[(m0 + t) * N + n0 + lane] = at::BFloat16(total);  // one rounding, RNE
     }
 #endif
-  for (int t = 0; t < T; ++t) {
-    at::BFloat16* row = y + (m0 + t) * N + n0;
-#ifdef NANOQWEN_AVX2
-    if (cols == kPanelRows) {
-      for (int v = 0; v < kPanelVectors; ++v)
-        store8_bf16(reinterpret_cast<uint16_t*>(row) + 8 * v, _mm256_loadu_ps(out[t] + 8 * v));
-      continue;
-    }
-#endif
-    for (int c = 0; c < cols; ++c) row[c] = at::BFloat16(out[t][c]);  // one rounding, RNE
-  }
 }
 
 // panel_tile for T = rows (1 .. kTileRows) rows of x.
@@ -460,13 +425,13 @@ void panel_tiles(int rows, const QuantizedRows& x, int64_t K, int64_t G, int64_t
 void int4_panels(const Int4Product& p) {
   const int64_t M = p.M, K = p.K, N = p.N, G = p.G, groups = K / G;
   const QuantizedRows rows{p.xq.xq.data(), p.xq.d.data(), p.xq.xs.data()};
-  const int64_t panels = (N + kPanelRows - 1) / kPanelRows;
+  const int64_t panels = (N + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> panel(kPanelRows * K);  // this thread's panel: 16 KB for K = 1024
-    std::vector<float> panel_scale(kPanelRows * groups), panel_offset(kPanelRows * groups);
+    std::vector<uint8_t> panel(kBlockRows * K);  // this thread's panel: 16 KB for K = 1024
+    std::vector<float> panel_scale(kBlockRows * groups), panel_offset(kBlockRows * groups);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t n0 = i * kPanelRows;
-      const int cols = static_cast<int>(std::min<int64_t>(kPanelRows, N - n0));
+      const int64_t n0 = i * kBlockRows;
+      const int cols = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
       pack_panel(p.wp(), p.sp(), p.op(), N, K, G, n0, panel.data(), panel_scale.data(), panel_offset.data());
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
         panel_tiles(static_cast<int>(std::min<int64_t>(kTileRows, M - m0)), rows, K, G, m0, panel.data(),
