@@ -349,7 +349,8 @@ def int4_lanes_to_rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 class Int4Linear(QuantizedLinear):
     """y = x @ W4.T + bias with W4 = offset + scale * q per group: `weight` packed uint8
-    [out, in/2], `scale` and `offset` [out, in/G] (model dtype); see the module docstring."""
+    [out, in/2], `scale` and `offset` [out, in/G] (model dtype), rows stored lane by lane in blocks
+    of INT4_BLOCK_ROWS; see the module docstring."""
 
     BUFFERS = ("weight", "scale", "offset")
 

@@ -70,6 +70,18 @@ def test_round_trip_error_is_at_most_half_a_step_per_group(dtype):
     assert (dequantize_int4(packed, stored_scale, stored_offset)[1] == 0).all() and (scale[1] == 1).all()
 
 
+def test_two_weights_per_byte_element_j_low_and_j_plus_half_high():
+    # one group of 32 whose weights are their own indices: q = index, offset 0, scale 1 ... 31 / 15
+    # (one row: a block of one lane, so the row's bytes in order)
+    w = torch.cat([torch.arange(16.0), torch.arange(16.0)]).view(1, 32)
+    packed, scale, offset = quantize_int4(w, 32)
+    assert offset.item() == 0 and scale.item() == 1
+    assert packed[0].tolist() == [j | (j << 4) for j in range(16)]
+    w[0, 16:] = 15 - w[0, 16:]  # high nibbles reversed
+    packed, _, _ = quantize_int4(w, 32)
+    assert packed[0].tolist() == [j | ((15 - j) << 4) for j in range(16)]
+
+
 def test_rows_are_stored_lane_by_lane_in_blocks_of_16():
     # 40 rows (two blocks of 16 and one of 8), two groups of 32: row r's q is (j + r) % 16 at element
     # j of a group (0 and 15 in every group: offset 0), its scale (r % 8 + 1) / 8 (exact in bfloat16)

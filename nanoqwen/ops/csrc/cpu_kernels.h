@@ -65,6 +65,7 @@ inline __m256 load8_int8(const int8_t* p) {
 
 inline __m256 load8(const uint16_t* p) { return load8_bf16(p); }
 inline __m256 load8(const int8_t* p) { return load8_int8(p); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 // float32 -> bf16 bits (round to nearest even) in the low half of each int32 lane, as at::BFloat16 rounds
 // finite values.

@@ -106,18 +106,19 @@ inline __m256i broadcast4(const int8_t* p) {
 }
 
 // One group's float work for a register tile of T rows of x and 16 weight rows: acc[t][v] += (scale * d[t]) *
-// isum[t][v] + offset * xs[t], s and o the group's scales and offsets of the 16 rows (two vectors of 8), d and
-// xs the tile's first row's (x.d, x.xs + m0 * groups + g; the next row's groups later).
-template <int T>
-inline void add_group(__m256 (&acc)[T][kBlockVectors], const __m256i (&isum)[T][kBlockVectors],
-                      const __m256 (&s)[kBlockVectors], const __m256 (&o)[kBlockVectors], const float* d,
-                      const float* xs, int64_t groups) {
-  for (int v = 0; v < kBlockVectors; ++v)
+// isum[t][v] + offset * xs[t]. scale and offset: the group's 16 values (bf16 from a packed block, float32 from a
+// panel); d and xs: the tile's first row's (x.d, x.xs + m0 * groups + g; the next row's groups later).
+template <int T, typename Value>
+inline void add_group(__m256 (&acc)[T][kBlockVectors], const __m256i (&isum)[T][kBlockVectors], const Value* scale,
+                      const Value* offset, const float* d, const float* xs, int64_t groups) {
+  for (int v = 0; v < kBlockVectors; ++v) {
+    const __m256 s = load8(scale + 8 * v), o = load8(offset + 8 * v);
     for (int t = 0; t < T; ++t) {
-      const __m256 sd = _mm256_mul_ps(s[v], _mm256_set1_ps(d[t * groups]));
+      const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(d[t * groups]));
       acc[t][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][v]), sd, acc[t][v]);
-      acc[t][v] = _mm256_fmadd_ps(o[v], _mm256_set1_ps(xs[t * groups]), acc[t][v]);
+      acc[t][v] = _mm256_fmadd_ps(o, _mm256_set1_ps(xs[t * groups]), acc[t][v]);
     }
+  }
 }
 
 // y[m0 + t, n0 .. n0 + cols - 1] from a tile's accumulators (each output rounded to bf16 once).
@@ -159,12 +160,13 @@ void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < kBlockVectors; ++v) acc[t][v] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    // (one row of x: the low and high nibbles' products in sums of their own, two chains of dependent dot
-    // products per vector, not one; more rows of x give the chains without them)
+    // isum[S - 1]: the high nibbles' products. With one row of x (S = 2) they have sums of their own, two
+    // chains of dependent dot products per vector, not one; more rows of x give the chains without them.
     constexpr int S = T == 1 ? 2 : 1;
-    __m256i isum[T][kBlockVectors], isum_hi[T][kBlockVectors];
-    for (int t = 0; t < T; ++t)
-      for (int v = 0; v < kBlockVectors; ++v) isum[t][v] = isum_hi[t][v] = _mm256_setzero_si256();
+    __m256i isum[S][T][kBlockVectors];
+    for (int i = 0; i < S; ++i)
+      for (int t = 0; t < T; ++t)
+        for (int v = 0; v < kBlockVectors; ++v) isum[i][t][v] = _mm256_setzero_si256();
     for (int64_t c = 0; c < chunks; ++c) {  // bytes 4c.. of the group's rows: elements 4c.. and G/2 + 4c..
       const uint8_t* wc = w + (g * chunks + c) * kBlockRows * 4;
       _mm_prefetch(reinterpret_cast<const char*>(wc) + kPrefetchBytes, _MM_HINT_T0);
@@ -178,21 +180,16 @@ void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
         const int8_t* xg = x.xq + (m0 + t) * K + g * G + 4 * c;
         const __m256i x_lo = broadcast4(xg), x_hi = broadcast4(xg + G / 2);
         for (int v = 0; v < kBlockVectors; ++v) {
-          isum[t][v] = dot4(isum[t][v], lo[v], x_lo);
-          if constexpr (S == 2) isum_hi[t][v] = dot4(isum_hi[t][v], hi[v], x_hi);
-          else isum[t][v] = dot4(isum[t][v], hi[v], x_hi);
+          isum[0][t][v] = dot4(isum[0][t][v], lo[v], x_lo);
+          isum[S - 1][t][v] = dot4(isum[S - 1][t][v], hi[v], x_hi);
         }
       }
     }
     if constexpr (S == 2)
       for (int t = 0; t < T; ++t)
-        for (int v = 0; v < kBlockVectors; ++v) isum[t][v] = _mm256_add_epi32(isum[t][v], isum_hi[t][v]);
-    __m256 s[kBlockVectors], o[kBlockVectors];
-    for (int v = 0; v < kBlockVectors; ++v) {
-      s[v] = load8_bf16(scale + g * kBlockRows + 8 * v);
-      o[v] = load8_bf16(offset + g * kBlockRows + 8 * v);
-    }
-    add_group<T>(acc, isum, s, o, x.d + m0 * groups + g, x.xs + m0 * groups + g, groups);
+        for (int v = 0; v < kBlockVectors; ++v) isum[0][t][v] = _mm256_add_epi32(isum[0][t][v], isum[1][t][v]);
+    add_group<T>(acc, isum[0], scale + g * kBlockRows, offset + g * kBlockRows, x.d + m0 * groups + g,
+                 x.xs + m0 * groups + g, groups);
   }
   store_tile<T>(acc, N, m0, n0, kBlockRows, y);
 #endif
@@ -385,12 +382,8 @@ void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
         for (int v = 0; v < V; ++v) isum[t][v] = dot4(isum[t][v], w[v], xb);
       }
     }
-    __m256 s[V], o[V];
-    for (int v = 0; v < V; ++v) {
-      s[v] = _mm256_loadu_ps(panel_scale + g * kBlockRows + 8 * v);
-      o[v] = _mm256_loadu_ps(panel_offset + g * kBlockRows + 8 * v);
-    }
-    add_group<T>(acc, isum, s, o, x.d + m0 * groups + g, x.xs + m0 * groups + g, groups);
+    add_group<T>(acc, isum, panel_scale + g * kBlockRows, panel_offset + g * kBlockRows, x.d + m0 * groups + g,
+                 x.xs + m0 * groups + g, groups);
   }
   store_tile<T>(acc, N, m0, n0, cols, y);
 #else
