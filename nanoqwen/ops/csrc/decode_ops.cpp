@@ -367,25 +367,30 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
         k_rows[j] = kp + offset;
         v_rows[j] = vp + offset;
       }
-      // The span's position rows from .. to - 1 (all heads of a position: row elements, whole cache lines), asked
-      // for ahead of their use (to L2), so that memory works while the scores and sums of earlier rows are computed.
-      auto prefetch = [&](const std::vector<const uint16_t*>& rows, int64_t from, int64_t to) {
+      // Positions from .. to - 1 of the span, elements offset .. offset + D - 1 (one kv head: whole cache lines) of
+      // each, asked for ahead of their use (to L2). One head's lines at a time, before each head's work, so that
+      // the requests go out all along the loop and memory works while the scores and sums are computed (all of a
+      // block's rows at once filled the miss queues, and the thread waited on them: no overlap, as slow as memory
+      // and computing one after the other).
+      auto prefetch = [&](const std::vector<const uint16_t*>& rows, int64_t from, int64_t to, int64_t offset) {
 #ifdef NANOQWEN_AVX2
         for (int64_t j = from; j < std::min(to, len); ++j)
-          for (int64_t e = 0; e < row; e += 32) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + e), _MM_HINT_T1);
+          for (int64_t e = 0; e < D; e += 32) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + offset + e), _MM_HINT_T1);
 #endif
       };
       // scores[hq * longest + j]: query head hq against position start + j, 8 positions at a time
-      prefetch(k_rows, 0, 8);
+      for (int64_t h = 0; h < Hkv; ++h) prefetch(k_rows, 0, 8, h * D);
       for (int64_t j = 0; j < len; j += 8) {
-        if (j + 8 < len) prefetch(k_rows, j + 8, j + 16);
-        else prefetch(v_rows, 0, 8);
         // query heads hq = h * G + g two at a time where two share kv head h (its keys widened once for both)
         for (int64_t hq = 0, pair; hq < Hq; hq += pair ? 2 : 1) {
           pair = hq % G + 1 < G;
+          const int64_t n = std::min<int64_t>(8, len - j), offset = (hq / G) * D;
+          if (hq % G == 0) {  // this head's keys of the next 8 positions (after the last: its first values)
+            if (j + 8 < len) prefetch(k_rows, j + 8, j + 16, offset);
+            else prefetch(v_rows, 0, kGroup, offset);
+          }
           const float* qh = qf.data() + hq * D;
           float* s = scores.data() + hq * longest + j;
-          const int64_t n = std::min<int64_t>(8, len - j), offset = (hq / G) * D;
           if (pair) attention_scores<2>(qh, k_rows.data() + j, offset, n, D, float(scale), s, longest);
           else attention_scores<1>(qh, k_rows.data() + j, offset, n, D, float(scale), s, longest);
         }
@@ -401,11 +406,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
       }
       float* o = span_o.data() + task * Hq * D;
       for (int64_t j = 0; j < len; j += kGroup) {
-        prefetch(v_rows, j + 8, j + 8 + kGroup);
         for (int64_t hq = 0, pair; hq < Hq; hq += pair ? 2 : 1) {  // (as above: values widened once for a pair)
           pair = hq % G + 1 < G;
           const float* w = scores.data() + hq * longest + j;
           const int64_t n = std::min<int64_t>(kGroup, len - j), offset = (hq / G) * D;
+          if (hq % G == 0) prefetch(v_rows, j + kGroup, j + 2 * kGroup, offset);  // the next positions' values
           if (pair) weighted_sum_bf16<2>(w, longest, v_rows.data() + j, offset, n, o + hq * D, D);
           else weighted_sum_bf16<1>(w, longest, v_rows.data() + j, offset, n, o + hq * D, D);
         }

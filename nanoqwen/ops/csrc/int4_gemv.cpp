@@ -160,6 +160,10 @@ void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < kBlockVectors; ++v) acc[t][v] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    // The scales and offsets 8 groups ahead: two slow streams of their own beside the weights', which the
+    // hardware prefetcher alone let fall behind (BENCHMARKS.md)
+    _mm_prefetch(reinterpret_cast<const char*>(scale + (g + 8) * kBlockRows), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(offset + (g + 8) * kBlockRows), _MM_HINT_T0);
     // isum[S - 1]: the high nibbles' products. With one row of x (S = 2) they have sums of their own, two
     // chains of dependent dot products per vector, not one; more rows of x give the chains without them.
     constexpr int S = T == 1 ? 2 : 1;
