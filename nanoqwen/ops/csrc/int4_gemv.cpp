@@ -366,8 +366,8 @@ template <int T>
 void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* panel,
                 const float* panel_scale, const float* panel_offset, int64_t N, int64_t n0, int cols,
                 at::BFloat16* y) {
-  const int64_t groups = K / G, quads = G / 4;
 #ifdef NANOQWEN_AVX2
+  const int64_t groups = K / G, quads = G / 4;
   constexpr int V = kBlockVectors;
   __m256 acc[T][V];
   for (int t = 0; t < T; ++t)
@@ -390,20 +390,6 @@ void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
                  x.xs + m0 * groups + g, groups);
   }
   store_tile<T>(acc, N, m0, n0, cols, y);
-#else
-  for (int t = 0; t < T; ++t)
-    for (int lane = 0; lane < cols; ++lane) {
-      float total = 0.0f;
-      for (int64_t g = 0; g < groups; ++g) {
-        int32_t isum = 0;
-        for (int64_t j = 0; j < G; ++j)
-          isum += panel[((g * quads + j / 4) * kBlockRows + lane) * 4 + j % 4] * x.xq[(m0 + t) * K + g * G + j];
-        const float sd = panel_scale[g * kBlockRows + lane] * x.d[(m0 + t) * groups + g];  // as add_group
-        total = std::fma(static_cast<float>(isum), sd, total);
-        total = std::fma(panel_offset[g * kBlockRows + lane], x.xs[(m0 + t) * groups + g], total);
-      }
-      y[(m0 + t) * N + n0 + lane] = at::BFloat16(total);  // one rounding, RNE
-    }
 #endif
 }
 
@@ -420,6 +406,10 @@ void panel_tiles(int rows, const QuantizedRows& x, int64_t K, int64_t G, int64_t
 }
 
 void int4_panels(const Int4Product& p) {
+#ifndef NANOQWEN_AVX2
+  // without AVX2 every block of weight rows goes through block_scalar: the same bits, with nothing to unpack
+  int4_passes(p);
+#else
   const int64_t M = p.M, K = p.K, N = p.N, G = p.G, groups = K / G;
   const QuantizedRows rows{p.xq.xq.data(), p.xq.d.data(), p.xq.xs.data()};
   const int64_t panels = (N + kBlockRows - 1) / kBlockRows;
@@ -435,6 +425,7 @@ void int4_panels(const Int4Product& p) {
                     panel_scale.data(), panel_offset.data(), N, n0, cols, p.yp());
     }
   });
+#endif
 }
 
 }  // namespace
