@@ -6,7 +6,9 @@
 #
 # Stages: setup (a Python with CUDA torch, the packages), checkpoint (a random Qwen3-0.6B-shaped checkpoint),
 # kernels (paged decode kernels vs the reference, also replayed from a CUDA graph; bench/gpu_check.py),
-# parity (greedy tokens: CUDA graphs vs eager vs the gather path vs transformers; bench/gpu_check.py),
+# parity (greedy tokens: CUDA graphs vs eager vs the gather path vs transformers; bench/gpu_check.py): in bf16 on
+# the benchmarks' checkpoint, where rows may part at near ties, and in float32 on one of weights N(0, 0.08), where
+# they must not (bf16 logits of such weights are large, so one rounding step of them is 0.06-0.3 nats),
 # moe (the same in float32 on a tiny random Qwen3-MoE checkpoint; no graphs there: its expert dispatch syncs with
 # the host; bf16 on so small a model is mostly near ties),
 # decode (prefill and batch-1/16 decode: nanoqwen with graphs, with --enforce-eager, transformers;
@@ -26,7 +28,9 @@ START=$SECONDS
 STAGES=${*:-checkpoint kernels parity moe decode throughput}
 SUMMARY="$OUT/summary.md"
 MODEL=bench/.models/qwen3-0.6b-random-bf16
-MOE_MODEL=bench/.models/qwen3-moe-tiny-random-bf16  # weights N(0, 0.08): greedy tokens are not near ties
+# float32 parity: weights N(0, 0.08), so that greedy tokens are not near ties
+PARITY_MODEL=bench/.models/qwen3-0.6b-random-bf16-std0.08
+MOE_MODEL=bench/.models/qwen3-moe-tiny-random-bf16  # weights N(0, 0.08) too
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 PIP_FLAGS=(-q --disable-pip-version-check --retries 1 --timeout 20)  # fail fast on a machine without network
@@ -111,7 +115,14 @@ if want checkpoint || want parity || want decode || want throughput; then
   fi
 fi
 want kernels && run_stage kernels 90 "$PY" bench/gpu_check.py kernels
-want parity && run_stage parity 150 "$PY" bench/gpu_check.py parity --model "$MODEL"
+if want parity; then
+  if [ ! -f "$PARITY_MODEL/config.json" ]; then
+    run_stage parity-checkpoint 120 "$PY" -m nanoqwen.cli init-random "$PARITY_MODEL" --preset qwen3-0.6b \
+      --dtype bfloat16 --std 0.08
+  fi
+  run_stage parity 100 "$PY" bench/gpu_check.py parity --model "$MODEL"
+  run_stage parity-fp32 100 "$PY" bench/gpu_check.py parity --model "$PARITY_MODEL" --dtype float32
+fi
 if want moe; then
   if [ ! -f "$MOE_MODEL/config.json" ]; then
     run_stage moe-checkpoint 60 "$PY" -m nanoqwen.cli init-random "$MOE_MODEL" --preset qwen3-moe-tiny \
@@ -131,7 +142,7 @@ want throughput && run_stage throughput 300 "$PY" bench/bench_throughput.py --gp
   echo "\`bench/gpu.sh\` at commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)'), $((SECONDS - START)) s."
   echo
   cat "$OUT/stages.md"
-  for name in kernels parity moe; do
+  for name in kernels parity parity-fp32 moe; do
     if [ -f "$OUT/$name.out" ]; then
       echo
       echo "Checks ($name):"

@@ -41,11 +41,13 @@ def report(ok: bool, what: str) -> None:
 
 
 def random_case(b: int, hq: int, hkv: int, d: int, block_size: int, lens: list[int], dtype: torch.dtype,
-                seed: int = 0):
-    """A cache of random keys/values, b sequences of the given lengths on shuffled blocks, their queries."""
+                seed: int = 0, num_blocks: int = 0, width: int = 0):
+    """A cache of random keys/values, b sequences of the given lengths on shuffled blocks, their queries.
+    num_blocks and width (the cache's blocks, the block table's columns): at least what the lengths need."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    width = max(-(-n // block_size) for n in lens) + 2  # wider than needed, as a graph's static table is
-    num_blocks = sum(-(-n // block_size) for n in lens) + 4
+    # wider than needed, as a graph's static table is
+    width = max(width, max(-(-n // block_size) for n in lens) + 2)
+    num_blocks = max(num_blocks, sum(-(-n // block_size) for n in lens) + 4)
     k = torch.randn(num_blocks, block_size, hkv, d, device=DEVICE, dtype=dtype, generator=g)
     v = torch.randn(num_blocks, block_size, hkv, d, device=DEVICE, dtype=dtype, generator=g)
     perm = torch.randperm(num_blocks, device=DEVICE, generator=g)
@@ -91,14 +93,16 @@ def check_kernels() -> None:
 def check_in_graph(backend: str) -> None:
     """Capture the kernel on static tensors, change their contents, replay: the output follows the new contents."""
     bs = 256 if backend == "flash" else 16
-    q, k, v, tables, ctx = random_case(4, 16, 8, 128, bs, [300, 5, 1, 0], torch.bfloat16, seed=1)
+    # the same shapes for both cases: the graph's tensors are static
+    fixed = dict(num_blocks=-(-320 // bs) * 4 + 4, width=-(-320 // bs) + 2)
+    q, k, v, tables, ctx = random_case(4, 16, 8, 128, bs, [300, 5, 1, 0], torch.bfloat16, seed=1, **fixed)
     out = torch.empty_like(q)
     paged_decode_attention(q, k, v, tables, ctx, 128**-0.5, backend, out=out)  # warm-up (compiles)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         paged_decode_attention(q, k, v, tables, ctx, 128**-0.5, backend, out=out)
-    q2, k2, v2, tables2, ctx2 = random_case(4, 16, 8, 128, bs, [0, 290, 17, 2], torch.bfloat16, seed=2)
+    q2, k2, v2, tables2, ctx2 = random_case(4, 16, 8, 128, bs, [0, 290, 17, 2], torch.bfloat16, seed=2, **fixed)
     for static, new in ((q, q2), (k, k2), (v, v2), (tables, tables2), (ctx, ctx2)):
         static.copy_(new)
     graph.replay()

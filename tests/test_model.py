@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nanoqwen.engine.kv_cache import KVCache
 from nanoqwen.models.qwen3 import attention_reference, rms_norm
@@ -78,6 +79,26 @@ def test_folded_decode_attention_equals_reference(groups):
     torch.testing.assert_close(decode_attention(q, k, v, None),
                                attention_reference(q.unsqueeze(2), k, v, None).squeeze(2),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_takes_a_non_contiguous_kernel_output(monkeypatch):
+    """On CUDA, float32 SDPA returns its [B, Hkv, G, D] output laid out as [B, G, Hkv, D] (seen on an H200:
+    a .view of it failed); decode_attention must give the same answer from such a layout."""
+    import nanoqwen.ops.attention as attention
+
+    sdpa = F.scaled_dot_product_attention
+
+    def strided_sdpa(*args, **kwargs):
+        out = sdpa(*args, **kwargs)  # [B, Hkv, G, D]
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, CUDA's layout
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 8, 16, generator=g)
+    k, v = torch.randn(3, 2, 9, 16, generator=g), torch.randn(3, 2, 9, 16, generator=g)
+    expected = decode_attention(q, k, v, None)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", strided_sdpa)
+    assert not strided_sdpa(q.view(3, 2, 4, 16), k, v).is_contiguous()
+    torch.testing.assert_close(decode_attention(q, k, v, None), expected, atol=0, rtol=0)
 
 
 def test_rms_norm_is_computed_in_float32():

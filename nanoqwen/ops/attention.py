@@ -130,4 +130,5 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.view(b, hkv, hq // hkv, d)
-    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(b, hq, d)
+    # reshape, not view: CUDA's kernels may return [B, Hkv, G, D] laid out as [B, G, Hkv, D]
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(b, hq, d)
