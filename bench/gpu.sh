@@ -12,7 +12,8 @@
 # moe (the same in float32 on a tiny random Qwen3-MoE checkpoint; no graphs there: its expert dispatch syncs with
 # the host; bf16 on so small a model is mostly near ties),
 # decode (prefill and batch-1/16 decode: nanoqwen with graphs, with --enforce-eager, transformers;
-# bench/bench_model.py), throughput (256 requests, prompts and outputs 100-1024; bench/bench_throughput.py).
+# bench/bench_model.py), profile (where a decode step's time goes: phases, kernels a step; bench/gpu_profile.py),
+# throughput (256 requests, prompts and outputs 100-1024; bench/bench_throughput.py).
 #
 # The whole run stays within GPU_SH_BUDGET seconds (default 540): each stage gets its own timeout, cut to what
 # is left. Everything goes to $OUT (default bench/.gpu-results) as it comes: gpu.log (all output), summary.md
@@ -25,7 +26,7 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu.log") 2>&1
 BUDGET=${GPU_SH_BUDGET:-540}
 START=$SECONDS
-STAGES=${*:-checkpoint kernels parity moe decode throughput}
+STAGES=${*:-checkpoint kernels parity moe decode profile throughput}
 SUMMARY="$OUT/summary.md"
 MODEL=bench/.models/qwen3-0.6b-random-bf16
 # float32 parity: weights N(0, 0.08), so that greedy tokens are not near ties
@@ -109,7 +110,7 @@ echo "| stage | result | time |" >"$OUT/stages.md"
 echo "|---|---|---:|" >>"$OUT/stages.md"
 
 # --- stages ------------------------------------------------------------------------------------------------
-if want checkpoint || want parity || want decode || want throughput; then
+if want checkpoint || want parity || want decode || want profile || want throughput; then
   if [ ! -f "$MODEL/config.json" ]; then
     run_stage checkpoint 120 "$PY" -m nanoqwen.cli init-random "$MODEL" --preset qwen3-0.6b --dtype bfloat16
   fi
@@ -132,6 +133,7 @@ if want moe; then
 fi
 # (both benchmarks use $MODEL, their default checkpoint, when not given --model)
 want decode && run_stage decode 170 "$PY" bench/bench_model.py --device cuda --write
+want profile && run_stage profile 120 "$PY" bench/gpu_profile.py
 want throughput && run_stage throughput 300 "$PY" bench/bench_throughput.py --gpu-workload --device cuda \
   --hf-batch-size 64 --hf-time-budget 100 --write
 
@@ -150,10 +152,14 @@ want throughput && run_stage throughput 300 "$PY" bench/bench_throughput.py --gp
       grep -E '^(PASS|FAIL|SKIP|time) ' "$OUT/$name.out" | sed 's/^/    /'
     fi
   done
-  for name in decode throughput; do
+  for name in decode profile throughput; do
     if [ -s "$OUT/$name.out" ]; then
       echo
-      cat "$OUT/$name.out"
+      if [ "$name" = profile ]; then  # (plain text: fenced)
+        printf '```text\n%s\n```\n' "$(cat "$OUT/$name.out")"
+      else
+        cat "$OUT/$name.out"
+      fi
     fi
   done
 } >"$SUMMARY"
