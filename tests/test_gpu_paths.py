@@ -119,6 +119,26 @@ def test_backend_choice(monkeypatch):
         attention_backend(cuda, 16)
 
 
+def test_backend_choice_takes_the_dtype_and_device_into_account(monkeypatch):
+    """flash-attn computes in 16-bit only: auto picks triton for a float32 cache; a backend named in the
+    environment that cannot run this engine's cache is refused at start, naming the variable."""
+    monkeypatch.delenv("NANOQWEN_PAGED_ATTENTION", raising=False)
+    cuda = torch.device("cuda")  # only the choice is tested: no GPU is touched
+    monkeypatch.setattr(paged_attention, "has_module", lambda name: True)
+    assert attention_backend(cuda, 256, torch.bfloat16) == "flash"
+    assert attention_backend(cuda, 256, torch.float16) == "flash"
+    assert attention_backend(cuda, 256, torch.float32) == "triton"
+    for choice, device, dtype in (("flash", cuda, torch.float32), ("flash", CPU, torch.bfloat16),
+                                  ("cpu", cuda, torch.bfloat16), ("cpu", CPU, torch.float32)):
+        monkeypatch.setenv("NANOQWEN_PAGED_ATTENTION", choice)
+        with pytest.raises(ValueError, match=f"NANOQWEN_PAGED_ATTENTION={choice}: .*unset it"):
+            attention_backend(device, 256, dtype)
+    for choice, device, dtype in (("flash", cuda, torch.bfloat16), ("cpu", CPU, torch.bfloat16),
+                                  ("triton", CPU, torch.float32), ("torch", cuda, torch.float32)):
+        monkeypatch.setenv("NANOQWEN_PAGED_ATTENTION", choice)
+        assert attention_backend(device, 256, dtype) == choice
+
+
 # --- the paged attention reference ----------------------------------------------------------------
 
 @pytest.mark.parametrize("groups", [1, 2, 4, 5])

@@ -105,6 +105,23 @@ def has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # (flash-attn computes in these only)
+
+
+def _check_choice(choice: str, device: torch.device, dtype: torch.dtype) -> None:
+    """A backend named in NANOQWEN_PAGED_ATTENTION that cannot run this engine's cache: one clear error at start,
+    not one from inside its kernel at the first decode step. (triton stays allowed on CPU: the tests run it
+    there under TRITON_INTERPRET=1.)"""
+    problem = None
+    if choice == "cpu" and (device.type != "cpu" or dtype != torch.bfloat16):
+        problem = f"the cpu backend is nanoqwen's kernel for a bfloat16 cache on CPU, not {dtype} on {device.type}"
+    elif choice == "flash" and (device.type != "cuda" or dtype not in FLASH_DTYPES):
+        problem = f"flash-attn runs float16 or bfloat16 on CUDA, not {dtype} on {device.type}"
+    if problem:
+        raise ValueError(f"NANOQWEN_PAGED_ATTENTION={choice}: {problem}; "
+                         "unset it (auto) or use torch, the reference that runs everywhere")
+
+
 def attention_backend(device: torch.device, block_size: int,
                       dtype: torch.dtype = torch.bfloat16) -> str | None:
     """The paged decode backend for this device, or None for the grouped gather path of
@@ -113,6 +130,7 @@ def attention_backend(device: torch.device, block_size: int,
     if choice == "off":
         return None
     if choice in BACKENDS:
+        _check_choice(choice, device, dtype)
         return choice
     if choice != "auto":
         raise ValueError(f"NANOQWEN_PAGED_ATTENTION={choice!r}: "
@@ -122,7 +140,7 @@ def attention_backend(device: torch.device, block_size: int,
         return "cpu" if cpu.matmul_path().gemv and dtype == torch.bfloat16 else None
     if device.type != "cuda":
         return None
-    if has_module("flash_attn") and block_size % 256 == 0:
+    if has_module("flash_attn") and block_size % 256 == 0 and dtype in FLASH_DTYPES:
         return "flash"
     if has_module("triton"):
         return "triton"
