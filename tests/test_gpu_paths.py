@@ -128,11 +128,12 @@ def test_backend_choice_takes_the_dtype_and_device_into_account(monkeypatch):
     assert attention_backend(cuda, 256, torch.bfloat16) == "flash"
     assert attention_backend(cuda, 256, torch.float16) == "flash"
     assert attention_backend(cuda, 256, torch.float32) == "triton"
-    for choice, device, dtype in (("flash", cuda, torch.float32), ("flash", CPU, torch.bfloat16),
-                                  ("cpu", cuda, torch.bfloat16), ("cpu", CPU, torch.float32)):
+    for choice, device, block_size, dtype in (("flash", cuda, 256, torch.float32), ("flash", CPU, 256, torch.bfloat16),
+                                              ("flash", cuda, 16, torch.bfloat16), ("cpu", cuda, 16, torch.bfloat16),
+                                              ("cpu", CPU, 16, torch.float32)):
         monkeypatch.setenv("NANOQWEN_PAGED_ATTENTION", choice)
         with pytest.raises(ValueError, match=f"NANOQWEN_PAGED_ATTENTION={choice}: .*unset it"):
-            attention_backend(device, 256, dtype)
+            attention_backend(device, block_size, dtype)
     for choice, device, dtype in (("flash", cuda, torch.bfloat16), ("cpu", CPU, torch.bfloat16),
                                   ("triton", CPU, torch.float32), ("torch", cuda, torch.float32)):
         monkeypatch.setenv("NANOQWEN_PAGED_ATTENTION", choice)

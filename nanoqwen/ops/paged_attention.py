@@ -108,7 +108,7 @@ def has_module(name: str) -> bool:
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # (flash-attn computes in these only)
 
 
-def _check_choice(choice: str, device: torch.device, dtype: torch.dtype) -> None:
+def _check_choice(choice: str, device: torch.device, block_size: int, dtype: torch.dtype) -> None:
     """A backend named in NANOQWEN_PAGED_ATTENTION that cannot run this engine's cache: one clear error at start,
     not one from inside its kernel at the first decode step. (triton stays allowed on CPU: the tests run it
     there under TRITON_INTERPRET=1.)"""
@@ -117,6 +117,8 @@ def _check_choice(choice: str, device: torch.device, dtype: torch.dtype) -> None
         problem = f"the cpu backend is nanoqwen's kernel for a bfloat16 cache on CPU, not {dtype} on {device.type}"
     elif choice == "flash" and (device.type != "cuda" or dtype not in FLASH_DTYPES):
         problem = f"flash-attn runs float16 or bfloat16 on CUDA, not {dtype} on {device.type}"
+    elif choice == "flash" and block_size % 256:
+        problem = f"flash-attn 2 reads blocks of a multiple of 256 tokens, not block_size {block_size}"
     if problem:
         raise ValueError(f"NANOQWEN_PAGED_ATTENTION={choice}: {problem}; "
                          "unset it (auto) or use torch, the reference that runs everywhere")
@@ -130,7 +132,7 @@ def attention_backend(device: torch.device, block_size: int,
     if choice == "off":
         return None
     if choice in BACKENDS:
-        _check_choice(choice, device, dtype)
+        _check_choice(choice, device, block_size, dtype)
         return choice
     if choice != "auto":
         raise ValueError(f"NANOQWEN_PAGED_ATTENTION={choice!r}: "
