@@ -10,7 +10,9 @@
 # the benchmarks' checkpoint, where rows may part at near ties, and in float32 on one of weights N(0, 0.08), where
 # they must not (bf16 logits of such weights are large, so one rounding step of them is 0.06-0.3 nats),
 # moe (the same in float32 on a tiny random Qwen3-MoE checkpoint; no graphs there: its expert dispatch syncs with
-# the host; bf16 on so small a model is mostly near ties),
+# the host; bf16 on so small a model is mostly near ties), features (on tiny float32 models, against CPU: logprobs
+# and penalties, seeded sampling, speculative decoding, prefix-cache hits, forks, embeddings and scores,
+# structured outputs when llguidance is there; bench/gpu_check.py),
 # decode (prefill and batch-1/16 decode: nanoqwen with graphs, with --enforce-eager, transformers;
 # bench/bench_model.py), profile (where a decode step's time goes: phases, kernels a step; bench/gpu_profile.py),
 # throughput (256 requests, prompts and outputs 100-1024; bench/bench_throughput.py).
@@ -18,9 +20,10 @@
 # The whole run stays within GPU_SH_BUDGET seconds (default 570): each stage gets its own timeout, cut to what
 # is left. On an H200 (2026-12-04) the stages took: setup 16 s, each checkpoint 6-9 s, kernels 10 s, parity 36-46 s,
 # moe 11 s, decode 89 s, profile about 90 s, throughput over 226 s (nanoqwen's pass alone 105 s), so the
-# throughput stage, last, gets what is left. Everything goes to $OUT (default bench/.gpu-results) as it comes: gpu.log (all output), summary.md
-# (versions, check results and the benchmark tables, ready for BENCHMARKS.md), BENCHMARKS.md (this copy's,
-# with the GPU sections written).
+# throughput stage, last, gets what is left (features, new since, took 36 s on the 2-core CPU).
+# Everything goes to $OUT (default bench/.gpu-results) as it comes: gpu.log (all output), summary.md (versions,
+# check results and the benchmark tables, ready for BENCHMARKS.md), BENCHMARKS.md (this copy's, with the GPU
+# sections written).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/.gpu-results}
@@ -28,12 +31,13 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu.log") 2>&1
 BUDGET=${GPU_SH_BUDGET:-570}
 START=$SECONDS
-STAGES=${*:-checkpoint kernels parity moe decode profile throughput}
+STAGES=${*:-checkpoint kernels parity moe features decode profile throughput}
 SUMMARY="$OUT/summary.md"
 MODEL=bench/.models/qwen3-0.6b-random-bf16
 # float32 parity: weights N(0, 0.08), so that greedy tokens are not near ties
 PARITY_MODEL=bench/.models/qwen3-0.6b-random-bf16-std0.08
 MOE_MODEL=bench/.models/qwen3-moe-tiny-random-bf16  # weights N(0, 0.08) too
+FEATURE_MODELS=bench/.models/features-tiny  # tiny/, embedding-tiny/, reranker-tiny/: float32, N(0, 0.08)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
 PIP_FLAGS=(-q --disable-pip-version-check --retries 1 --timeout 20)  # fail fast on a machine without network
@@ -133,6 +137,15 @@ if want moe; then
   fi
   run_stage moe 90 "$PY" bench/gpu_check.py parity --model "$MOE_MODEL" --dtype float32
 fi
+if want features; then
+  for preset in tiny embedding-tiny reranker-tiny; do
+    if [ ! -f "$FEATURE_MODELS/$preset/config.json" ]; then
+      "$PY" -m nanoqwen.cli init-random "$FEATURE_MODELS/$preset" --preset "$preset" --dtype float32 --std 0.08 \
+        >/dev/null || say "init-random $preset failed"
+    fi
+  done
+  run_stage features 120 "$PY" bench/gpu_check.py features --model "$FEATURE_MODELS"
+fi
 # (both benchmarks use $MODEL, their default checkpoint, when not given --model)
 want decode && run_stage decode 170 "$PY" bench/bench_model.py --device cuda --write
 want profile && run_stage profile 120 "$PY" bench/gpu_profile.py
@@ -146,7 +159,7 @@ want throughput && run_stage throughput 300 "$PY" bench/bench_throughput.py --gp
   echo "\`bench/gpu.sh\` at commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)'), $((SECONDS - START)) s."
   echo
   cat "$OUT/stages.md"
-  for name in kernels parity parity-fp32 moe; do
+  for name in kernels parity parity-fp32 moe features; do
     if [ -f "$OUT/$name.out" ]; then
       echo
       echo "Checks ($name):"

@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py kernels           # paged decode kernels vs the reference, in and out of a CUDA graph
     python bench/gpu_check.py parity [--model DIR]   # greedy tokens: graphs, eager, gather path, transformers
+    python bench/gpu_check.py features --model DIR   # sampling, speculation, prefix caching, pooling vs CPU
 
 Exit status 1 when a check fails. The CPU tests (tests/test_gpu_paths.py) cover the same logic without a GPU.
 `--device cpu` is a dry run of this script itself (tiny shapes, the Triton kernel under TRITON_INTERPRET=1, no
@@ -191,6 +192,90 @@ def check_parity(model_dir: str, dtype: str = "bfloat16", new_tokens: int = 32) 
     compare("nanoqwen graphs vs transformers (sdpa)", runs["graphs"], (tokens, tops))
 
 
+def check_features(models: Path) -> None:
+    """What parity does not reach, on tiny random float32 models (weights N(0, 0.08): greedy tokens are not near
+    ties), against the same on CPU unless said: logprobs and the penalties, seeded sampling (the same tokens
+    twice), prefix-cache hits, speculative decoding (ngram, and a draft model), forks (n=2), embeddings and
+    reranker scores, structured outputs (when llguidance is installed). models: a folder with tiny/,
+    embedding-tiny/ and reranker-tiny/ (bench/gpu.sh writes them)."""
+    from nanoqwen import LLM, SamplingParams
+
+    kwargs = dict(dtype="float32", max_model_len=256, max_num_seqs=8, kv_cache_memory=256 << 20)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10000) for _ in range(n)] for n in (5, 40, 17)]
+    repetitive = [[11, 12, 13, 14] * 8]  # ngram drafts find their tokens in it
+
+    def run(device: str, params: SamplingParams, prompts: list, **options):
+        llm = LLM(str(models / "tiny"), device=device, **{**kwargs, **options})
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        del llm
+        gc.collect()
+        return outs
+
+    def tokens(outs) -> list[list[int]]:
+        return [c.token_ids for o in outs for c in o.outputs]
+
+    on = DEVICE.type
+    penalties = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3, repetition_penalty=1.3,
+                               presence_penalty=0.5, frequency_penalty=0.4, min_tokens=4)
+    ours, cpu = run(on, penalties, prompts), run("cpu", penalties, prompts)
+    worst = max(abs(a[t].logprob - b[t].logprob) for x, y in zip(ours, cpu, strict=True)
+                for a, b in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True) for t in a if t in b)
+    report(tokens(ours) == tokens(cpu) and worst < 1e-3,
+           f"greedy with penalties and logprobs, {on} vs cpu: tokens equal {tokens(ours) == tokens(cpu)}, "
+           f"max |logprob difference| {worst:.1e}")
+    seeded = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, max_tokens=24, ignore_eos=True,
+                            seed=7)
+    first, second = run(on, seeded, prompts), run(on, seeded, prompts)
+    report(tokens(first) == tokens(second), f"seeded sampling on {on}: the same tokens twice")
+    greedy_params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = tokens(run(on, greedy_params, repetitive + prompts))
+    for name, spec in (("ngram", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
+                       ("draft model", {"method": "draft_model", "model": str(models / "tiny"),
+                                        "num_speculative_tokens": 3})):
+        got = tokens(run(on, greedy_params, repetitive + prompts, speculative_config=spec))
+        report(got == plain, f"speculative decoding ({name}) on {on}: the greedy tokens without it")
+    llm = LLM(str(models / "tiny"), device=on, enable_prefix_caching=True, **kwargs)
+    base = prompts[1]
+    llm.generate([base], greedy_params, use_tqdm=False)  # caches its blocks
+    hit = llm.generate([base + [7, 8, 9]], greedy_params, use_tqdm=False)
+    cached = hit[0].num_cached_tokens
+    del llm
+    gc.collect()
+    fresh = run(on, greedy_params, [base + [7, 8, 9]], enable_prefix_caching=False)
+    report(tokens(hit) == tokens(fresh) and cached > 0,
+           f"prefix-cache hit on {on} ({cached} tokens cached): the tokens of a fresh engine")
+    forks = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
+    got = tokens(run(on, forks, prompts[:1]))
+    report(got[0] == got[1] == tokens(run("cpu", greedy_params, prompts[:1]))[0][:12],
+           f"n=2 (greedy forks) on {on}: both the greedy answer")
+    for task, preset in (("embed", "embedding-tiny"), ("score", "reranker-tiny")):
+        values = {}
+        for device in (on, "cpu"):
+            llm = LLM(str(models / preset), device=device, **kwargs)
+            if task == "embed":
+                outs = llm.embed(["a first text", "and a second, longer one"], use_tqdm=False)
+                values[device] = torch.tensor([o.outputs.embedding for o in outs])
+            else:
+                outs = llm.score("a query", ["one document", "another document"], use_tqdm=False)
+                values[device] = torch.tensor([o.outputs.score for o in outs])
+            del llm
+            gc.collect()
+        err = (values[on] - values["cpu"]).abs().max().item()
+        report(err < 1e-4, f"{task} ({preset}) on {on} vs cpu: max |difference| {err:.1e}")
+    if not has_module("llguidance"):
+        print("SKIP  structured outputs: llguidance is not installed")
+        return
+    from nanoqwen.structured_outputs import StructuredOutputsParams
+
+    choice = ["yes", "no", "maybe"]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=choice))
+    outs = run(on, params, ["Answer:"] * 3)
+    texts = [o.outputs[0].text for o in outs]
+    report(all(t in choice for t in texts), f"structured outputs (choice) on {on}: {texts}")
+
+
 def compare(what: str, ours, theirs) -> None:
     """Greedy tokens equal, or diverging only at a near tie (both sides' top-2 gap under 0.1 nats)."""
     ok, notes = True, []
@@ -209,8 +294,9 @@ def compare(what: str, ours, theirs) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("check", choices=["kernels", "parity"])
-    parser.add_argument("--model", default=str(Path(__file__).resolve().parent / ".models" / "qwen3-0.6b-random-bf16"))
+    parser.add_argument("check", choices=["kernels", "parity", "features"])
+    parser.add_argument("--model", default=str(Path(__file__).resolve().parent / ".models" / "qwen3-0.6b-random-bf16"),
+                        help="parity: the model folder; features: a folder of tiny/, embedding-tiny/, reranker-tiny/")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run of this script")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="parity: the model dtype")
     args = parser.parse_args()
@@ -218,7 +304,12 @@ def main() -> None:
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA GPU: these checks need one (tests/test_gpu_paths.py covers the logic on CPU)")
-    check_kernels() if args.check == "kernels" else check_parity(args.model, args.dtype)
+    if args.check == "kernels":
+        check_kernels()
+    elif args.check == "parity":
+        check_parity(args.model, args.dtype)
+    else:
+        check_features(Path(args.model))
     if failures:
         sys.exit(f"{len(failures)} check(s) failed")
 
