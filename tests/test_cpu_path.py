@@ -190,6 +190,16 @@ def test_linear_sends_many_bf16_rows_to_bf16_gemm_where_chosen(path_in_use, monk
     assert seen[-1] == "upcast"
 
 
+def test_linear_leaves_tensors_off_the_cpu_to_torch(path_in_use):
+    """The matmul path is process-wide: a GPU engine's layers still call cpu.linear after a CPU engine chose
+    the gemv kernels. Its tensors (here on the meta device) must go to torch's F.linear, not to a CPU kernel."""
+    cpu.use_matmul_path(cpu.MatmulPath("float32", "test", gemv_max_rows=8, gemm=True))
+    w = torch.empty(48, 64, dtype=torch.bfloat16, device="meta")
+    for rows in (4, 40):  # the gemv kernel's rows, the GEMM's
+        y = cpu.linear(torch.empty(rows, 64, dtype=torch.bfloat16, device="meta"), w)
+        assert y.device.type == "meta" and y.shape == (rows, 48) and y.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("bias", [False, True])
 # odd sizes; 333 rows cut in blocks below
 @pytest.mark.parametrize("shape", [(5, 64, 48), (17, 96, 333)])

@@ -117,7 +117,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     many 16-bit rows computed in float32 (on the float32 path: nanoqwen's bf16_gemm where chosen,
     else upcast_linear), everything else torch's own F.linear."""
     rows = x.shape[0]
-    bf16 = x.dtype == weight.dtype == torch.bfloat16
+    # (the kernel choice is process-wide: a GPU engine's tensors, after a CPU engine chose this path, go to torch)
+    bf16 = x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu"
     if _in_use.gemv and rows <= _in_use.gemv_max_rows and bf16:
         return _gemv_kernels.bf16_gemv(x, weight, bias)
     if rows >= UPCAST_MIN_ROWS and upcast_16bit(x):
