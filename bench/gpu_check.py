@@ -201,12 +201,14 @@ def check_features(models: Path) -> None:
     from nanoqwen import LLM, SamplingParams
 
     kwargs = dict(dtype="float32", max_model_len=256, max_num_seqs=8, kv_cache_memory=256 << 20)
+    # the CPU side eager: the plain functions (the reference), no torch.compile to wait for on the GPU's host
+    on_cpu = dict(enforce_eager=True)
     rng = random.Random(1)
     prompts = [[rng.randrange(10000) for _ in range(n)] for n in (5, 40, 17)]
     repetitive = [[11, 12, 13, 14] * 8]  # ngram drafts find their tokens in it
 
     def run(device: str, params: SamplingParams, prompts: list, **options):
-        llm = LLM(str(models / "tiny"), device=device, **{**kwargs, **options})
+        llm = LLM(str(models / "tiny"), device=device, **{**kwargs, **(on_cpu if device == "cpu" else {}), **options})
         outs = llm.generate(prompts, params, use_tqdm=False)
         del llm
         gc.collect()
@@ -252,7 +254,7 @@ def check_features(models: Path) -> None:
     for task, preset in (("embed", "embedding-tiny"), ("score", "reranker-tiny")):
         values = {}
         for device in (on, "cpu"):
-            llm = LLM(str(models / preset), device=device, **kwargs)
+            llm = LLM(str(models / preset), device=device, **kwargs, **(on_cpu if device == "cpu" else {}))
             if task == "embed":
                 outs = llm.embed(["a first text", "and a second, longer one"], use_tqdm=False)
                 values[device] = torch.tensor([o.outputs.embedding for o in outs])
