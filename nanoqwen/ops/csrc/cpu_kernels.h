@@ -36,7 +36,10 @@
 namespace nanoqwen {
 
 constexpr int64_t kTaskBytes = 256 << 10;    // weight bytes a parallel task reads at least
-constexpr int kPrefetchBytes = 4096;         // how far ahead of the current weight line to prefetch (tuned)
+constexpr int kPrefetchBytes = 4096;         // int4: how far ahead of the current weight line to prefetch (tuned)
+// gemv.cpp's bf16/int8 kernels read R weight rows side by side, R streams a thread: each row prefetched this far
+// ahead (tuned: bench/ab_kernels.py; BENCHMARKS.md, twenty-fourth session)
+constexpr int kRowPrefetchBytes = 1024;
 constexpr int kOwnSharePercent = 85;         // of a product's rows, split evenly over threads (parallel_rows below)
 constexpr int kChunksPerThread = 4;          // the other rows: this many chunks per thread
 

@@ -32,7 +32,7 @@ constexpr int kGroupRows = 4;                // rows of x per register block (ro
 // dots[r][m] = sum_k x[m, k] * w[r][k] for R bf16 weight rows w[r] (K elements each) and M rows of float32 x.
 //
 // The main loop consumes one 64-byte cache line of each weight row per step (4 vectors of 8), asks for the
-// line kPrefetchBytes ahead, and uses every weight vector for all M rows of x.
+// line kRowPrefetchBytes ahead, and uses every weight vector for all M rows of x.
 // An FMA's result is ready only after ~4-5 cycles, so a single accumulator per output would make each step
 // wait for the previous one. U accumulators per output (weight vector v goes to acc[r][m][v % U]) give
 // R * M * U independent chains; R * M * U ~ 8 keeps both FMA units busy and fits the 16 AVX2 registers.
@@ -48,7 +48,7 @@ inline void dot_rows(const float* x, int64_t K, const uint16_t* const* w, float 
       for (int u = 0; u < U; ++u) acc[r][m][u] = _mm256_setzero_ps();
   for (; k + 8 * V <= K; k += 8 * V) {
     for (int r = 0; r < R; ++r)  // a hint, harmless past the end of the weights (no fault)
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kRowPrefetchBytes, _MM_HINT_T0);
     for (int v = 0; v < V; ++v)
       for (int r = 0; r < R; ++r) {
         __m256 wv = load8_bf16(w[r] + k + 8 * v);
@@ -98,7 +98,7 @@ inline void dot_rows(const uint16_t* x, int64_t K, const uint16_t* const* w, flo
   int64_t k = 0;
   for (; k + 16 * V <= K; k += 16 * V) {  // one 64-byte line of each weight row
     for (int r = 0; r < R; ++r)
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kRowPrefetchBytes, _MM_HINT_T0);
     for (int v = 0; v < V; ++v)
       for (int r = 0; r < R; ++r) {
         const __m256bh wv = load16_bf16(w[r] + k + 16 * v);
@@ -194,7 +194,7 @@ inline void dot_rows(const Int16Rows& x, int64_t K, const int8_t* const* w, floa
     for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
   for (; k + kXBlock <= K; k += kXBlock, ++b) {  // one 64-byte line of each weight row
     for (int r = 0; r < R; ++r)
-      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + k) + kRowPrefetchBytes, _MM_HINT_T0);
     __m256i isum[R][M];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) isum[r][m] = _mm256_setzero_si256();
