@@ -4,8 +4,8 @@
     python bench/ab_kernels.py nanoqwen/ops /tmp/try --quantization int4 --seconds 90
 
 Each folder holds a csrc/ (the first is the baseline; name the repository's own as nanoqwen/ops). Each is built
-as its own extension; one LLM decodes batch-1 steps with the versions taking turns step by step, each step's
-decode_model call timed (ops/decode_step.py). Neighbouring steps see the same memory phase (this machine's read
+as its own extension; one LLM decodes (batch 1, or --batch) with the versions taking turns step by step, each
+step's decode_model call timed (ops/decode_step.py). Neighbouring steps see the same memory phase (this machine's read
 bandwidth moves between levels for tens of seconds at a time), so the ratio of neighbouring steps' times shows
 differences of 2-3% that A/B runs seconds apart drown in noise: two identical builds read 0.999x, quartiles
 0.947-1.051, over 1322 pairs (BENCHMARKS.md, twenty-fourth session). Greedy tokens must be the same whichever
@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--quantization", choices=["none", "int8", "int4"], default="int4")
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to keep decoding")
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     args = parser.parse_args()
     if len(args.folders) < 2:
         parser.error("give at least two folders (the baseline first)")
@@ -78,13 +79,18 @@ def main() -> None:
             return logits
 
     runner.fused_decoder = TakingTurns()
-    prompt = [{"prompt_token_ids": bench_model.prompts(1, args.prompt_len)[0]}]
+    prompt = [{"prompt_token_ids": p} for p in bench_model.prompts(args.batch, args.prompt_len)]
     params = SamplingParams(max_tokens=129, temperature=0.0, ignore_eos=True)
-    expected = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    def tokens() -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompt, params, use_tqdm=False)]
+
+    expected = tokens()
     times.clear()
     end, same = time.time() + args.seconds, True
     while time.time() < end:  # (128 decode steps a call; the turns go on from call to call)
-        same &= llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+        same &= tokens() == expected
+    if len(times) < len(names):
+        sys.exit("no decode step went through decode_model (a batch over the gemv kernels' rows?): nothing timed")
     pairs = min(len(t) for t in times.values())
     for name in names:
         print(f"{name}: {len(times[name])} steps, median {statistics.median(times[name]) * 1e3:.3f} ms")
