@@ -105,7 +105,9 @@ def has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-FLASH_DTYPES = (torch.float16, torch.bfloat16)  # (flash-attn computes in these only)
+def flash_fits(block_size: int, dtype: torch.dtype) -> bool:
+    """Whether flash-attn 2 can read this cache: 16-bit values, blocks of a multiple of 256 tokens."""
+    return dtype in (torch.float16, torch.bfloat16) and block_size % 256 == 0
 
 
 def _check_choice(choice: str, device: torch.device, block_size: int, dtype: torch.dtype) -> None:
@@ -115,10 +117,9 @@ def _check_choice(choice: str, device: torch.device, block_size: int, dtype: tor
     problem = None
     if choice == "cpu" and (device.type != "cpu" or dtype != torch.bfloat16):
         problem = f"the cpu backend is nanoqwen's kernel for a bfloat16 cache on CPU, not {dtype} on {device.type}"
-    elif choice == "flash" and (device.type != "cuda" or dtype not in FLASH_DTYPES):
-        problem = f"flash-attn runs float16 or bfloat16 on CUDA, not {dtype} on {device.type}"
-    elif choice == "flash" and block_size % 256:
-        problem = f"flash-attn 2 reads blocks of a multiple of 256 tokens, not block_size {block_size}"
+    elif choice == "flash" and (device.type != "cuda" or not flash_fits(block_size, dtype)):
+        problem = (f"flash-attn 2 runs float16 or bfloat16 caches of blocks of a multiple of 256 tokens on CUDA, "
+                   f"not {dtype}, block_size {block_size} on {device.type}")
     if problem:
         raise ValueError(f"NANOQWEN_PAGED_ATTENTION={choice}: {problem}; "
                          "unset it (auto) or use torch, the reference that runs everywhere")
@@ -142,7 +143,7 @@ def attention_backend(device: torch.device, block_size: int,
         return "cpu" if cpu.matmul_path().gemv and dtype == torch.bfloat16 else None
     if device.type != "cuda":
         return None
-    if has_module("flash_attn") and block_size % 256 == 0 and dtype in FLASH_DTYPES:
+    if has_module("flash_attn") and flash_fits(block_size, dtype):
         return "flash"
     if has_module("triton"):
         return "triton"
