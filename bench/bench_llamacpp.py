@@ -12,7 +12,11 @@ plus `pip install sentencepiece`. To compare on AVX2 only on a bigger CPU, run n
 for AVX2 into a folder of its own, put first on PYTHONPATH:
 `CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
 pip install --no-cache-dir --target bench/.models/llama-cpp-avx2 llama-cpp-python` (the table names the
-instruction sets the llama.cpp in use was built for).
+instruction sets the llama.cpp in use was built for). On an Intel Xeon with AMX (2026-12-05) the GGML_NATIVE
+build crashed (SIGSEGV) on the first eval of a q8_0 or q4_0 file; the same flags without AMX
+(`-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON`, into
+bench/.models/llama-cpp-avx512-noamx, put first on PYTHONPATH) ran all three formats.
 The checkpoint is converted with the `convert_hf_to_gguf.py` and `gguf-py` of the installed version's source
 (downloaded once with pip into bench/.models/llama-cpp-src) to a bf16 GGUF, then quantised to q8_0 and q4_0
 with llama_cpp.llama_model_quantize.

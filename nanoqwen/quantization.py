@@ -97,7 +97,11 @@ int4_gemv_reference; its added error is small beside the weights', tests/test_in
 kernel, BENCHMARKS.md);
 more bf16 rows (prefill) take the same kernel's small GEMM (`int4_gemm`: the same function, the
 weights unpacked 16 rows at a time into a buffer for the integer dot products), so a prompt and a
-decode step compute alike. Otherwise (other dtypes, other devices, no compiler) the weights are
+decode step compute alike. On a CPU whose bf16 matmuls are faster still (AMX: several times
+int4_gemm's integer rate), prompts of as many rows as ops/cpu.py measured it faster from instead
+have the kernel unpack W4 to bf16 (`int4_unpack`, W4 rounded to bf16) for torch's bf16 matmul: x
+is not quantised there, so a prompt's products differ from a decode step's by x's rounding to int8
+and W4's to bf16. Otherwise (other dtypes, other devices, no compiler) the weights are
 unpacked block by block to float32 (`dequantize_int4`, plain torch) and multiplied there on a CPU
 whose bf16 matmuls are slow; where they are fast (native bf16) and on a GPU, W4 is rounded to the
 activation dtype and multiplied in it (as the bf16 model's own matmuls are).
@@ -129,6 +133,10 @@ QUANTIZE_BLOCK_ELEMENTS = 1 << 18  # rows quantised at a time: float32 temporari
 KEEP_UNQUANTIZED = ("gate",)  # Linears left as they are, by attribute name: Qwen3-MoE's router
 INT4_GROUP_SIZE = 64  # inputs per int4 scale and offset (module docstring)
 INT4_BLOCK_ROWS = 16  # int4 rows stored lane by lane, a block at a time (module docstring)
+# int4 weights unpacked to bf16 by nanoqwen's kernel for torch's matmul (prompts on CPUs with AMX) are unpacked
+# this many bytes of rows at a time: whole matrices of the smaller models. A matmul per 4 MiB block (as
+# UPCAST_BLOCK_BYTES) made a Qwen3-0.6B layer's four products at 512 rows 1.3x slower than one each (BENCHMARKS.md).
+INT4_UNPACK_BLOCK_BYTES = 64 << 20
 
 
 def check_quantization(method: str | None) -> str | None:
@@ -403,10 +411,11 @@ class Int4Experts(Experts):
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                 offset: torch.Tensor) -> torch.Tensor:
-    """x @ W4.T: nanoqwen's int4 kernel for bf16 rows on CPU (any number), else W4 unpacked block
-    by block (module docstring)."""
+    """x @ W4.T: nanoqwen's int4 kernel for bf16 rows on CPU (any number, except prompts where W4 unpacked to
+    bf16 for torch's matmul was measured faster: ops/cpu.py int4_unpacked), else W4 unpacked block by block
+    (module docstring)."""
     if (x.device.type == "cpu" and x.dtype == scale.dtype == torch.bfloat16
-            and int4_kernels() is not None):
+            and int4_kernels() is not None and not cpu.int4_unpacked(x)):
         return int4_kernels().int4_gemv(x, packed, scale, offset)
     return int4_dequantized_linear(x, packed, scale, offset)
 
@@ -419,11 +428,17 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     out_features, in_features = packed.shape[0], 2 * packed.shape[1]
     compute = torch.float32 if cpu.upcast_16bit(x) else x.dtype
     xc = x.to(compute)
+    # bf16 on a CPU: nanoqwen's kernel unpacks, in one pass (the same bits as dequantize_int4 rounded to bf16)
+    kernel = (compute == scale.dtype == torch.bfloat16 and x.device.type == "cpu" and int4_kernels() is not None)
 
     def product(start: int, end: int) -> torch.Tensor:  # x @ W4[start:end].T, W4 unpacked to the compute dtype
-        return F.linear(xc, dequantize_int4(packed[start:end], scale[start:end], offset[start:end]).to(compute))
+        rows = slice(start, end)
+        if kernel:
+            return F.linear(xc, int4_kernels().int4_unpack(packed[rows], scale[rows], offset[rows]))
+        return F.linear(xc, dequantize_int4(packed[rows], scale[rows], offset[rows]).to(compute))
 
-    block_rows = max(1, _block_rows(xc, in_features) // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS  # whole blocks
+    block_rows = INT4_UNPACK_BLOCK_BYTES // (2 * max(1, in_features)) if kernel else _block_rows(xc, in_features)
+    block_rows = max(1, block_rows // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS  # whole blocks
     return cpu.linear_in_row_blocks(x, out_features, block_rows, product)
 
 

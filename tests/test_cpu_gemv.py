@@ -488,10 +488,51 @@ def test_int4_gemv_quantises_x_to_int8_in_blocks_of_the_group_size(kernels, kern
     assert (x_read[0, 64:] - small.float()).abs().max() <= small.float().max() / 127 / 2 + 1e-6  # half a step
 
 
+@pytest.mark.parametrize("n, k, group", [(300, 1024, 64), (19, 96, 32), (40, 3 * 48, 48), (33, 32, 16),
+                                         (16, 1024 + 128, 128)])  # whole blocks of 16 rows and a partial one
+def test_int4_unpack_is_the_reference_weight_rounded_to_bf16(kernels, n, k, group):
+    """int4_unpack gives dequantize_int4's weight (offset + scale * q in float32) rounded to bf16, bit for bit,
+    for the whole matrix and for a slice of whole blocks of rows (as the int4 layers unpack in row blocks)."""
+    from nanoqwen.quantization import dequantize_int4
+
+    _, packed, scale, offset = make_int4(1, k, n, group)
+    want = dequantize_int4(packed, scale, offset).bfloat16()
+    got = kernels.int4_unpack(packed, scale, offset)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    if n > 32:
+        assert torch.equal(kernels.int4_unpack(packed[16:32], scale[16:32], offset[16:32]), want[16:32])
+    with pytest.raises(RuntimeError, match="packed must be uint8"):
+        kernels.int4_unpack(packed.to(torch.int8), scale, offset)
+
+
+@pytest.mark.parametrize("sign", ["+", "-", "random"])
+def test_int4_integer_sums_at_their_largest(kernels, sign):
+    """Every nibble 15 and every x quantised to +-127: the largest integer products there are. Without VNNI the
+    kernels add up to 8 of maddubs's int16 pair sums (each 2 * 15 * 127 = 3810 here) in int16 before widening
+    them (30480 < 32767); one more, or a group whose chunk count is not a multiple of the widening's (G = 16:
+    2 chunks, 4 quads; G = 48: 6 chunks, 12 quads), would wrap past 32767 and be off by 65536 somewhere."""
+    g = torch.Generator().manual_seed(5)
+    for m, k, group, n in [(1, 3 * 48, 48, 19), (2, 5 * 16, 16, 32), (9, 2 * 128, 128, 16), (3, 1024, 64, 40)]:
+        packed = torch.full((n, k // 2), 0xFF, dtype=torch.uint8)  # both nibbles of every byte: 15
+        scale = torch.full((n, k // group), 2.0**-12, dtype=torch.bfloat16)
+        offset = torch.zeros(n, k // group, dtype=torch.bfloat16)
+        x = torch.ones(m, k, dtype=torch.bfloat16)  # each block's scale 1/127: x quantised to 127
+        if sign == "-":
+            x = -x
+        elif sign == "random":
+            x = torch.where(torch.rand(m, k, generator=g) < 0.5, x, -x)
+        for kernel in ("int4_gemv", "int4_gemm"):
+            got = check_int4(kernels, x, packed, scale, offset, kernel)
+            if sign != "random":  # every output: k * 15 / 4096, the same sign as x
+                assert torch.allclose(got.float(), torch.full_like(got.float(), float(x[0, 0]) * k * 15 / 4096),
+                                      rtol=2**-7)
+
+
 def test_integer_kernels_without_vnni_match_references(tmp_path):
     """With the CPU limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) the kernels are built without AVX-512 VNNI
     (maddubs instead of vpdpbusd for int4, vpmaddwd instead of vpdpwssd for int8), as on an AVX2-only CPU;
-    the same references hold, for int4's streaming passes and panels and for int8_gemv."""
+    the same references hold, for int4's streaming passes and panels (their int16 sums at their largest too),
+    its unpacking to bf16, and for int8_gemv."""
     import os
     import subprocess
     import sys
@@ -502,6 +543,8 @@ def test_integer_kernels_without_vnni_match_references(tmp_path):
         "import sys, torch; sys.path.insert(0, 'tests')\n"
         "from test_cpu_gemv import make, make_int4, check_int4, check_int8\n"
         "from test_cpu_gemv import test_int8_gemv_quantises_x_to_int16_in_blocks as int16_blocks\n"
+        "from test_cpu_gemv import test_int4_integer_sums_at_their_largest as largest_sums\n"
+        "from test_cpu_gemv import test_int4_unpack_is_the_reference_weight_rounded_to_bf16 as unpack\n"
         "from nanoqwen.ops import cpu_gemv as k\n"
         "assert k.available() and k.int4_dot_instructions() == 'AVX2', k.compile_flags()\n"
         "assert k.bf16_dot_instructions() == 'AVX2 FMA', k.compile_flags()\n"
@@ -512,6 +555,10 @@ def test_integer_kernels_without_vnni_match_references(tmp_path):
         "    x, _, _, q, scale = make(m, kk, n)\n"
         "    assert (check_int8(k, x, q, scale) == k.int8_gemv_reference(x, q, scale)).float().mean() > 0.95\n"
         "int16_blocks(k)\n"
+        "for sign in ('+', '-', 'random'):\n"
+        "    largest_sums(k, sign)\n"
+        "for n, kk, group in [(300, 1024, 64), (19, 96, 32)]:\n"
+        "    unpack(k, n, kk, group)\n"
         "print('ok')\n")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

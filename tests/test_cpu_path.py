@@ -86,6 +86,7 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
         return dict(zip(cpu.GEMV_PROBE_ROWS, zip(own_gb_s, torch_gb_s, strict=True), strict=True))
 
     monkeypatch.setattr(cpu, "gemv_probe", probe)
+    monkeypatch.setattr(cpu, "int4_unpack_probe", dict)  # (the next tests)
     first = cpu.select_matmul_path(tmp_path)
     assert first.path == "bf16" and calls == ["bf16"]
     assert first.gemv_max_rows == expected_rows and first.gemv == (expected_rows > 0)
@@ -149,6 +150,7 @@ def test_gemm_is_chosen_by_measurement_once_per_machine(own, expected, monkeypat
     monkeypatch.setattr(cpu, "gemm_probe", lambda: calls.append("gemm") or {"own": own, "upcast": 120.0})
     monkeypatch.setattr(cpu, "gemv_probe", lambda path, gemm: calls.append((path, gemm)) or
                         {m: (10.0, 1.0) for m in cpu.GEMV_PROBE_ROWS})
+    monkeypatch.setattr(cpu, "int4_unpack_probe", dict)
     first = cpu.select_matmul_path(tmp_path)
     assert first.gemm == expected and calls == ["gemm", ("float32", expected)]
     assert f"measured {own:.0f} vs 120 GFLOP/s" in first.gemm_reason
@@ -161,6 +163,53 @@ def test_gemm_is_chosen_by_measurement_once_per_machine(own, expected, monkeypat
     monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
     monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "bf16")
     assert not cpu.select_matmul_path(tmp_path).gemm and "gemm" not in calls[2:]
+
+
+# int4_gemm's GFLOP/s and the unpacked path's at 16, 32, 64, 128, 256 rows: the unpacked path takes a row count
+# where it is faster there and at every larger count probed
+@pytest.mark.parametrize("unpacked, expected_rows", [((200, 400, 600, 450, 1300), 256),
+                                                     ((200, 600, 700, 800, 900), 32),
+                                                     ((200, 300, 400, 450, 480), 0)])
+def test_int4_unpacking_is_chosen_by_measurement_once_per_machine(unpacked, expected_rows, monkeypatch, tmp_path,
+                                                                  path_in_use):
+    """On the bf16 path, int4 products over many rows unpack the weights to bf16 for torch's matmul from the
+    row count on which that was measured faster than int4_gemm (500 GFLOP/s here); measured once, cached; the
+    float32 path and NANOQWEN_CPU_GEMV=0 never measure it."""
+    from nanoqwen.ops import cpu_gemv
+
+    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "bf16")
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
+    monkeypatch.setattr(cpu_gemv, "available", lambda: True)
+    monkeypatch.setattr(cpu_gemv, "bf16_dot_instructions", lambda: "AVX2 FMA")
+    monkeypatch.setattr(cpu, "gemv_probe", lambda path, gemm: {m: (10.0, 1.0) for m in cpu.GEMV_PROBE_ROWS})
+    monkeypatch.setattr(cpu, "gemm_probe", lambda: {"own": 1.0, "upcast": 2.0})
+    calls = []
+    speeds = dict(zip(cpu.INT4_UNPACK_PROBE_ROWS, ((500.0, u) for u in unpacked), strict=True))
+    monkeypatch.setattr(cpu, "int4_unpack_probe", lambda: calls.append(1) or speeds)
+    first = cpu.select_matmul_path(tmp_path)
+    assert first.int4_unpack_min_rows == expected_rows and len(calls) == 1
+    assert "256: 1300 vs 500" in first.int4_unpack_reason or expected_rows != 256
+    assert cpu.select_matmul_path(tmp_path) == first and len(calls) == 1  # from the cache
+    cpu.use_matmul_path(first)
+    for rows in (16, 32, 64, 256):
+        x = torch.zeros(rows, 8, dtype=torch.bfloat16)
+        assert cpu.int4_unpacked(x) == (0 < expected_rows <= rows)
+        assert not cpu.int4_unpacked(x.float())
+    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "float32")
+    assert cpu.select_matmul_path(tmp_path).int4_unpack_min_rows == 0 and len(calls) == 1
+    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "bf16")
+    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "0")
+    assert cpu.select_matmul_path(tmp_path).int4_unpack_min_rows == 0 and len(calls) == 1
+
+
+def test_int4_unpack_probe_measures_both_ways():
+    from nanoqwen.ops import cpu_gemv
+
+    if not cpu_gemv.available():
+        pytest.skip("nanoqwen's CPU kernels cannot be built here")
+    speeds = cpu.int4_unpack_probe()
+    assert sorted(speeds) == list(cpu.INT4_UNPACK_PROBE_ROWS)
+    assert all(gemm > 0.01 and unpacked > 0.01 for gemm, unpacked in speeds.values())
 
 
 def test_linear_sends_many_bf16_rows_to_bf16_gemm_where_chosen(path_in_use, monkeypatch):

@@ -41,6 +41,7 @@ from nanoqwen.engine.tp_worker import KVCacheSize, LoadModel, TPGroup
 from nanoqwen.errors import ConfigError, InvalidRequestError
 from nanoqwen.hub import resolve_model_path
 from nanoqwen.loader import load_config, load_model
+from nanoqwen.ops import cpu
 from nanoqwen.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
 from nanoqwen.pooling import (
     SentenceTransformersConfig,
@@ -146,6 +147,10 @@ class LLMEngine:
         if kernels is not None:
             self.kernel_path += (f"; int4 rows: int8 activations, {kernels.int4_dot_instructions()} integer dot "
                                  f"products (up to 8 rows streamed, more on unpacked weight panels)")
+            path = cpu.matmul_path()
+            if path.int4_unpack_min_rows:
+                self.kernel_path += (f"; int4, >= {path.int4_unpack_min_rows} rows: weights unpacked to bf16 for "
+                                     f"torch's matmul ({path.int4_unpack_reason})")
         logger.info("kernels: %s", self.kernel_path)
         # The KV pool: as many blocks as the budget holds; it must fit at least one full-length
         # sequence. With tensor parallelism the budget is per rank, and a rank's block holds only

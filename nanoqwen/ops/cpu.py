@@ -21,7 +21,10 @@ kernel against what those rows would take otherwise (torch's F.linear, or upcast
 rows and sets how many rows (decode steps, short prompt chunks) the gemv kernels take, on any CPU
 (NANOQWEN_CPU_GEMV=0|1 forces them off or on). On the float32 path a third, also cached, times
 nanoqwen's bf16_gemm against upcast_linear on PROBE_SHAPE: where it is faster, it takes the rows
-past the gemv kernels' (the same arithmetic with the weights converted inside the product).
+past the gemv kernels' (the same arithmetic with the weights converted inside the product). On the bf16
+path a fourth times int4 products over many rows both ways: nanoqwen's int4_gemm (integer dot products)
+against the weights unpacked to bf16 for torch's matmul, which AMX runs several times faster than int4_gemm's
+VNNI instructions; from the row count on which the second wins, int4 prompts take it (int4_unpack_min_rows).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ GEMV_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 # batch-1 decode 13.2 tok/s through torch's int8pack, 31.9 through nanoqwen's kernel; BENCHMARKS.md).
 GEMV_MIN_SHARE = 0.8
 SLOW_BF16 = 0.5  # bf16 below half of float32's speed: compute in float32
+# rows of x at which int4_unpack_probe times an int4 product of a 1024 x 1024 weight both ways (bf16 path)
+INT4_UNPACK_PROBE_ROWS = (16, 32, 64, 128, 256)
 
 
 @dataclass
@@ -76,6 +81,10 @@ class MatmulPath:
     gemv_reason: str = ""  # why
     gemm: bool = False  # on the float32 path, more rows through ops/cpu_gemv.py's bf16_gemm, not upcast_linear
     gemm_reason: str = ""  # why
+    # on the bf16 path, int4 products over this many rows or more unpack the weights to bf16 for torch's matmul
+    # rather than run nanoqwen's int4 kernel (0: never)
+    int4_unpack_min_rows: int = 0
+    int4_unpack_reason: str = ""  # why
 
     @property
     def gemv(self) -> bool:
@@ -163,6 +172,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cac
     return _gemv_kernels.prefill_attention(q, k, v, num_cached, q.shape[-1] ** -0.5, block)
 
 
+def int4_unpacked(x: torch.Tensor) -> bool:
+    """Whether an int4 product over bf16 x's rows unpacks the weights to bf16 for torch's matmul
+    (quantization.int4_linear), rather than nanoqwen's int4 kernel: from the row count where that was measured
+    faster (select_matmul_path)."""
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    return (0 < _in_use.int4_unpack_min_rows <= rows and x.device.type == "cpu"
+            and x.dtype == torch.bfloat16)
+
+
 def upcast_16bit(x: torch.Tensor) -> bool:
     """Whether a product over x's rows computes in float32 from 16-bit operands (CPU without fast
     bf16)."""
@@ -211,6 +229,8 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
         return choice
     if choice.path == "float32":
         _select_gemm(choice, wanted == "1", cache_dir)
+    else:
+        _select_int4_unpack(choice, cache_dir)
     if wanted == "1":
         choice.gemv_max_rows = GEMV_MAX_ROWS
         choice.gemv_reason = f"{cpu_gemv.bf16_dot_instructions()}; NANOQWEN_CPU_GEMV=1"
@@ -241,6 +261,49 @@ def _select_gemm(choice: MatmulPath, forced: bool, cache_dir: Path | None) -> No
     speeds = _cached(cache_dir, what, gemm_probe)
     choice.gemm = speeds["own"] > speeds["upcast"]
     choice.gemm_reason = f"measured {speeds['own']:.0f} vs {speeds['upcast']:.0f} GFLOP/s through upcast_linear"
+
+
+def _select_int4_unpack(choice: MatmulPath, cache_dir: Path | None) -> None:
+    """From how many rows int4 products unpack the weights to bf16 for torch's matmul (bf16 path): the
+    smallest row count of INT4_UNPACK_PROBE_ROWS from which that was measured faster than int4_gemm at every
+    count probed (once per machine and build of the kernels, cached); 0 where it never was."""
+    from nanoqwen.ops import cpu_gemv
+
+    what = f"int4 unpacked against int4_gemm, kernels {cpu_gemv.build_digest()}"
+    speeds = {int(m): v for m, v in _cached(cache_dir, what, int4_unpack_probe).items()}
+    choice.int4_unpack_min_rows = 0
+    for rows, (gemm, unpacked) in sorted(speeds.items(), reverse=True):
+        if unpacked <= gemm:
+            break
+        choice.int4_unpack_min_rows = rows
+    shown = ", ".join(f"{m}: {unpacked:.0f} vs {gemm:.0f}" for m, (gemm, unpacked) in sorted(speeds.items()))
+    choice.int4_unpack_reason = f"measured GFLOP/s by rows, unpacked to bf16 vs int4_gemm: {shown}"
+
+
+def int4_unpack_probe() -> dict[int, tuple[float, float]]:
+    """For each row count of INT4_UNPACK_PROBE_ROWS, GFLOP/s of an int4 product (a 1024 x 1024 weight in
+    groups of 64) through nanoqwen's int4_gemm and through the weight unpacked to bf16 (int4_unpack) and torch's
+    bf16 F.linear: the best of five rounds, the two alternating."""
+    from nanoqwen.ops import cpu_gemv
+    from nanoqwen.quantization import quantize_int4
+
+    _, n_in, n_out = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    packed, scale, offset = quantize_int4(torch.randn(n_out, n_in, generator=g).bfloat16() / n_in**0.5, 64)
+    products = (cpu_gemv.int4_gemm, lambda x, *w: F.linear(x, cpu_gemv.int4_unpack(*w)))
+    speeds = {}
+    for rows in INT4_UNPACK_PROBE_ROWS:
+        x = torch.randn(rows, n_in, generator=g).bfloat16()
+        best = [float("inf")] * len(products)
+        for fn in products:
+            fn(x, packed, scale, offset)  # warm-up
+        for _ in range(5):
+            for i, fn in enumerate(products):
+                start = time.perf_counter()
+                fn(x, packed, scale, offset)
+                best[i] = min(best[i], time.perf_counter() - start)
+        speeds[rows] = tuple(round(2 * rows * n_in * n_out / t / 1e9, 1) for t in best)
+    return speeds
 
 
 def gemm_probe() -> dict[str, float]:
@@ -311,7 +374,7 @@ def _select_path(cache_dir: Path | None) -> MatmulPath:
         logger.warning("NANOQWEN_CPU_MATMUL=%s is not one of auto, %s: measuring instead",
                        forced, ", ".join(PATHS))
     found = _cached(cache_dir, "matmul", lambda: asdict(probe()))
-    return MatmulPath(**{k: v for k, v in found.items() if not k.startswith(("gemv", "gemm"))})
+    return MatmulPath(**{k: v for k, v in found.items() if not k.startswith(("gemv", "gemm", "int4"))})
 
 
 def _cached(cache_dir: Path | None, what: str, measure: Callable[[], dict]) -> dict:

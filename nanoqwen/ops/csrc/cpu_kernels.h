@@ -5,7 +5,8 @@
 //   gemv.cpp        bf16_gemv, int8_gemv: y = x @ w.T for few rows of x, streaming the weights once
 //   gemm.cpp        bf16_gemm, int8_gemm: y = x @ w.T for many rows of x in float32 from bf16 / int8 weights;
 //                   prefill_attention: a prompt chunk's attention, its two products through the same kernel
-//   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill)
+//   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill);
+//                   int4_unpack: the weights as bf16, for a fast bf16 matmul to take (prefill with AMX)
 //   decode_ops.cpp  rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a decode step's rest;
 //                   argmax: the sampler's greedy choice
 //   module.cpp      decode_model (a decode step's whole forward in one call) and the Python bindings
@@ -36,7 +37,10 @@
 namespace nanoqwen {
 
 constexpr int64_t kTaskBytes = 256 << 10;    // weight bytes a parallel task reads at least
-constexpr int kPrefetchBytes = 4096;         // int4: how far ahead of the current weight line to prefetch (tuned)
+// int4: how far ahead of the current weight line to prefetch. Tuned: on an Intel Xeon, int4 decode 1.09-1.11x faster
+// at 2 KB than at 4 KB, 1 KB as 2 KB (twenty-sixth session); on the AMD EPYC, int4_gemv alone read level or slower
+// at 2 KB than at 4 KB (twenty-third session; BENCHMARKS.md)
+constexpr int kPrefetchBytes = 2048;
 // gemv.cpp's bf16/int8 kernels read R weight rows side by side, R streams a thread: each row prefetched this far
 // ahead (tuned: bench/ab_kernels.py; BENCHMARKS.md, twenty-fourth session)
 constexpr int kRowPrefetchBytes = 1024;
@@ -196,6 +200,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
                      const at::Tensor& offset);
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const at::Tensor& offset);
+at::Tensor int4_unpack(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset);
 // decode_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);

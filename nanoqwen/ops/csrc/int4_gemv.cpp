@@ -3,6 +3,7 @@
 //   int4_gemv(x [M,K] bf16, packed [N,K/2] uint8, scale, offset [N,K/G] bf16) -> y [M,N] bf16,
 //             y = x' @ (offset + scale * q).T per group, x' = x quantised to int8 per group (below);
 //             any M: above 8 rows a small GEMM on unpacked panels of W (int4_gemm)
+//   int4_unpack(packed, scale, offset) -> W [N,K] bf16, offset + scale * q rounded to bf16 (for torch's matmul)
 //
 // int4 layout (nanoqwen/quantization.py): row n is cut into groups of G consecutive elements (G % 16 == 0);
 // group g has G/2 bytes, byte j holding element j in its low nibble and element j + G/2 in its high nibble,
@@ -29,8 +30,9 @@ constexpr int kBlockVectors = kBlockRows / 8;
 // A float FMA per weight made the int4 kernel compute-bound, far below the read bandwidth (BENCHMARKS.md).
 // Instead, x is quantised once per call to int8 in blocks of the weights' group size G (symmetric, one
 // float32 scale per block: d = max|x| / 127, xq = round(x / d)), and each group's dot product
-// sum_k q[k] * xq[k] is an integer one (vpdpbusd with AVX-512 VNNI; maddubs, u8 x s8 pairs summed to int16,
-// at most 2 * 15 * 127, then madd with ones to int32, on AVX2). Per group g of row r and of x row m:
+// sum_k q[k] * xq[k] is an integer one (vpdpbusd with AVX-512 VNNI; on AVX2 maddubs, u8 x s8 pairs summed to
+// int16, a few of those added in int16, then madd with ones to int32: widen16 below). Per group g of row r and
+// of x row m:
 //     y[m, r] = sum_g scale[r, g] * d[m, g] * (sum_{k in g} q[r, k] xq[m, k])  +  sum_g offset[r, g] * xs[m, g]
 // with xs[m, g] = d[m, g] * sum_{k in g} xq[m, k] (once per call): exactly x' @ W4.T for the dequantised
 // activations x' = d * xq, which int4_gemv_reference in nanoqwen/ops/cpu_gemv.py computes. One float
@@ -85,16 +87,34 @@ QuantizedX quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t G) {
 }
 
 #ifdef NANOQWEN_AVX2
-// isum + for each of the 8 int32 lanes the sum of its 4 products of u8 w (0..15) with s8 x.
-// (vpdpbusd as inline assembly, not _mm256_dpbusd_epi32: in panel_tile's loop GCC 12 copies each accumulator to
-// another register and back around every one of those, two extra instructions per product instruction; the
-// panels ran 1.3-1.4x faster without them.)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// Without VNNI, a dot product of 4 u8 w (0..15) with 4 s8 x per int32 lane takes three instructions: maddubs
+// (u8 x s8 pairs summed to int16), madd with ones (int16 pairs to int32), add. The kernels below skip the middle
+// one for most products: they add maddubs's int16 pair sums, each at most 2 * 15 * 127 = 3810 in size, in int16
+// for up to kPairSums16 of them (30480 < 32767: exact), and widen the sum to int32 once (widen16). The same
+// integers, so the same bits; about 1.2x the products' rate under the AVX2 limits (BENCHMARKS.md, twenty-sixth
+// session).
+constexpr int kPairSums16 = 8;
+inline __m256i pair_sums16(__m256i w, __m256i x) { return _mm256_maddubs_epi16(w, x); }
+inline __m256i widen16(__m256i isum, __m256i sum16) {
+  return _mm256_add_epi32(isum, _mm256_madd_epi16(sum16, _mm256_set1_epi16(1)));
+}
+
+// isum + for each of the 8 int32 lanes the sum of its 4 products of u8 w (0..15) with s8 x: one vpdpbusd.
+// (As inline assembly, not _mm256_dpbusd_epi32: in panel_tile's loop GCC 12 copies each accumulator to another
+// register and back around every one of those, two extra instructions per product instruction; the panels ran
+// 1.3-1.4x faster without them.)
 inline __m256i dot4(__m256i isum, __m256i w, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   asm("vpdpbusd %2, %1, %0" : "+v"(isum) : "v"(w), "v"(x));
   return isum;
 #else
-  return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  return widen16(isum, pair_sums16(w, x));  // (the kernels take the two steps apart instead, as above)
 #endif
 }
 
@@ -164,13 +184,16 @@ void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
     // hardware prefetcher alone let fall behind (BENCHMARKS.md)
     _mm_prefetch(reinterpret_cast<const char*>(scale + (g + 8) * kBlockRows), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(offset + (g + 8) * kBlockRows), _MM_HINT_T0);
-    // isum[S - 1]: the high nibbles' products. With one row of x (S = 2) they have sums of their own, two
-    // chains of dependent dot products per vector, not one; more rows of x give the chains without them.
-    constexpr int S = T == 1 ? 2 : 1;
-    __m256i isum[S][T][kBlockVectors];
-    for (int i = 0; i < S; ++i)
-      for (int t = 0; t < T; ++t)
-        for (int v = 0; v < kBlockVectors; ++v) isum[i][t][v] = _mm256_setzero_si256();
+    // isum[S - 1]: the high nibbles' products. With one row of x and VNNI (S = 2) they have sums of their own,
+    // two chains of dependent dot products per vector, not one; more rows of x give the chains without them.
+    // Without VNNI, sum16: the int16 sums of the last chunks' products (2 pair sums a chunk; see widen16).
+    constexpr int S = T == 1 && kVnni ? 2 : 1;
+    __m256i isum[S][T][kBlockVectors], sum16[T][kBlockVectors];
+    for (int t = 0; t < T; ++t)
+      for (int v = 0; v < kBlockVectors; ++v) {
+        for (int i = 0; i < S; ++i) isum[i][t][v] = _mm256_setzero_si256();
+        sum16[t][v] = _mm256_setzero_si256();
+      }
     for (int64_t c = 0; c < chunks; ++c) {  // bytes 4c.. of the group's rows: elements 4c.. and G/2 + 4c..
       const uint8_t* wc = w + (g * chunks + c) * kBlockRows * 4;
       _mm_prefetch(reinterpret_cast<const char*>(wc) + kPrefetchBytes, _MM_HINT_T0);
@@ -184,10 +207,21 @@ void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
         const int8_t* xg = x.xq + (m0 + t) * K + g * G + 4 * c;
         const __m256i x_lo = broadcast4(xg), x_hi = broadcast4(xg + G / 2);
         for (int v = 0; v < kBlockVectors; ++v) {
-          isum[0][t][v] = dot4(isum[0][t][v], lo[v], x_lo);
-          isum[S - 1][t][v] = dot4(isum[S - 1][t][v], hi[v], x_hi);
+          if constexpr (kVnni) {
+            isum[0][t][v] = dot4(isum[0][t][v], lo[v], x_lo);
+            isum[S - 1][t][v] = dot4(isum[S - 1][t][v], hi[v], x_hi);
+          } else {
+            const __m256i both = _mm256_add_epi16(pair_sums16(lo[v], x_lo), pair_sums16(hi[v], x_hi));
+            sum16[t][v] = _mm256_add_epi16(sum16[t][v], both);
+          }
         }
       }
+      if (!kVnni && ((c + 1) % (kPairSums16 / 2) == 0 || c + 1 == chunks))
+        for (int t = 0; t < T; ++t)
+          for (int v = 0; v < kBlockVectors; ++v) {
+            isum[0][t][v] = widen16(isum[0][t][v], sum16[t][v]);
+            sum16[t][v] = _mm256_setzero_si256();
+          }
     }
     if constexpr (S == 2)
       for (int t = 0; t < T; ++t)
@@ -373,9 +407,9 @@ void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < V; ++v) acc[t][v] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i isum[T][V];
+    __m256i isum[T][V], sum16[T][V];  // sum16: without VNNI, the last quads' int16 pair sums (widen16)
     for (int t = 0; t < T; ++t)
-      for (int v = 0; v < V; ++v) isum[t][v] = _mm256_setzero_si256();
+      for (int v = 0; v < V; ++v) isum[t][v] = sum16[t][v] = _mm256_setzero_si256();
     const uint8_t* pg = panel + g * quads * kBlockRows * 4;
     for (int64_t kq = 0; kq < quads; ++kq) {
       __m256i w[V];
@@ -383,8 +417,19 @@ void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
         w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + kq * kBlockRows * 4 + 32 * v));
       for (int t = 0; t < T; ++t) {
         const __m256i xb = broadcast4(x.xq + (m0 + t) * K + g * G + 4 * kq);  // x's 4 int8 of this quad
-        for (int v = 0; v < V; ++v) isum[t][v] = dot4(isum[t][v], w[v], xb);
+        for (int v = 0; v < V; ++v) {
+          if constexpr (kVnni)
+            isum[t][v] = dot4(isum[t][v], w[v], xb);
+          else
+            sum16[t][v] = _mm256_add_epi16(sum16[t][v], pair_sums16(w[v], xb));
+        }
       }
+      if (!kVnni && ((kq + 1) % kPairSums16 == 0 || kq + 1 == quads))
+        for (int t = 0; t < T; ++t)
+          for (int v = 0; v < V; ++v) {
+            isum[t][v] = widen16(isum[t][v], sum16[t][v]);
+            sum16[t][v] = _mm256_setzero_si256();
+          }
     }
     add_group<T>(acc, isum, panel_scale + g * kBlockRows, panel_offset + g * kBlockRows, x.d + m0 * groups + g,
                  x.xs + m0 * groups + g, groups);
@@ -428,6 +473,59 @@ void int4_panels(const Int4Product& p) {
 #endif
 }
 
+// ---- int4 weights unpacked to bf16 (prompts on CPUs whose bf16 matmuls are fast: AMX; the caller multiplies).
+//
+// w[n, k] = round_bf16(offset + scale * q) in row order, as dequantize_int4(...).to(bfloat16) (nanoqwen/
+// quantization.py): scale * q is exact in float32 (8 bits times 4), so the sum rounds once, then to bf16.
+
+// Rows n0 .. n0 + L - 1 (one stored block) into out [N, K].
+void unpack_block(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, int L, int64_t K, int64_t G,
+                  int64_t n0, uint16_t* out) {
+  const int64_t groups = K / G, chunks = G / 8;
+#ifdef NANOQWEN_AVX2
+  if (L == kBlockRows) {
+    // 8 bytes of the block: 4 of row r and then 4 of row r + 1, elements 4c .. 4c + 3 (low nibbles) and
+    // G/2 + 4c .. (high) of each: one vector of 8 weights per nibble half, its scales and offsets row r's
+    // four times, then row r + 1's.
+    const __m128i nibble = _mm_set1_epi8(0xF);
+    for (int64_t g = 0; g < groups; ++g)
+      for (int v = 0; v < kBlockVectors; ++v) {
+        const __m256 s8 = load8(scale + g * kBlockRows + 8 * v), o8 = load8(offset + g * kBlockRows + 8 * v);
+        for (int pair = 0; pair < 4; ++pair) {
+          const __m256i lanes = _mm256_setr_epi32(2 * pair, 2 * pair, 2 * pair, 2 * pair, 2 * pair + 1,
+                                                  2 * pair + 1, 2 * pair + 1, 2 * pair + 1);
+          const __m256 s = _mm256_permutevar8x32_ps(s8, lanes), o = _mm256_permutevar8x32_ps(o8, lanes);
+          uint16_t* row = out + (n0 + 8 * v + 2 * pair) * K + g * G;  // row r; row r + 1 is K further
+          for (int64_t c = 0; c < chunks; ++c) {
+            const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+                w + ((g * chunks + c) * kBlockRows + 8 * v + 2 * pair) * 4));
+            for (int half = 0; half < 2; ++half) {  // low nibbles: elements 4c.., high: G/2 + 4c..
+              const __m128i q = _mm_and_si128(half ? _mm_srli_epi16(b, 4) : b, nibble);
+              const __m256i bits = bf16_bits(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), s, o));
+              const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+              _mm_storel_epi64(reinterpret_cast<__m128i*>(row + half * G / 2 + 4 * c), packed);
+              _mm_storel_epi64(reinterpret_cast<__m128i*>(row + K + half * G / 2 + 4 * c),
+                               _mm_unpackhi_epi64(packed, packed));
+            }
+          }
+        }
+      }
+    return;
+  }
+#endif
+  for (int lane = 0; lane < L; ++lane)  // the last, partial block (and any block without AVX2)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = bf16_to_float(scale[g * L + lane]), o = bf16_to_float(offset[g * L + lane]);
+      uint16_t* row = out + (n0 + lane) * K + g * G;
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t byte = w[((g * chunks + c) * L + lane) * 4 + i];
+          row[4 * c + i] = float_to_bf16(o + s * static_cast<float>(byte & 0xF));
+          row[G / 2 + 4 * c + i] = float_to_bf16(o + s * static_cast<float>(byte >> 4));
+        }
+    }
+}
+
 }  // namespace
 
 // Few rows: passes that stream the weights; more: the panels (measured: below 9 rows, the panels' unpacking
@@ -450,6 +548,28 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const Int4Product p = prepare_int4(x, packed, scale, offset);
   if (p.M > 0 && p.N > 0) int4_panels(p);
   return p.y;
+}
+
+// int4 weights (packed [N, K/2], scale and offset [N, K/G]) unpacked to bf16 [N, K]: the weight int4_gemv
+// multiplies by, rounded to bf16, for a bf16 matmul to take (above).
+at::Tensor int4_unpack(const at::Tensor& packed_in, const at::Tensor& scale_in, const at::Tensor& offset_in) {
+  const int64_t G = check_int4(packed_in, scale_in, offset_in);
+  const at::Tensor packed = packed_in.contiguous(), scale = scale_in.contiguous(), offset = offset_in.contiguous();
+  const int64_t N = packed.size(0), K = 2 * packed.size(1), groups = K / G;
+  at::Tensor out = at::empty({N, K}, scale.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  const auto* op = reinterpret_cast<const uint16_t*>(offset.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBlockRows;
+      const int L = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
+      unpack_block(wp + n0 * (K / 2), sp + n0 * groups, op + n0 * groups, L, K, G, n0, yp);
+    }
+  });
+  return out;
 }
 
 }  // namespace nanoqwen
