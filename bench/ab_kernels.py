@@ -55,7 +55,11 @@ def main() -> None:
 
     model_dir = Path(args.model) if args.model else bench_model.DEFAULT_DIR
     bench_model.ensure_checkpoint(model_dir)
-    llm = LLM(str(model_dir), quantization=None if args.quantization == "none" else args.quantization)
+    # No prefix caching: a repeated prompt would hit the cache and its first token come from a one-row product (the
+    # gemv kernels) instead of the prompt's many-row one, another rounding of x in int8 (int16 activations against
+    # bf16 ones), which flipped a near-tied first token and made identical builds read as "DIFFER".
+    llm = LLM(str(model_dir), quantization=None if args.quantization == "none" else args.quantization,
+              enable_prefix_caching=False)
     runner = llm.llm_engine.runner
     if runner.fused_decoder is None:
         sys.exit("this engine does not decode through decode_model (ops/decode_step.py): nothing to compare")

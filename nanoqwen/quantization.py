@@ -126,17 +126,18 @@ QUANTIZATION_METHODS = ("int8", "int4")
 # int8pack's cost grows every 4 rows while a bf16 matmul's barely does, so above this many rows
 # (tokens) the dequantise path is faster on CPU (measured, see BENCHMARKS.md).
 INT8PACK_MAX_ROWS = 16
-# the largest model-dtype copy of a weight block the dequantise path makes on a GPU (on a CPU, ops/cpu.py's
-# UPCAST_BLOCK_BYTES: there the copy should still be in the cache when the matmul reads it)
+# the largest model-dtype copy of a weight block the dequantise path makes on a GPU (on a CPU, BF16_BLOCK_BYTES
+# below, or for float32 compute ops/cpu.py's UPCAST_BLOCK_BYTES)
 DEQUANT_BLOCK_BYTES = 16 << 20
 QUANTIZE_BLOCK_ELEMENTS = 1 << 18  # rows quantised at a time: float32 temporaries of 1 MiB
 KEEP_UNQUANTIZED = ("gate",)  # Linears left as they are, by attribute name: Qwen3-MoE's router
 INT4_GROUP_SIZE = 64  # inputs per int4 scale and offset (module docstring)
 INT4_BLOCK_ROWS = 16  # int4 rows stored lane by lane, a block at a time (module docstring)
-# int4 weights unpacked to bf16 by nanoqwen's kernel for torch's matmul (prompts on CPUs with AMX) are unpacked
-# this many bytes of rows at a time: whole matrices of the smaller models. A matmul per 4 MiB block (as
-# UPCAST_BLOCK_BYTES) made a Qwen3-0.6B layer's four products at 512 rows 1.3x slower than one each (BENCHMARKS.md).
-INT4_UNPACK_BLOCK_BYTES = 64 << 20
+# On a CPU whose bf16 matmuls are fast (native bf16, AMX), the int8 and int4 layers' bf16 copy of a block of weight
+# rows for torch's matmul over many rows is at most this big: whole matrices of the smaller models. A matmul per
+# 4 MiB block (UPCAST_BLOCK_BYTES, which the float32 path keeps small to stay in the cache) made a Qwen3-0.6B layer's
+# four products at 512 rows 1.3x slower than one matmul each, in int8 and int4 alike (BENCHMARKS.md).
+BF16_BLOCK_BYTES = 64 << 20
 
 
 def check_quantization(method: str | None) -> str | None:
@@ -437,8 +438,7 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
             return F.linear(xc, int4_kernels().int4_unpack(packed[rows], scale[rows], offset[rows]))
         return F.linear(xc, dequantize_int4(packed[rows], scale[rows], offset[rows]).to(compute))
 
-    block_rows = INT4_UNPACK_BLOCK_BYTES // (2 * max(1, in_features)) if kernel else _block_rows(xc, in_features)
-    block_rows = max(1, block_rows // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS  # whole blocks
+    block_rows = max(1, _block_rows(xc, in_features) // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS  # whole blocks
     return cpu.linear_in_row_blocks(x, out_features, block_rows, product)
 
 
@@ -486,7 +486,10 @@ def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
 
 def _block_rows(xc: torch.Tensor, in_features: int) -> int:
     """How many weight rows the dequantise paths convert at a time, for activations xc in the compute dtype."""
-    block_bytes = cpu.UPCAST_BLOCK_BYTES if xc.device.type == "cpu" else DEQUANT_BLOCK_BYTES
+    if xc.device.type != "cpu":
+        block_bytes = DEQUANT_BLOCK_BYTES
+    else:  # float32 compute (a CPU without fast bf16, or a float32 model): cache-sized blocks
+        block_bytes = cpu.UPCAST_BLOCK_BYTES if xc.dtype == torch.float32 else BF16_BLOCK_BYTES
     return max(1, block_bytes // (max(in_features, 1) * xc.element_size()))
 
 

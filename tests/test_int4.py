@@ -237,8 +237,13 @@ def test_unpacking_in_blocks_equals_unpacking_at_once(monkeypatch, no_kernels):
     layer = int4_layer(333, 96, torch.bfloat16, False)
     x = torch.randn(20, 96).bfloat16()
     whole = int4_dequantized_linear(x, layer.weight, layer.scale, layer.offset)
-    monkeypatch.setattr(cpu, "UPCAST_BLOCK_BYTES", 4 * 96 * 50)
+    monkeypatch.setattr(cpu, "UPCAST_BLOCK_BYTES", 4 * 96 * 50)  # (float32 compute: a CPU without fast bf16)
+    monkeypatch.setattr(qz, "BF16_BLOCK_BYTES", 2 * 96 * 50)  # (bf16 compute)
+    calls = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(qz.F, "linear", lambda x, w: calls.append(w.shape[0]) or linear(x, w))
     assert torch.equal(int4_dequantized_linear(x, layer.weight, layer.scale, layer.offset), whole)
+    assert calls == [48] * 6 + [45]  # whole blocks of 16 rows: 48 of each 50
 
 
 # -------------------------------------------------------- (b) quality against the unquantised model

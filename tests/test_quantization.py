@@ -178,15 +178,15 @@ def test_width_the_int8pack_kernel_cannot_take_runs_dequantised():
 
 
 def test_dequantise_path_works_in_row_blocks(monkeypatch):
-    """A matrix bigger than UPCAST_BLOCK_BYTES (the LM head) is converted block by block, same
-    result. (On the bf16 path: on the float32 one, a test before this one may have left in use,
-    BLAS may add a 1000-row and a 300-row product in different orders.)"""
+    """A matrix bigger than BF16_BLOCK_BYTES (on the bf16 path; UPCAST_BLOCK_BYTES for float32 compute) is
+    converted block by block, same result. (On the bf16 path: on the float32 one, a test before this one may
+    have left in use, BLAS may add a 1000-row and a 300-row product in different orders.)"""
     monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("bf16", "test"))
     layer = int8_layer(1000, 64, torch.bfloat16, bias=False)
     x = torch.randn(20, 64).to(torch.bfloat16)
     whole = dequantized_linear(x, layer.weight, layer.scale)
     # blocks of 300 rows: 4 blocks, the last short
-    monkeypatch.setattr(cpu, "UPCAST_BLOCK_BYTES", 64 * 2 * 300)
+    monkeypatch.setattr(qz, "BF16_BLOCK_BYTES", 64 * 2 * 300)
     calls = []
     linear = torch.nn.functional.linear
     monkeypatch.setattr(qz.F, "linear", lambda x, w: calls.append(w.shape[0]) or linear(x, w))
