@@ -290,18 +290,14 @@ def int4_unpack_probe() -> dict[int, tuple[float, float]]:
     _, n_in, n_out = PROBE_SHAPE
     g = torch.Generator().manual_seed(0)
     packed, scale, offset = quantize_int4(torch.randn(n_out, n_in, generator=g).bfloat16() / n_in**0.5, 64)
-    products = (cpu_gemv.int4_gemm, lambda x, *w: F.linear(x, cpu_gemv.int4_unpack(*w)))
+
+    def both_ways(x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
+        return [lambda: cpu_gemv.int4_gemm(x, packed, scale, offset),
+                lambda: F.linear(x, cpu_gemv.int4_unpack(packed, scale, offset))]
+
     speeds = {}
     for rows in INT4_UNPACK_PROBE_ROWS:
-        x = torch.randn(rows, n_in, generator=g).bfloat16()
-        best = [float("inf")] * len(products)
-        for fn in products:
-            fn(x, packed, scale, offset)  # warm-up
-        for _ in range(5):
-            for i, fn in enumerate(products):
-                start = time.perf_counter()
-                fn(x, packed, scale, offset)
-                best[i] = min(best[i], time.perf_counter() - start)
+        best = _best_seconds(both_ways(torch.randn(rows, n_in, generator=g).bfloat16()), rounds=5)
         speeds[rows] = tuple(round(2 * rows * n_in * n_out / t / 1e9, 1) for t in best)
     return speeds
 
@@ -315,16 +311,22 @@ def gemm_probe() -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, n_in, generator=g).bfloat16()
     w = torch.randn(n_out, n_in, generator=g).bfloat16()
-    best = {"own": float("inf"), "upcast": float("inf")}
-    products = {"own": cpu_gemv.bf16_gemm, "upcast": upcast_linear}
-    for fn in products.values():
-        fn(x, w)  # warm-up
-    for _ in range(7):
-        for name, fn in products.items():
+    own, upcast = _best_seconds([lambda: cpu_gemv.bf16_gemm(x, w), lambda: upcast_linear(x, w)], rounds=7)
+    return {name: round(2 * rows * n_in * n_out / t / 1e9, 1) for name, t in (("own", own), ("upcast", upcast))}
+
+
+def _best_seconds(calls: list[Callable[[], object]], rounds: int) -> list[float]:
+    """Each call's best time in seconds over `rounds` rounds after one warm-up call each (oneDNN picks its kernel
+    then), the calls alternating within a round so that all see the same machine."""
+    for call in calls:
+        call()
+    best = [float("inf")] * len(calls)
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
             start = time.perf_counter()
-            fn(x, w)
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {name: round(2 * rows * n_in * n_out / t / 1e9, 1) for name, t in best.items()}
+            call()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def gemv_probe(path: str = "bf16", gemm: bool = False) -> dict[int, tuple[float, float]]:
@@ -412,12 +414,7 @@ def _gflops(dtype: torch.dtype) -> float:
     g = torch.Generator().manual_seed(0)
     x, w = (torch.randn(rows, n_in, generator=g).to(dtype),
             torch.randn(n_out, n_in, generator=g).to(dtype))
-    F.linear(x, w)  # warm-up: oneDNN picks its kernel
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        F.linear(x, w)
-        best = min(best, time.perf_counter() - start)
+    best, = _best_seconds([lambda: F.linear(x, w)], rounds=3)
     return 2 * rows * n_in * n_out / best / 1e9
 
 
