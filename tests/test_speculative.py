@@ -270,7 +270,7 @@ def test_drafts_that_do_not_pay_are_paused(tiny_dir, monkeypatch):
 
 def test_drafts_that_pay_keep_speculating(tiny_dir, monkeypatch):
     """A proposer that knows the answer (the n-gram method's lookup replaced by the plain answer):
-    7 tokens per step for a step that costs a few plain ones; the switch leaves it on."""
+    7 tokens per step for a step that costs fewer plain ones; the switch leaves it on."""
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     prompt = PROMPTS[0]
     answer = make_llm(tiny_dir).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -282,7 +282,10 @@ def test_drafts_that_pay_keep_speculating(tiny_dir, monkeypatch):
     assert out.outputs[0].token_ids == answer
     m = out.metrics
     assert m.spec_num_pauses == 0 and m.spec_mean_acceptance_length > 6
-    assert 1 < llm.llm_engine.spec_switch.step_cost(1) < 6  # measured, plain steps included
+    switch = llm.llm_engine.spec_switch
+    assert switch.plain_seconds[1] and switch.spec_seconds[1]  # both kinds of step were timed
+    # no bound below: on the tiny model a 7-row step can time as fast as a 1-row one
+    assert 0 < switch.step_cost(1) < 7
 
 
 def test_structured_outputs_are_not_speculated(tiny_dir):
