@@ -599,6 +599,22 @@ def test_int4_wrong_inputs_raise(kernels):
 # ---- the rest of a decode step
 
 
+def test_add_rms_norm_is_the_bf16_add_then_rms_norm(kernels):
+    """decode_model's residual add and the norm after it, one call: h is torch's bf16 x + y and the norm is rms_norm
+    of h, bit for bit (rows of vectors only, vectors and a scalar tail, and no vector at all)."""
+    g = torch.Generator().manual_seed(0)
+    for rows, d in ((1, 1024), (3, 20), (2, 6)):
+        x, y = (4 * torch.randn(2, rows, d, generator=g)).bfloat16()
+        w = torch.randn(d, generator=g).bfloat16()
+        h, normed = kernels.add_rms_norm(x, y, w, 1e-6)
+        assert torch.equal(h, x + y)
+        assert torch.equal(normed, kernels.rms_norm(x + y, w, 1e-6))
+    with pytest.raises(RuntimeError, match=r"x and y must be \[M, D\] alike"):
+        kernels.add_rms_norm(x, y[:1], w, 1e-6)
+    with pytest.raises(RuntimeError, match=r"weight must have shape \[6\]"):
+        kernels.add_rms_norm(x, y, w[:4], 1e-6)
+
+
 def test_rms_norm_rope_and_swiglu_round_where_the_reference_rounds(kernels):
     from nanoqwen.models import qwen3
 

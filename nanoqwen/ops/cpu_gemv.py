@@ -217,6 +217,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _ext.rms_norm(x, weight, eps)
 
 
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)) with h = x + y, for bf16 x, y [M, D] in one call: a residual add and the norm after it, the
+    same bits as torch's bf16 add and rms_norm (decode_model's step between layers)."""
+    if _ext is None:
+        _require()
+    return _ext.add_rms_norm(x, y, weight, eps)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """models.qwen3.apply_rope for bf16 x [N, H, D], cos/sin [N, D]."""
     if _ext is None:

@@ -8,8 +8,9 @@ through the caches have pushed Python's own data out of them), and the kernels' 
 them (BENCHMARKS.md measures what this buys). `decode_model` in csrc/module.cpp takes the embedding's rows and
 the step's cos and sin as RotaryEmbedding gives them, calls, layer after layer, the same kernels in the same order
 as `DecoderLayer.forward` does on this path (QK-norm, RoPE and the KV store in one pass over the rows:
-`attention_inputs`), then the final norm and the LM head: so the same logits, to the bit, as the model's forward
-and compute_logits (tests/test_cpu_path.py compares them).
+`attention_inputs`; each residual add and the norm after it, the next layer's or the final one, in one:
+`add_rms_norm`), then the LM head: so the same logits, to the bit, as the model's forward and compute_logits
+(tests/test_cpu_path.py compares them).
 
 Used by ModelRunner for steps of decode rows only (no prompt chunk), up to the gemv kernels' row count
 (cpu.matmul_path().gemv_max_rows), when

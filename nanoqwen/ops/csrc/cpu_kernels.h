@@ -203,6 +203,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
 at::Tensor int4_unpack(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset);
 // decode_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                                                double eps);
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor swiglu(const at::Tensor& gate_up);
 at::Tensor argmax(const at::Tensor& values);

@@ -190,6 +190,36 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
   return y;
 }
 
+// add_rms_norm: h = x + y, rounded to bf16 as torch adds bf16 tensors, and rms_norm(h, weight), for x, y [M, D], in
+// one pass over each row -> {h, normed}: a residual add and the norm after it (decode_layer's step), one call.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& y_in,
+                                                const at::Tensor& weight, double eps) {
+  at::Tensor x = x_in.contiguous(), y = y_in.contiguous();
+  check_bf16(x, "x");
+  check_bf16(y, "y");
+  check_bf16(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == y.sizes(), "x and y must be [M, D] alike, got ", x.sizes(), " and ",
+              y.sizes());
+  const int64_t M = x.size(0), D = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D, "weight must have shape [", D, "], got ", weight.sizes());
+  at::Tensor h = at::empty_like(x), normed = at::empty_like(x);
+  const uint16_t *xp = bf16_ptr(x), *yp = bf16_ptr(y), *wp = bf16_ptr(weight);
+  uint16_t *hp = bf16_ptr_mut(h), *np = bf16_ptr_mut(normed);
+  at::parallel_for(0, M, row_grain(D), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t *xr = xp + r * D, *yr = yp + r * D;
+      uint16_t* hr = hp + r * D;
+      int64_t i = 0;
+#ifdef NANOQWEN_AVX2
+      for (; i + 8 <= D; i += 8) store8_bf16(hr + i, _mm256_add_ps(load8_bf16(xr + i), load8_bf16(yr + i)));
+#endif
+      for (; i < D; ++i) hr[i] = float_to_bf16(bf16_to_float(xr[i]) + bf16_to_float(yr[i]));
+      rms_norm_row(hr, wp, D, float(eps), np + r * D);
+    }
+  });
+  return {h, normed};
+}
+
 // apply_rope: x * cos + rotate_half(x) * sin for x [N, H, D], cos/sin [N, D].
 at::Tensor apply_rope(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin) {
   at::Tensor x = x_in.contiguous();

@@ -39,17 +39,22 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& t) {
   }
 }
 
-// The same kernels in the same order as DecoderLayer.forward takes on this path (so the same bits), without
-// a return to Python between them: x + attention(norm(x)), then h + mlp(norm(h)).
-at::Tensor decode_layer(const at::Tensor& x, const DecoderLayerWeights& w, const at::Tensor& cos, const at::Tensor& sin,
-                        const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                        const at::Tensor& block_tables, const at::Tensor& context_lens) {
+// One layer of a decode step, as DecoderLayer.forward computes it on this path (the same kernels in the same order,
+// so the same bits) without a return to Python: x + attention(norm(x)), then h + mlp(norm(h)). Takes the layer's
+// input x and input_norm(x) (x_normed) and returns the layer's output and next_norm of it (the next layer's input
+// norm, or the model's final norm): each residual add and the norm after it are one call (add_rms_norm).
+std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const at::Tensor& x_normed,
+                                                const DecoderLayerWeights& w, const at::Tensor& next_norm,
+                                                double next_eps, const at::Tensor& cos, const at::Tensor& sin,
+                                                const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                                const at::Tensor& context_lens) {
   const int64_t M = x.size(0), D = k_cache.size(3), q_size = w.num_heads * D;
-  at::Tensor qkv = linear(rms_norm(x, w.input_norm, w.eps), w.qkv_proj);  // [M, (Hq + 2 Hkv) D]
+  at::Tensor qkv = linear(x_normed, w.qkv_proj);  // [M, (Hq + 2 Hkv) D]
   at::Tensor q = attention_inputs(qkv, w.q_norm, w.k_norm, w.eps, w.num_heads, cos, sin, k_cache, v_cache, slot_mapping);
   at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0 / std::sqrt(double(D)));
-  at::Tensor h = x + linear(attn.view({M, q_size}), w.o_proj);
-  return h + linear(swiglu(linear(rms_norm(h, w.post_norm, w.eps), w.gate_up_proj)), w.down_proj);
+  const auto [h, h_normed] = add_rms_norm(x, linear(attn.view({M, q_size}), w.o_proj), w.post_norm, w.eps);
+  return add_rms_norm(h, linear(swiglu(linear(h_normed, w.gate_up_proj)), w.down_proj), next_norm, next_eps);
 }
 
 }  // namespace
@@ -65,12 +70,18 @@ at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& inpu
   TORCH_CHECK(k_caches.dim() == 5 && k_caches.size(0) == int64_t(layers.size()) && v_caches.sizes() == k_caches.sizes(),
               "k_caches and v_caches must be [", layers.size(), ", blocks, block_size, Hkv, D], got ", k_caches.sizes(),
               " and ", v_caches.sizes());
+  TORCH_CHECK(!layers.empty(), "a model without decoder layers");
   at::Tensor x = model.embed.index_select(0, input_ids);  // [M, H]
+  at::Tensor x_normed = rms_norm(x, layers[0].input_norm, layers[0].eps);
   const at::Tensor cos = model.cos.index_select(0, positions).to(at::kBFloat16);  // [M, D]
   const at::Tensor sin = model.sin.index_select(0, positions).to(at::kBFloat16);
-  for (size_t i = 0; i < layers.size(); ++i)
-    x = decode_layer(x, layers[i], cos, sin, k_caches[i], v_caches[i], slot_mapping, block_tables, context_lens);
-  return linear(rms_norm(x, model.norm, model.eps), model.lm_head).to(at::kFloat);  // [M, V]
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const bool last = i + 1 == layers.size();
+    std::tie(x, x_normed) = decode_layer(x, x_normed, layers[i], last ? model.norm : layers[i + 1].input_norm,
+                                         last ? model.eps : layers[i + 1].eps, cos, sin, k_caches[i], v_caches[i],
+                                         slot_mapping, block_tables, context_lens);
+  }
+  return linear(x_normed, model.lm_head).to(at::kFloat);  // [M, V]: the final norm's output through the LM head
 }
 
 bool has_avx2() {
@@ -127,6 +138,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax", &argmax, "torch.argmax(values, dim=-1) for float32 values [B, V]", py::arg("values"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "h = x + y (bf16) and rms_norm(h): a residual add and the norm after it",
+        py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("attention_inputs", &attention_inputs, "q, k normed and rotated, k and v stored: decode_layer's step "
         "between qkv_proj and attention", py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
         py::arg("num_heads"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
