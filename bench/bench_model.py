@@ -214,7 +214,7 @@ def machine_line(device: str) -> str:
     if device == "cuda":
         hw = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     else:
-        from nanoqwen.ops.cpu import cpu_name_and_flags, isa_summary
+        from nanoqwen.ops.cpu_probes import cpu_name_and_flags, isa_summary
 
         name, flags = cpu_name_and_flags()
         hw = (f"{name or platform.processor()} (flags: {isa_summary(flags)}; torch's CPU capability "
@@ -284,7 +284,7 @@ def section_name(script: str, device: str) -> str:
     limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) gets its own, e.g. bench_model-cpu-avx512-bf16-as-avx2."""
     if device != "cpu":
         return f"{script}-{device}"
-    from nanoqwen.ops.cpu import cpu_name_and_flags
+    from nanoqwen.ops.cpu_probes import cpu_name_and_flags
 
     flags = cpu_name_and_flags()[1]
     cpu_class = ("avx512-bf16" if {"avx512_bf16", "amx_bf16"} & flags else "avx512" if "avx512f" in flags

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.models import qwen3
-from nanoqwen.ops import cpu
+from nanoqwen.ops import cpu, cpu_probes
 
 logger = logging.getLogger("nanoqwen")
 FUNCTIONS = ("rms_norm", "apply_rope", "swiglu")
@@ -165,7 +165,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool
         use_eager_kernels()
     if device.type != "cpu":
         return f"{device.type}: torch's kernels"
-    name, flags = cpu.cpu_name_and_flags()
+    name, flags = cpu_probes.cpu_name_and_flags()
     elementwise = "compiled elementwise kernels" if compiled else "eager elementwise ops"
     if path.path == "float32" and not enforce_eager:
         elementwise += " (faster than compiled ones where bf16 matmuls are slow)"
@@ -173,7 +173,7 @@ def select_kernels(device: torch.device, dtype: torch.dtype, enforce_eager: bool
         elementwise += ("; decode steps: nanoqwen's C++ RMSNorm/RoPE/SwiGLU and paged attention, "
                         "all decoder layers in one call where the model allows")
     matmul = path.describe() if dtype != torch.float32 else "float32 matmuls"
-    return f"{name} ({cpu.isa_summary(flags)}): {matmul}; {elementwise}"
+    return f"{name} ({cpu_probes.isa_summary(flags)}): {matmul}; {elementwise}"
 
 
 def use_eager_kernels() -> None:

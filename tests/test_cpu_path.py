@@ -12,7 +12,7 @@ from conftest import hf_greedy, hf_model, our_greedy
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.models.qwen3 import attention_reference
-from nanoqwen.ops import attention, cpu
+from nanoqwen.ops import attention, cpu, cpu_probes
 from nanoqwen.quantization import dequantized_linear, quantize_weight
 
 # >= 64 rows: upcast and compiled kernels both run
@@ -47,7 +47,7 @@ def test_auto_measures_once_and_caches_per_machine(bf16_gflops, expected, monkey
         calls.append(args)
         return bf16_gflops if len(calls) % 2 else 63.0
 
-    monkeypatch.setattr(cpu, "_gflops", fake_timing)
+    monkeypatch.setattr(cpu_probes, "matmul_gflops", fake_timing)
     first = cpu.select_matmul_path(tmp_path)
     assert first.path == expected and len(calls) == 2
     assert first.bf16_gflops == bf16_gflops and first.float32_gflops == 63.0
@@ -83,10 +83,10 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
     def probe(path, gemm):
         calls.append(path)
         assert not gemm  # (bf16_gemm: the float32 path's only)
-        return dict(zip(cpu.GEMV_PROBE_ROWS, zip(own_gb_s, torch_gb_s, strict=True), strict=True))
+        return dict(zip(cpu_probes.GEMV_PROBE_ROWS, zip(own_gb_s, torch_gb_s, strict=True), strict=True))
 
-    monkeypatch.setattr(cpu, "gemv_probe", probe)
-    monkeypatch.setattr(cpu, "int4_unpack_probe", dict)  # (the next tests)
+    monkeypatch.setattr(cpu_probes, "gemv_probe", probe)
+    monkeypatch.setattr(cpu_probes, "int4_unpack_probe", dict)  # (the next tests)
     first = cpu.select_matmul_path(tmp_path)
     assert first.path == "bf16" and calls == ["bf16"]
     assert first.gemv_max_rows == expected_rows and first.gemv == (expected_rows > 0)
@@ -125,11 +125,11 @@ def test_gemv_probe_measures_both_kernels(path, gemm, monkeypatch):
     upcast, gemm_kernel = cpu.upcast_linear, cpu_gemv.bf16_gemm
     monkeypatch.setattr(cpu, "upcast_linear", lambda x, w: seen["upcast"].append(x.shape[0]) or upcast(x, w))
     monkeypatch.setattr(cpu_gemv, "bf16_gemm", lambda x, w: seen["gemm"].append(x.shape[0]) or gemm_kernel(x, w))
-    monkeypatch.setattr(cpu, "GEMV_PROBE_SHAPE", (512, 256, 2))  # (small: this checks what runs, not speed)
-    speeds = cpu.gemv_probe(path, gemm)
-    assert sorted(speeds) == list(cpu.GEMV_PROBE_ROWS)
+    monkeypatch.setattr(cpu_probes, "GEMV_PROBE_SHAPE", (512, 256, 2))  # (small: this checks what runs, not speed)
+    speeds = cpu_probes.gemv_probe(path, gemm)
+    assert sorted(speeds) == list(cpu_probes.GEMV_PROBE_ROWS)
     assert all(own > 0.01 and theirs > 0.01 for own, theirs in speeds.values())
-    expected = [m for m in cpu.GEMV_PROBE_ROWS if m >= cpu.UPCAST_MIN_ROWS] if path == "float32" else []
+    expected = [m for m in cpu_probes.GEMV_PROBE_ROWS if m >= cpu.UPCAST_MIN_ROWS] if path == "float32" else []
     assert sorted(set(seen["gemm" if gemm else "upcast"])) == expected
     assert not seen["upcast" if gemm else "gemm"]
 
@@ -147,10 +147,10 @@ def test_gemm_is_chosen_by_measurement_once_per_machine(own, expected, monkeypat
     monkeypatch.setattr(cpu_gemv, "available", lambda: True)
     monkeypatch.setattr(cpu_gemv, "bf16_dot_instructions", lambda: "AVX2 FMA")
     calls = []
-    monkeypatch.setattr(cpu, "gemm_probe", lambda: calls.append("gemm") or {"own": own, "upcast": 120.0})
-    monkeypatch.setattr(cpu, "gemv_probe", lambda path, gemm: calls.append((path, gemm)) or
-                        {m: (10.0, 1.0) for m in cpu.GEMV_PROBE_ROWS})
-    monkeypatch.setattr(cpu, "int4_unpack_probe", dict)
+    monkeypatch.setattr(cpu_probes, "gemm_probe", lambda: calls.append("gemm") or {"own": own, "upcast": 120.0})
+    monkeypatch.setattr(cpu_probes, "gemv_probe", lambda path, gemm: calls.append((path, gemm)) or
+                        {m: (10.0, 1.0) for m in cpu_probes.GEMV_PROBE_ROWS})
+    monkeypatch.setattr(cpu_probes, "int4_unpack_probe", dict)
     first = cpu.select_matmul_path(tmp_path)
     assert first.gemm == expected and calls == ["gemm", ("float32", expected)]
     assert f"measured {own:.0f} vs 120 GFLOP/s" in first.gemm_reason
@@ -181,11 +181,12 @@ def test_int4_unpacking_is_chosen_by_measurement_once_per_machine(unpacked, expe
     monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
     monkeypatch.setattr(cpu_gemv, "available", lambda: True)
     monkeypatch.setattr(cpu_gemv, "bf16_dot_instructions", lambda: "AVX2 FMA")
-    monkeypatch.setattr(cpu, "gemv_probe", lambda path, gemm: {m: (10.0, 1.0) for m in cpu.GEMV_PROBE_ROWS})
-    monkeypatch.setattr(cpu, "gemm_probe", lambda: {"own": 1.0, "upcast": 2.0})
+    monkeypatch.setattr(cpu_probes, "gemv_probe",
+                        lambda path, gemm: {m: (10.0, 1.0) for m in cpu_probes.GEMV_PROBE_ROWS})
+    monkeypatch.setattr(cpu_probes, "gemm_probe", lambda: {"own": 1.0, "upcast": 2.0})
     calls = []
-    speeds = dict(zip(cpu.INT4_UNPACK_PROBE_ROWS, ((500.0, u) for u in unpacked), strict=True))
-    monkeypatch.setattr(cpu, "int4_unpack_probe", lambda: calls.append(1) or speeds)
+    speeds = dict(zip(cpu_probes.INT4_UNPACK_PROBE_ROWS, ((500.0, u) for u in unpacked), strict=True))
+    monkeypatch.setattr(cpu_probes, "int4_unpack_probe", lambda: calls.append(1) or speeds)
     first = cpu.select_matmul_path(tmp_path)
     assert first.int4_unpack_min_rows == expected_rows and len(calls) == 1
     assert "256: 1300 vs 500" in first.int4_unpack_reason or expected_rows != 256
@@ -207,8 +208,8 @@ def test_int4_unpack_probe_measures_both_ways():
 
     if not cpu_gemv.available():
         pytest.skip("nanoqwen's CPU kernels cannot be built here")
-    speeds = cpu.int4_unpack_probe()
-    assert sorted(speeds) == list(cpu.INT4_UNPACK_PROBE_ROWS)
+    speeds = cpu_probes.int4_unpack_probe()
+    assert sorted(speeds) == list(cpu_probes.INT4_UNPACK_PROBE_ROWS)
     assert all(gemm > 0.01 and unpacked > 0.01 for gemm, unpacked in speeds.values())
 
 

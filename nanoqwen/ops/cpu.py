@@ -20,25 +20,26 @@ cached per CPU model, CPU flags, torch version and thread count in
 kernel against what those rows would take otherwise (torch's F.linear, or upcast_linear) at 1 to 64
 rows and sets how many rows (decode steps, short prompt chunks) the gemv kernels take, on any CPU
 (NANOQWEN_CPU_GEMV=0|1 forces them off or on). On the float32 path a third, also cached, times
-nanoqwen's bf16_gemm against upcast_linear on PROBE_SHAPE: where it is faster, it takes the rows
+nanoqwen's bf16_gemm against upcast_linear on a prompt-sized product: where it is faster, it takes the rows
 past the gemv kernels' (the same arithmetic with the weights converted inside the product). On the bf16
 path a fourth times int4 products over many rows both ways: nanoqwen's int4_gemm (integer dot products)
 against the weights unpacked to bf16 for torch's matmul, which AMX runs several times faster than int4_gemm's
 VNNI instructions; from the row count on which the second wins, int4 prompts take it (int4_unpack_min_rows).
+The probes and their cache are ops/cpu_probes.py; this module decides from what they measure.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from nanoqwen.ops import cpu_probes
 
 logger = logging.getLogger("nanoqwen")
 PATHS = ("bf16", "float32")
@@ -52,11 +53,6 @@ INT8_GEMV_MIN_ROWS = 16
 # and the int8/int4 layers' unpacking): small enough that the copy is still in the L3 cache when the matmul reads
 # it, so that the weights come from memory once, as 16-bit (or 8- or 4-bit) values.
 UPCAST_BLOCK_BYTES = 4 << 20
-# rows, in, out: a prompt chunk through a Qwen3-0.6B-sized projection
-PROBE_SHAPE = (256, 1024, 1024)
-# out, in, copies: a Qwen3-0.6B qkv_proj, 8 copies (64 MiB) so that they come from memory
-GEMV_PROBE_SHAPE = (4096, 1024, 8)
-GEMV_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 # The gemv kernels take a row count while their bf16 product reaches this share of the path's alternative
 # (torch's F.linear; on the float32 path, from UPCAST_MIN_ROWS rows on, upcast_linear): with them
 # come the one-call C++ decode step and the int8 kernel, which gain more than that loses (measured with
@@ -64,8 +60,6 @@ GEMV_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 # batch-1 decode 13.2 tok/s through torch's int8pack, 31.9 through nanoqwen's kernel; BENCHMARKS.md).
 GEMV_MIN_SHARE = 0.8
 SLOW_BF16 = 0.5  # bf16 below half of float32's speed: compute in float32
-# rows of x at which int4_unpack_probe times an int4 product of a 1024 x 1024 weight both ways (bf16 path)
-INT4_UNPACK_PROBE_ROWS = (16, 32, 64, 128, 256)
 
 
 @dataclass
@@ -188,31 +182,10 @@ def upcast_16bit(x: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16))
 
 
-def cpu_name_and_flags() -> tuple[str, set[str]]:
-    """The CPU's model name and feature flags, from /proc/cpuinfo (empty where there is none)."""
-    name, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == "unknown CPU":
-                name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return name, flags
-
-
-def isa_summary(flags: set[str]) -> str:
-    """The flags that decide matmul speed, e.g. "avx2 fma" or "avx512f avx512_bf16 amx_bf16"."""
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
-    return " ".join(f for f in wanted if f in flags) or "no AVX2"
-
-
 def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     """This machine's path for 16-bit matmuls over many rows (forced, cached, or measured now and
     cached), and up to how many rows nanoqwen's gemv kernels take: NANOQWEN_CPU_GEMV=1|0 forces them
-    on (up to GEMV_MAX_ROWS) or off; otherwise they take every row count of GEMV_PROBE_ROWS, from 1
+    on (up to GEMV_MAX_ROWS) or off; otherwise they take every row count of cpu_probes.GEMV_PROBE_ROWS, from 1
     up, at which they read a weight matrix at least GEMV_MIN_SHARE as fast as torch's bf16 F.linear
     (measured once per machine, cached beside the path; on the float32 path, from UPCAST_MIN_ROWS rows
     on, against what those rows would take: bf16_gemm where _select_gemm chose it, else upcast_linear).
@@ -239,7 +212,11 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     # Keyed by the kernels' build too: a changed kernel is measured again.
     against = choice.path + (" + gemm" if choice.gemm else "")
     what = f"gemv rows against the {against} path, kernels {cpu_gemv.build_digest()}"
-    speeds = {int(m): v for m, v in _cached(cache_dir, what, lambda: gemv_probe(choice.path, choice.gemm)).items()}
+
+    def measure() -> dict:
+        return cpu_probes.gemv_probe(choice.path, choice.gemm)
+
+    speeds = {int(m): v for m, v in cpu_probes.cached(cache_dir, what, measure).items()}
     for rows, (own, theirs) in sorted(speeds.items()):
         if own < GEMV_MIN_SHARE * theirs:
             break
@@ -258,19 +235,19 @@ def _select_gemm(choice: MatmulPath, forced: bool, cache_dir: Path | None) -> No
         choice.gemm, choice.gemm_reason = True, "NANOQWEN_CPU_GEMV=1"
         return
     what = f"gemm against upcast_linear, kernels {cpu_gemv.build_digest()}"
-    speeds = _cached(cache_dir, what, gemm_probe)
+    speeds = cpu_probes.cached(cache_dir, what, cpu_probes.gemm_probe)
     choice.gemm = speeds["own"] > speeds["upcast"]
     choice.gemm_reason = f"measured {speeds['own']:.0f} vs {speeds['upcast']:.0f} GFLOP/s through upcast_linear"
 
 
 def _select_int4_unpack(choice: MatmulPath, cache_dir: Path | None) -> None:
     """From how many rows int4 products unpack the weights to bf16 for torch's matmul (bf16 path): the
-    smallest row count of INT4_UNPACK_PROBE_ROWS from which that was measured faster than int4_gemm at every
+    smallest row count of cpu_probes.INT4_UNPACK_PROBE_ROWS from which that was measured faster than int4_gemm at every
     count probed (once per machine and build of the kernels, cached); 0 where it never was."""
     from nanoqwen.ops import cpu_gemv
 
     what = f"int4 unpacked against int4_gemm, kernels {cpu_gemv.build_digest()}"
-    speeds = {int(m): v for m, v in _cached(cache_dir, what, int4_unpack_probe).items()}
+    speeds = {int(m): v for m, v in cpu_probes.cached(cache_dir, what, cpu_probes.int4_unpack_probe).items()}
     choice.int4_unpack_min_rows = 0
     for rows, (gemm, unpacked) in sorted(speeds.items(), reverse=True):
         if unpacked <= gemm:
@@ -280,94 +257,6 @@ def _select_int4_unpack(choice: MatmulPath, cache_dir: Path | None) -> None:
     choice.int4_unpack_reason = f"measured GFLOP/s by rows, unpacked to bf16 vs int4_gemm: {shown}"
 
 
-def int4_unpack_probe() -> dict[int, tuple[float, float]]:
-    """For each row count of INT4_UNPACK_PROBE_ROWS, GFLOP/s of an int4 product (a 1024 x 1024 weight in
-    groups of 64) through nanoqwen's int4_gemm and through the weight unpacked to bf16 (int4_unpack) and torch's
-    bf16 F.linear: the best of five rounds, the two alternating."""
-    from nanoqwen.ops import cpu_gemv
-    from nanoqwen.quantization import quantize_int4
-
-    _, n_in, n_out = PROBE_SHAPE
-    g = torch.Generator().manual_seed(0)
-    packed, scale, offset = quantize_int4(torch.randn(n_out, n_in, generator=g).bfloat16() / n_in**0.5, 64)
-
-    def both_ways(x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
-        return [lambda: cpu_gemv.int4_gemm(x, packed, scale, offset),
-                lambda: F.linear(x, cpu_gemv.int4_unpack(packed, scale, offset))]
-
-    speeds = {}
-    for rows in INT4_UNPACK_PROBE_ROWS:
-        best = _best_seconds(both_ways(torch.randn(rows, n_in, generator=g).bfloat16()), rounds=5)
-        speeds[rows] = tuple(round(2 * rows * n_in * n_out / t / 1e9, 1) for t in best)
-    return speeds
-
-
-def gemm_probe() -> dict[str, float]:
-    """GFLOP/s of nanoqwen's bf16_gemm ("own") and of upcast_linear ("upcast") on bf16 operands of
-    PROBE_SHAPE: the best of seven rounds, the two alternating so that both see the same machine."""
-    from nanoqwen.ops import cpu_gemv
-
-    rows, n_in, n_out = PROBE_SHAPE
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, n_in, generator=g).bfloat16()
-    w = torch.randn(n_out, n_in, generator=g).bfloat16()
-    own, upcast = _best_seconds([lambda: cpu_gemv.bf16_gemm(x, w), lambda: upcast_linear(x, w)], rounds=7)
-    return {name: round(2 * rows * n_in * n_out / t / 1e9, 1) for name, t in (("own", own), ("upcast", upcast))}
-
-
-def _best_seconds(calls: list[Callable[[], object]], rounds: int) -> list[float]:
-    """Each call's best time in seconds over `rounds` rounds after one warm-up call each (oneDNN picks its kernel
-    then), the calls alternating within a round so that all see the same machine."""
-    for call in calls:
-        call()
-    best = [float("inf")] * len(calls)
-    for _ in range(rounds):
-        for i, call in enumerate(calls):
-            start = time.perf_counter()
-            call()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
-
-
-def gemv_probe(path: str = "bf16", gemm: bool = False) -> dict[int, tuple[float, float]]:
-    """For each row count of GEMV_PROBE_ROWS, GB/s of weights read by nanoqwen's bf16_gemv and by what
-    those rows take without it on this path (probe_alternative), over copies of a GEMV_PROBE_SHAPE
-    matrix that together exceed the L3 cache (as a decode step reads its weights from memory); best of
-    five rounds."""
-    from nanoqwen.ops import cpu_gemv
-
-    n, k, copies = GEMV_PROBE_SHAPE
-    weights = [torch.ones(n, k, dtype=torch.bfloat16) for _ in range(copies)]  # written: real pages
-    speeds = {}
-    for rows in GEMV_PROBE_ROWS:
-        x = torch.ones(rows, k, dtype=torch.bfloat16)
-        gb_s = []
-        for fn in (cpu_gemv.bf16_gemv, probe_alternative(path, rows, gemm)):
-            fn(x, weights[0])  # warm-up
-            best = float("inf")
-            for _ in range(5):
-                start = time.perf_counter()
-                for w in weights:
-                    fn(x, w)
-                best = min(best, time.perf_counter() - start)
-            gb_s.append(round(copies * n * k * 2 / best / 1e9, 1))
-        speeds[rows] = (gb_s[0], gb_s[1])
-    return speeds
-
-
-def probe_alternative(path: str, rows: int, gemm: bool = False
-                      ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """What `linear` runs for this many bf16 rows on this path (with bf16_gemm or not) without the gemv
-    kernels."""
-    if path != "float32" or rows < UPCAST_MIN_ROWS:
-        return F.linear
-    if gemm:
-        from nanoqwen.ops import cpu_gemv
-
-        return cpu_gemv.bf16_gemm
-    return upcast_linear
-
-
 def _select_path(cache_dir: Path | None) -> MatmulPath:
     forced = os.environ.get("NANOQWEN_CPU_MATMUL", "auto")
     if forced in PATHS:
@@ -375,47 +264,16 @@ def _select_path(cache_dir: Path | None) -> MatmulPath:
     if forced != "auto":
         logger.warning("NANOQWEN_CPU_MATMUL=%s is not one of auto, %s: measuring instead",
                        forced, ", ".join(PATHS))
-    found = _cached(cache_dir, "matmul", lambda: asdict(probe()))
+    found = cpu_probes.cached(cache_dir, "matmul", lambda: asdict(probe()))
     return MatmulPath(**{k: v for k, v in found.items() if not k.startswith(("gemv", "gemm", "int4"))})
 
 
-def _cached(cache_dir: Path | None, what: str, measure: Callable[[], dict]) -> dict:
-    """measure()'s result, cached per CPU model, CPU flags, torch version and thread count in
-    cpu-matmul.json (measured now where the cache has none)."""
-    name, flags = cpu_name_and_flags()
-    capability = torch.backends.cpu.get_cpu_capability()
-    key = f"{name} | {isa_summary(flags)} | {capability} | torch {torch.__version__}" \
-          f" | {torch.get_num_threads()} threads"
-    key += "" if what == "matmul" else f" | {what}"
-    cache = (cache_dir or _cache_dir()) / "cpu-matmul.json"
-    known = _read_json(cache)
-    if key in known:
-        return known[key]
-    known[key] = measure()
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(known, indent=1))
-    except OSError:  # a read-only home: measure again next time
-        pass
-    return known[key]
-
-
 def probe() -> MatmulPath:
-    """Time a bf16 and a float32 matmul of PROBE_SHAPE and choose."""
-    bf16, f32 = _gflops(torch.bfloat16), _gflops(torch.float32)
+    """Time a bf16 and a float32 matmul of a prompt-sized shape (cpu_probes.PROBE_SHAPE) and choose."""
+    bf16, f32 = cpu_probes.matmul_gflops(torch.bfloat16), cpu_probes.matmul_gflops(torch.float32)
     path = "bf16" if bf16 >= SLOW_BF16 * f32 else "float32"
     return MatmulPath(path, f"measured: bf16 {bf16:.1f}, float32 {f32:.1f} GFLOP/s",
                       round(bf16, 1), round(f32, 1))
-
-
-def _gflops(dtype: torch.dtype) -> float:
-    """GFLOP/s of F.linear on PROBE_SHAPE in `dtype`, best of three runs after a warm-up."""
-    rows, n_in, n_out = PROBE_SHAPE
-    g = torch.Generator().manual_seed(0)
-    x, w = (torch.randn(rows, n_in, generator=g).to(dtype),
-            torch.randn(n_out, n_in, generator=g).to(dtype))
-    best, = _best_seconds([lambda: F.linear(x, w)], rounds=3)
-    return 2 * rows * n_in * n_out / best / 1e9
 
 
 def linear_in_row_blocks(x: torch.Tensor, out_features: int, block_rows: int,
@@ -445,15 +303,3 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor,
         return F.linear(x32, weight[start:end].float(), None if bias is None else bias[start:end].float())
 
     return linear_in_row_blocks(x, out_features, max(1, UPCAST_BLOCK_BYTES // (4 * max(in_features, 1))), product)
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanoqwen"
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}

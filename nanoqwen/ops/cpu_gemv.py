@@ -75,7 +75,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from nanoqwen.ops.cpu import cpu_name_and_flags
+from nanoqwen.ops.cpu_probes import cpu_name_and_flags
 
 logger = logging.getLogger("nanoqwen")
 SOURCE_DIR = Path(__file__).parent / "csrc"  # cpu_kernels.h lists what each file holds

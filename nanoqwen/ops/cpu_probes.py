@@ -1,0 +1,184 @@
+"""The measurements ops/cpu.py chooses a CPU's matmul path by, and their cache.
+
+Each probe times two ways of computing the same product on this machine, the two alternating so that both see
+the same machine (a shared machine's speed drifts within seconds), and returns plain numbers; ops/cpu.py
+decides from them. Each result is measured once per CPU model, CPU flags, torch CPU capability, torch version
+and thread count (and, for the kernels' probes, per build of nanoqwen's kernels) and kept in
+~/.cache/nanoqwen/cpu-matmul.json (`cached`):
+
+- matmul_gflops: torch's bf16 and float32 matmul on PROBE_SHAPE (which path);
+- gemv_probe: nanoqwen's bf16 gemv kernel against what the rows take without it, by row count (how many rows
+  the gemv kernels take);
+- gemm_probe: nanoqwen's bf16_gemm against upcast_linear (float32 path: whether the GEMM takes many rows);
+- int4_unpack_probe: int4_gemm against the weights unpacked to bf16 for torch's matmul, by row count (bf16
+  path: from how many rows int4 prompts unpack).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# rows, in, out: a prompt chunk through a Qwen3-0.6B-sized projection
+PROBE_SHAPE = (256, 1024, 1024)
+# out, in, copies: a Qwen3-0.6B qkv_proj, 8 copies (64 MiB) so that they come from memory
+GEMV_PROBE_SHAPE = (4096, 1024, 8)
+GEMV_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# rows of x at which int4_unpack_probe times an int4 product of a 1024 x 1024 weight both ways (bf16 path)
+INT4_UNPACK_PROBE_ROWS = (16, 32, 64, 128, 256)
+
+
+def cpu_name_and_flags() -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags, from /proc/cpuinfo (empty where there is none)."""
+    name, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown CPU":
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return name, flags
+
+
+def isa_summary(flags: set[str]) -> str:
+    """The flags that decide matmul speed, e.g. "avx2 fma" or "avx512f avx512_bf16 amx_bf16"."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return " ".join(f for f in wanted if f in flags) or "no AVX2"
+
+
+def cached(cache_dir: Path | None, what: str, measure: Callable[[], dict]) -> dict:
+    """measure()'s result, cached per CPU model, CPU flags, torch version and thread count in
+    cpu-matmul.json (measured now where the cache has none)."""
+    name, flags = cpu_name_and_flags()
+    capability = torch.backends.cpu.get_cpu_capability()
+    key = f"{name} | {isa_summary(flags)} | {capability} | torch {torch.__version__}" \
+          f" | {torch.get_num_threads()} threads"
+    key += "" if what == "matmul" else f" | {what}"
+    cache = (cache_dir or _cache_dir()) / "cpu-matmul.json"
+    known = _read_json(cache)
+    if key in known:
+        return known[key]
+    known[key] = measure()
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(known, indent=1))
+    except OSError:  # a read-only home: measure again next time
+        pass
+    return known[key]
+
+
+def matmul_gflops(dtype: torch.dtype) -> float:
+    """GFLOP/s of F.linear on PROBE_SHAPE in `dtype`, best of three runs after a warm-up."""
+    rows, n_in, n_out = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(rows, n_in, generator=g).to(dtype),
+            torch.randn(n_out, n_in, generator=g).to(dtype))
+    best, = _best_seconds([lambda: F.linear(x, w)], rounds=3)
+    return 2 * rows * n_in * n_out / best / 1e9
+
+
+def int4_unpack_probe() -> dict[int, tuple[float, float]]:
+    """For each row count of INT4_UNPACK_PROBE_ROWS, GFLOP/s of an int4 product (a 1024 x 1024 weight in
+    groups of 64) through nanoqwen's int4_gemm and through the weight unpacked to bf16 (int4_unpack) and torch's
+    bf16 F.linear: the best of five rounds, the two alternating."""
+    from nanoqwen.ops import cpu_gemv
+    from nanoqwen.quantization import quantize_int4
+
+    _, n_in, n_out = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    packed, scale, offset = quantize_int4(torch.randn(n_out, n_in, generator=g).bfloat16() / n_in**0.5, 64)
+
+    def both_ways(x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
+        return [lambda: cpu_gemv.int4_gemm(x, packed, scale, offset),
+                lambda: F.linear(x, cpu_gemv.int4_unpack(packed, scale, offset))]
+
+    speeds = {}
+    for rows in INT4_UNPACK_PROBE_ROWS:
+        best = _best_seconds(both_ways(torch.randn(rows, n_in, generator=g).bfloat16()), rounds=5)
+        speeds[rows] = tuple(round(2 * rows * n_in * n_out / t / 1e9, 1) for t in best)
+    return speeds
+
+
+def gemm_probe() -> dict[str, float]:
+    """GFLOP/s of nanoqwen's bf16_gemm ("own") and of upcast_linear ("upcast") on bf16 operands of
+    PROBE_SHAPE: the best of seven rounds, the two alternating so that both see the same machine."""
+    from nanoqwen.ops import cpu, cpu_gemv
+
+    rows, n_in, n_out = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, n_in, generator=g).bfloat16()
+    w = torch.randn(n_out, n_in, generator=g).bfloat16()
+    own, upcast = _best_seconds([lambda: cpu_gemv.bf16_gemm(x, w), lambda: cpu.upcast_linear(x, w)], rounds=7)
+    return {name: round(2 * rows * n_in * n_out / t / 1e9, 1) for name, t in (("own", own), ("upcast", upcast))}
+
+
+def _best_seconds(calls: list[Callable[[], object]], rounds: int) -> list[float]:
+    """Each call's best time in seconds over `rounds` rounds after one warm-up call each (oneDNN picks its kernel
+    then), the calls alternating within a round so that all see the same machine."""
+    for call in calls:
+        call()
+    best = [float("inf")] * len(calls)
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
+            start = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def gemv_probe(path: str = "bf16", gemm: bool = False) -> dict[int, tuple[float, float]]:
+    """For each row count of GEMV_PROBE_ROWS, GB/s of weights read by nanoqwen's bf16_gemv and by what
+    those rows take without it on this path (probe_alternative), over copies of a GEMV_PROBE_SHAPE
+    matrix that together exceed the L3 cache (as a decode step reads its weights from memory); best of
+    five rounds."""
+    from nanoqwen.ops import cpu_gemv
+
+    n, k, copies = GEMV_PROBE_SHAPE
+    weights = [torch.ones(n, k, dtype=torch.bfloat16) for _ in range(copies)]  # written: real pages
+    speeds = {}
+    for rows in GEMV_PROBE_ROWS:
+        x = torch.ones(rows, k, dtype=torch.bfloat16)
+        gb_s = []
+        for fn in (cpu_gemv.bf16_gemv, probe_alternative(path, rows, gemm)):
+            fn(x, weights[0])  # warm-up
+            best = float("inf")
+            for _ in range(5):
+                start = time.perf_counter()
+                for w in weights:
+                    fn(x, w)
+                best = min(best, time.perf_counter() - start)
+            gb_s.append(round(copies * n * k * 2 / best / 1e9, 1))
+        speeds[rows] = (gb_s[0], gb_s[1])
+    return speeds
+
+
+def probe_alternative(path: str, rows: int, gemm: bool = False
+                      ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """What `cpu.linear` runs for this many bf16 rows on this path (with bf16_gemm or not) without the gemv
+    kernels."""
+    from nanoqwen.ops import cpu, cpu_gemv
+
+    if path != "float32" or rows < cpu.UPCAST_MIN_ROWS:
+        return F.linear
+    return cpu_gemv.bf16_gemm if gemm else cpu.upcast_linear
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanoqwen"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
