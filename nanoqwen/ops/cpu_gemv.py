@@ -41,8 +41,9 @@ where ops/attention.py's prefill_attention_blocked rounds.
 The extension is compiled on first use with torch.utils.cpp_extension (a C++ compiler is needed; the build
 is cached in torch's extensions folder under a name that hashes the source and flags, so an edit rebuilds;
 a build killed midway leaves a lock file there, removed after STALE_LOCK_SECONDS).
-The decode-step kernels (`rms_norm`, `apply_rope`, `swiglu`, `paged_decode_attention`, and `attention_inputs`,
-QK-norm, RoPE and the KV store in one pass for `decode_model`) exist because a
+The decode-step kernels (`rms_norm`, `apply_rope`, `swiglu`, `paged_decode_attention`, and for `decode_model`
+`attention_inputs`, QK-norm, RoPE and the KV store in one pass, and `add_rms_norm`, a residual add and the norm
+after it) exist because a
 decode step's elementwise work is small: in plain torch each RMSNorm or RoPE is 5-9 ops, each a dispatch and
 an allocation costing microseconds, and attention gathered each sequence's blocks into a new tensor first;
 per step that was more time than the matmuls' of a 4-bit model (BENCHMARKS.md). Each computes what its

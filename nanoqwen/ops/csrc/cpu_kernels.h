@@ -7,8 +7,8 @@
 //                   prefill_attention: a prompt chunk's attention, its two products through the same kernel
 //   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill);
 //                   int4_unpack: the weights as bf16, for a fast bf16 matmul to take (prefill with AMX)
-//   decode_ops.cpp  rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a decode step's rest;
-//                   argmax: the sampler's greedy choice
+//   decode_ops.cpp  rms_norm, add_rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a
+//                   decode step's rest; argmax: the sampler's greedy choice
 //   module.cpp      decode_model (a decode step's whole forward in one call) and the Python bindings
 #pragma once
 
