@@ -139,25 +139,22 @@ def gemv_probe(path: str = "bf16", gemm: bool = False) -> dict[int, tuple[float,
     """For each row count of GEMV_PROBE_ROWS, GB/s of weights read by nanoqwen's bf16_gemv and by what
     those rows take without it on this path (probe_alternative), over copies of a GEMV_PROBE_SHAPE
     matrix that together exceed the L3 cache (as a decode step reads its weights from memory); best of
-    five rounds."""
+    five rounds, the two alternating."""
     from nanoqwen.ops import cpu_gemv
 
     n, k, copies = GEMV_PROBE_SHAPE
     weights = [torch.ones(n, k, dtype=torch.bfloat16) for _ in range(copies)]  # written: real pages
+
+    def over_copies(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor
+                    ) -> Callable[[], None]:
+        return lambda: [fn(x, w) for w in weights]
+
     speeds = {}
     for rows in GEMV_PROBE_ROWS:
         x = torch.ones(rows, k, dtype=torch.bfloat16)
-        gb_s = []
-        for fn in (cpu_gemv.bf16_gemv, probe_alternative(path, rows, gemm)):
-            fn(x, weights[0])  # warm-up
-            best = float("inf")
-            for _ in range(5):
-                start = time.perf_counter()
-                for w in weights:
-                    fn(x, w)
-                best = min(best, time.perf_counter() - start)
-            gb_s.append(round(copies * n * k * 2 / best / 1e9, 1))
-        speeds[rows] = (gb_s[0], gb_s[1])
+        calls = [over_copies(cpu_gemv.bf16_gemv, x), over_copies(probe_alternative(path, rows, gemm), x)]
+        own, theirs = (round(copies * n * k * 2 / t / 1e9, 1) for t in _best_seconds(calls, rounds=5))
+        speeds[rows] = (own, theirs)
     return speeds
 
 

@@ -86,13 +86,13 @@ QuantizedX quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t G) {
   return out;
 }
 
-#ifdef NANOQWEN_AVX2
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr bool kVnni = true;
+#if defined(NANOQWEN_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;  // 256-bit integer dot products (vpdpbusd); the kernels' shape follows from this
 #else
 constexpr bool kVnni = false;
 #endif
 
+#ifdef NANOQWEN_AVX2
 // Without VNNI, a dot product of 4 u8 w (0..15) with 4 s8 x per int32 lane takes three instructions: maddubs
 // (u8 x s8 pairs summed to int16), madd with ones (int16 pairs to int32), add. The kernels below skip the middle
 // one for most products: they add maddubs's int16 pair sums, each at most 2 * 15 * 127 = 3810 in size, in int16
@@ -161,11 +161,8 @@ inline void store_tile(const __m256 (&acc)[T][kBlockVectors], int64_t N, int64_t
 // ---- Few rows of x (decode): each block of 16 weight rows read once, its nibbles unpacked in registers.
 
 constexpr int kMaxRowsInt4 = 8;  // rows of x that stream the weights; more go through the panels below
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr int kDecodeTile = 4;  // rows of x per register tile (AVX-512: 32 vector registers)
-#else
-constexpr int kDecodeTile = 2;  // (AVX2: 16 vector registers)
-#endif
+// rows of x per register tile: 4 with AVX-512's 32 vector registers, 2 with AVX2's 16
+constexpr int kDecodeTile = kVnni ? 4 : 2;
 
 // y[m0 .. m0 + T - 1, n0 .. n0 + 15] for one whole block of packed weights (w, scale, offset: the block's). C is
 // the number of 4-byte chunks in a group (G / 8) where known at compile time (8 for the default G = 64: the
