@@ -325,7 +325,7 @@ class SpeculativeConfig:
     - {"method": "draft_model", "model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": k}: a
       smaller model with the same tokenizer proposes k tokens ("model" alone implies this method);
     - {"method": "self_quantized", "quantization": "int4", "num_speculative_tokens": k}: the
-      target's own weights quantised at load (nanoqwen/quantization.py) are the draft.
+      target's own weights quantised at load (nanoqwen/quantization/) are the draft.
 
     disable_by_batch_size: no speculation in a step with more running sequences than this (then a
     step is no longer bound by reading the weights, and verifying k tokens per sequence costs
@@ -423,7 +423,7 @@ class EngineConfig:
     (engine/memory.py).
     enforce_eager: no torch.compile (CPU) and no CUDA graphs (GPU): faster start, slower steps.
     quantization: None (the checkpoint's weights), "int8" or "int4" (weight-only, made at load:
-    nanoqwen/quantization.py).
+    nanoqwen/quantization/).
     tensor_parallel_size N > 1 splits the model over N processes (N GPUs, or CPU processes), started
     by the engine or by torchrun.
     task: "generate", "embed" or "score"; "auto" reads it from the checkpoint (nanoqwen/pooling.py).

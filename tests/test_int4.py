@@ -1,4 +1,4 @@
-"""Weight-only int4 (nanoqwen/quantization.py): the format of one matrix, both ways of computing
+"""Weight-only int4 (nanoqwen/quantization/int4.py): the format of one matrix, both ways of computing
 with it (nanoqwen's kernel for few rows, unpacked weights otherwise) and the fallback without the
 kernels, quality against the unquantised model, wiring."""
 
@@ -18,7 +18,6 @@ from test_quantization import (
 )
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen import quantization as qz
 from nanoqwen.errors import ConfigError
 from nanoqwen.models.qwen3 import ColumnParallelLinear, Linear, RowParallelLinear, experts_reference
 from nanoqwen.ops import cpu
@@ -29,17 +28,20 @@ from nanoqwen.quantization import (
     dequantize_int4,
     int4_dequantized_linear,
     int4_group_size,
+    int4_kernels,
     int4_lanes_to_rows,
     quantize_int4,
     quantize_model,
     weight_bytes,
 )
+from nanoqwen.quantization import base as quantization_base
+from nanoqwen.quantization import int4 as quantization_int4
 
 
 @pytest.fixture
 def no_kernels(monkeypatch):
     """As on a machine where nanoqwen's C++ kernels cannot be built."""
-    monkeypatch.setattr(qz, "_int4_state", [None])
+    monkeypatch.setattr(quantization_int4, "_int4_state", [None])
 
 
 # ---------------------------------------------------------------- (a) one matrix
@@ -135,7 +137,7 @@ def test_int4_linear_is_the_float32_product_with_its_weights(kernels, dtype, row
     to int8 in blocks of the group size (its integer dot products): x' @ W4.T there."""
     monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("float32", "test"))
     if not kernels:
-        monkeypatch.setattr(qz, "_int4_state", [None])
+        monkeypatch.setattr(quantization_int4, "_int4_state", [None])
     monkeypatch.setattr(cpu, "UPCAST_BLOCK_BYTES", 4 * 128 * 50)  # 200 rows in 50-row blocks
     layer = int4_layer(200, 128, dtype, bias)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)
@@ -170,20 +172,20 @@ def test_int4_prefill_on_a_native_bf16_cpu(kernels, unpack_min_rows, monkeypatch
     computes: float32 there ran int4 prefill at a quarter of bf16's speed)."""
     monkeypatch.setattr(cpu, "_in_use", cpu.MatmulPath("bf16", "test", int4_unpack_min_rows=unpack_min_rows))
     if not kernels:
-        monkeypatch.setattr(qz, "_int4_state", [None])
+        monkeypatch.setattr(quantization_int4, "_int4_state", [None])
     layer = int4_layer(200, 128, torch.bfloat16, bias=False)
     x = torch.randn(77, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     unpacked = torch.nn.functional.linear(x, dequantize_int4(layer.weight, layer.scale, layer.offset).bfloat16())
     calls = []
     if kernels:
-        monkeypatch.setattr(qz.int4_kernels(), "int4_unpack", counting(qz.int4_kernels().int4_unpack, calls))
+        monkeypatch.setattr(int4_kernels(), "int4_unpack", counting(int4_kernels().int4_unpack, calls))
     for rows in (63, 64, 77):
         got = layer(x[:rows])
         if kernels and 0 < unpack_min_rows <= rows:
             assert torch.equal(got, unpacked[:rows]) and len(calls) == 1
             calls.clear()
         elif kernels:
-            want = qz.int4_kernels().int4_gemm(x[:rows], layer.weight, layer.scale, layer.offset)
+            want = int4_kernels().int4_gemm(x[:rows], layer.weight, layer.scale, layer.offset)
             assert not torch.equal(want, unpacked[:rows]) and torch.equal(got, want) and not calls
         else:
             assert torch.equal(got, unpacked[:rows])
@@ -238,10 +240,10 @@ def test_unpacking_in_blocks_equals_unpacking_at_once(monkeypatch, no_kernels):
     x = torch.randn(20, 96).bfloat16()
     whole = int4_dequantized_linear(x, layer.weight, layer.scale, layer.offset)
     monkeypatch.setattr(cpu, "UPCAST_BLOCK_BYTES", 4 * 96 * 50)  # (float32 compute: a CPU without fast bf16)
-    monkeypatch.setattr(qz, "BF16_BLOCK_BYTES", 2 * 96 * 50)  # (bf16 compute)
+    monkeypatch.setattr(quantization_base, "BF16_BLOCK_BYTES", 2 * 96 * 50)  # (bf16 compute)
     calls = []
     linear = torch.nn.functional.linear
-    monkeypatch.setattr(qz.F, "linear", lambda x, w: calls.append(w.shape[0]) or linear(x, w))
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w: calls.append(w.shape[0]) or linear(x, w))
     assert torch.equal(int4_dequantized_linear(x, layer.weight, layer.scale, layer.offset), whole)
     assert calls == [48] * 6 + [45]  # whole blocks of 16 rows: 48 of each 50
 
@@ -307,10 +309,10 @@ def test_quality_of_the_kernel_path_on_the_qwen3_0_6b_shape(qwen3_0_6b, monkeypa
     ref = logits()
     quantize_model(model, "int4")
     calls = []
-    monkeypatch.setattr(qz.int4_kernels(), "int4_gemv", counting(qz.int4_kernels().int4_gemv, calls))
+    monkeypatch.setattr(int4_kernels(), "int4_gemv", counting(int4_kernels().int4_gemv, calls))
     kernel = logits()
     assert len(calls) == 16 * (4 * 28 + 1)  # every linear of every layer, and the head
-    monkeypatch.setattr(qz, "_int4_state", [None])
+    monkeypatch.setattr(quantization_int4, "_int4_state", [None])
     unpacked = logits()
     agree, kl = compare(ref, kernel)
     assert agree >= 0.15 and kl <= 0.06, f"top-1 agreement {agree:.3f}, KL {kl:.5f}"
@@ -362,7 +364,7 @@ def test_cli_generate_with_int4(tiny_bf16_dir):
     assert r.returncode == 0, r.stderr
     assert r.stdout == expected.text + "\n"
     assert "int4 weights" in r.stderr  # the speed line names the weights' format and its kernel
-    assert f"int4 rows: int8 activations, {qz.int4_kernels().int4_dot_instructions()}" in r.stderr
+    assert f"int4 rows: int8 activations, {int4_kernels().int4_dot_instructions()}" in r.stderr
 
 
 @pytest.fixture(scope="module")

@@ -56,8 +56,8 @@ class Linear(nn.Module):
     """y = x @ weight.T + bias; weight [out, in], filled by the loader. Whole on every rank (tp_dims
     empty).
 
-    `matmul` is the one place that reads the weight: weight-only int8 (nanoqwen/quantization.py)
-    overrides it.
+    `matmul` is the one place that reads the weight: weight-only int8 and int4
+    (nanoqwen/quantization/: base.py's QuantizedLinear) override it.
     """
 
     # parameter -> the dimension tensor parallelism cuts (the loader reads it)
@@ -324,7 +324,7 @@ class Experts(nn.Module):
 
     def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         """x [n, in] through expert e's matrix `name` (gate_up_proj or down_proj) -> [n, out]. The
-        one place that reads the matrices: int8 experts (quantization.py) override it."""
+        one place that reads the matrices: int8 and int4 experts (quantization/int8.py, int4.py) override it."""
         return kernels.linear(x, getattr(self, name)[e])
 
 

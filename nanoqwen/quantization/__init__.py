@@ -1,0 +1,166 @@
+"""Weight-only quantisation: `LLM(..., quantization="int8" | "int4")`, `--quantization int8|int4`.
+
+Made at load from the checkpoint's bf16/fp16/fp32 weights (the checkpoint on disk stays as it is): every
+`Linear` of the model (qkv_proj, o_proj, gate_up_proj and down_proj of every layer, and the LM head, a tied
+one as its own copy) is swapped for its quantised version as soon as the loader has filled it
+(loader.load_model calls quantize_module; quantize_model does it to a loaded model), and each Qwen3-MoE layer's
+stacked experts for the format's Experts. The MoE router (KEEP_UNQUANTIZED), the embedding, norms, biases,
+activations and the KV cache stay in the model dtype.
+
+Two formats:
+- int8 (int8.py: `Int8Linear`, `Int8Experts`): symmetric, one int8 value a weight and one scale per output row.
+- int4 (int4.py: `Int4Linear`, `Int4Experts`): asymmetric, two weights a byte with a scale and an offset per
+  group of 64 inputs of a row (32 or 16 where 64 does not divide it; 4.5 bits a weight at 64).
+
+Each format's module docstring gives its numerics and the kernels that compute with it; base.py holds what
+the two share (`QuantizedLinear`, the row blocks of the dequantise paths).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+from torch import nn
+
+from nanoqwen.errors import ConfigError
+from nanoqwen.models.qwen3 import Experts, Linear
+from nanoqwen.quantization.base import QuantizedLinear
+from nanoqwen.quantization.int4 import (
+    Int4Experts,
+    Int4Linear,
+    dequantize_int4,
+    int4_dequantized_linear,
+    int4_group_size,
+    int4_kernels,
+    int4_lanes_to_rows,
+    quantize_int4,
+)
+from nanoqwen.quantization.int8 import (
+    INT8_VERSIONS,
+    INT8PACK_MAX_ROWS,
+    Int8Experts,
+    Int8Linear,
+    dequantize_weight,
+    dequantized_linear,
+    int8pack_linear,
+    pick_kernel,
+    quantize_weight,
+)
+
+__all__ = [
+    # defined here: the model-level functions
+    "EXPERTS",
+    "KEEP_UNQUANTIZED",
+    "LINEARS",
+    "QUANTIZABLE_LINEARS",
+    "QUANTIZATION_METHODS",
+    "check_quantization",
+    "quantize_model",
+    "quantize_module",
+    "release_freed_memory",
+    "weight_bytes",
+    # base.py
+    "QuantizedLinear",
+    # int8.py
+    "INT8PACK_MAX_ROWS",
+    "INT8_VERSIONS",
+    "Int8Experts",
+    "Int8Linear",
+    "dequantize_weight",
+    "dequantized_linear",
+    "int8pack_linear",
+    "pick_kernel",
+    "quantize_weight",
+    # int4.py
+    "Int4Experts",
+    "Int4Linear",
+    "dequantize_int4",
+    "int4_dequantized_linear",
+    "int4_group_size",
+    "int4_kernels",
+    "int4_lanes_to_rows",
+    "quantize_int4",
+]
+
+QUANTIZATION_METHODS = ("int8", "int4")
+KEEP_UNQUANTIZED = ("gate",)  # Linears left as they are, by attribute name: Qwen3-MoE's router
+
+
+def check_quantization(method: str | None) -> str | None:
+    """The method if it is supported (None: no quantisation), else a ConfigError naming the
+    choices."""
+    if method is None or method in QUANTIZATION_METHODS:
+        return method
+    raise ConfigError(f"quantization={method!r} is not supported; use one of: "
+                      f"{', '.join(QUANTIZATION_METHODS)} "
+                      "(or None for the checkpoint's own weights)")
+
+
+def quantize_model(model: nn.Module, method: str | None = "int8") -> nn.Module:
+    """Swap every Linear of the model for its quantised version (Int8Linear, Int4Linear) and every
+    MoE layer's Experts for Int8Experts / Int4Experts, in place; returns the model. (Loading with
+    quantization quantises each module as it is filled: loader.load_model.)
+
+    One module at a time, each freed as soon as its quantised version replaces it and its memory handed
+    back to the OS (release_freed_memory), so memory peaks near the model-dtype weights plus one
+    matrix (one layer's stacked experts for MoE; a tied LM head's matrix stays: it is the
+    embedding).
+    """
+    if check_quantization(method) is None:
+        return model
+    for name in [name for name, _ in model.named_modules() if name]:  # (named before any swap)
+        quantize_module(model, name, method)
+    return model
+
+
+LINEARS: dict[str, type[QuantizedLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
+EXPERTS: dict[str, type[Experts]] = {"int8": Int8Experts, "int4": Int4Experts}
+# the Linear classes that have quantised versions (the same in both formats: INT4_VERSIONS has these keys too)
+QUANTIZABLE_LINEARS: frozenset[type[Linear]] = frozenset(INT8_VERSIONS)
+
+
+def quantize_module(model: nn.Module, name: str, method: str = "int8") -> None:
+    """Swap module `name` for its quantised version if it is a Linear (other than the router) or
+    Experts; else leave it. The model-dtype weights are freed here, unless something else still
+    holds them (a tied embedding)."""
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    module = getattr(parent, attr)
+    if type(module) in QUANTIZABLE_LINEARS and attr not in KEEP_UNQUANTIZED:
+        if method == "int4":  # (a clear error naming the matrix, before any work)
+            int4_group_size(module.weight.shape[1], name)
+        quantized = LINEARS[method].from_linear(module)
+    elif type(module) is Experts:
+        if method == "int4":
+            for matrix in ("gate_up_proj", "down_proj"):
+                int4_group_size(getattr(module, matrix).shape[-1], f"{name}.{matrix}")
+        quantized = EXPERTS[method](module)
+    else:
+        return
+    setattr(parent, attr, quantized)
+    del module  # the model-dtype matrices' last reference
+    if next(quantized.buffers()).device.type == "cpu":
+        release_freed_memory()  # every time (~10 us): see there
+
+
+def release_freed_memory() -> None:
+    """Return the freed heap pages to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    glibc keeps freed memory for reuse: the model-dtype matrices' pages would stay in the process's
+    RSS, and a matrix allocated above glibc's mmap threshold (the LM head's, 0.16 GB for Qwen3-0.6B)
+    would take new pages on top of them.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        pass
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights in memory (parameters and saved buffers; a tensor shared by two
+    names once)."""
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
+    return sum(tensors.values())

@@ -1,0 +1,211 @@
+"""Weight-only int8: `LLM(..., quantization="int8")`, `--quantization int8`.
+
+What is quantised: every `Linear` of the model, swapped for an `Int8Linear` as soon as the loader
+has filled it (loader.load_model: on CPU loading never holds the whole model-dtype model, memory
+peaks near the int8 one; on a GPU the parameters are allocated when the model is built, so the peak
+there is the model-dtype model; the checkpoint stays bf16/fp32 on disk): qkv_proj, o_proj,
+gate_up_proj and down_proj of every layer, and the LM head. A tied head gets its own int8 copy; the
+embedding lookup keeps the model-dtype matrix (it reads one row per token, so it costs memory but no
+decode time). Norms, embeddings and biases stay in the model dtype, and so do activations and the KV
+cache. Qwen3-MoE's experts (stacked [E, out, in] tensors) become `Int8Experts`: every expert's
+matrix quantised and computed exactly as an Int8Linear of it would be. Its router stays exact (a
+`Linear` named `gate`: tiny, and kept so that int8 noise does not change which experts a token goes
+to, as vLLM does).
+
+Numerics (symmetric, one scale per output row, no zero point), for W [out, in]:
+
+    scale[o] = max_i |W[o, i]| / 127      computed in float32, then stored in the model dtype,
+                                          rounded up there so that |W / scale| <= 127 (a zero row
+                                          gets scale 1): at most one step of that dtype above (2^-7
+                                          relative in bf16; in fp16, rows with max|W| < 7.8e-3 get a
+                                          subnormal, coarser scale)
+    Wq[o, i] = round(W[o, i] / scale[o])  int8 in [-127, 127] (-128 is never used), round half to
+                                          even
+    |W - Wq * scale| <= scale / 2         per element: about max|W[o]| / 254
+    y = (x @ Wq.T) * scale + bias         int8 values convert exactly to bf16/fp16/fp32 (|Wq| <= 127
+                                          fits an 8-bit significand); products accumulate in float32
+                                          inside the kernels; the output is rounded to the
+                                          activation dtype once (int8pack kernel) or twice (matmul
+                                          output, then the scaling: dequantise path; once where it
+                                          computes in float32, see ops/cpu.py)
+
+Kernels, chosen per call:
+- CPU where nanoqwen's gemv kernels are on (ops/cpu.py: measured against torch's), up to 16 bf16
+  rows (int8pack was slower at each row count), or up to the bf16 kernel's measured row count where
+  that is higher: nanoqwen's own AVX2 kernel (ops/cpu_gemv.py `int8_gemv`), which streams the int8
+  rows once for all the rows of x. It multiplies in integers: x rounded to int16 in blocks of 64
+  (one float32 scale each: an error of at most 2^-16 of the block's largest value), int16 products summed
+  in int32.
+- CPU, few rows (decode), bf16/fp16 activations: `torch.ops.aten._weight_int8pack_mm`, which reads
+  the int8 matrix directly: half the bytes of a bf16 matrix-vector product, so batch-1 decode runs
+  faster. Its cost grows with every 4 rows while a bf16 matmul's barely grows, so above
+  INT8PACK_MAX_ROWS rows (measured; see there) the matmul dequantises instead. The kernel needs a
+  contiguous 2-D input, the scale in the input dtype and in_features % 16 == 0 (other widths crash
+  the process in torch 2.13: they take the dequantise path). Its float32 path is much slower than
+  its bf16 one, and slower than a float32 matmul: float32 models always dequantise (about the
+  float32 model's speed, with a quarter of the weight bytes).
+- CPU, more bf16 rows on the float32 path where nanoqwen's GEMM was chosen (ops/cpu.py): its int8
+  version (ops/cpu_gemv.py `int8_gemm`), which converts the int8 weights to float32 while packing
+  them, computes what the float32 dequantise path below computes (rounded once), and is faster.
+- CPU, otherwise (prefill, float32): dequantise block by block,
+  `F.linear(x, Wq[rows].to(x.dtype)) * scale[rows]`, with blocks of at most ops/cpu.py's
+  UPCAST_BLOCK_BYTES so a big matrix (the LM head) never has a model-dtype copy in memory.
+- CUDA and other devices: the same dequantise path (nothing compiles it into one kernel there). Run
+  eagerly it converts each matrix on every call: memory is saved, speed is not gained (untested on a
+  GPU).
+The two CPU kernels round differently (and differently from the bf16 model), so with int8 a
+sequence's greedy tokens can depend on the batch it runs in, where a near-tie is flipped: a prompt
+of <= INT8PACK_MAX_ROWS tokens prefilled alone takes int8pack, prefilled beside others the
+dequantise kernel. Decode rows take the same kernel at any batch size up to INT8PACK_MAX_ROWS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoqwen.models.qwen3 import ColumnParallelLinear, Experts, Linear, RowParallelLinear
+from nanoqwen.ops import cpu
+from nanoqwen.quantization.base import QUANTIZE_BLOCK_ELEMENTS, QuantizedLinear, block_rows
+
+# int8pack's cost grows every 4 rows while a bf16 matmul's barely does, so above this many rows
+# (tokens) the dequantise path is faster on CPU (measured, see BENCHMARKS.md).
+INT8PACK_MAX_ROWS = 16
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (int8 Wq [out, in], scale [out] in W's dtype); see the module docstring."""
+    out_features, in_features = weight.shape
+    dtype = weight.dtype
+    q = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(out_features, dtype=dtype, device=weight.device)
+    up = torch.tensor(float("inf"), dtype=dtype, device=weight.device)
+    step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(in_features, 1))
+    # in row blocks that fit a cache: several times faster
+    for start in range(0, out_features, step):
+        w = weight[start: start + step]
+        amax = w.abs().amax(dim=1).float()  # exact in any dtype: a max does not round
+        s32 = torch.where(amax > 0, amax / 127, 1.0)
+        s = s32.to(dtype)
+        # round up: |w / s| <= 127, no clipping
+        s = torch.where(s.float() < s32, torch.nextafter(s, up), s)
+        # float32 division (out of place: a float32 weight's .float() is the weight itself).
+        # Converting first is faster than dividing the bf16 block by a float32 column, which torch
+        # does far slower.
+        q[start: start + step] = torch.div(w.float(), s.float()[:, None]).round_().clamp_(-127, 127)
+        scale[start: start + step] = s
+    return q, scale
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Wq * scale in float32 [out, in]: the weight an Int8Linear computes with."""
+    return q.float() * scale.float()[:, None]
+
+
+class Int8Linear(QuantizedLinear):
+    """y = (x @ weight.T) * scale + bias with an int8 `weight` [out, in] and a per-row `scale` [out]
+    (model dtype). Named like `Linear` (weight [out, in]), so whatever slices a Linear's rows or
+    columns can slice this one's the same way (scale goes with the rows)."""
+
+    BUFFERS = ("weight", "scale")
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_weight(weight)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernel = pick_kernel(x, self.in_features)
+        y = kernel(x, self.weight, self.scale.to(x.dtype))
+        return y if bias is None else y + bias
+
+
+class Int8ColumnParallelLinear(Int8Linear, ColumnParallelLinear):
+    """Int8Linear's matmul in a ColumnParallelLinear."""
+
+
+class Int8RowParallelLinear(Int8Linear, RowParallelLinear):
+    """Int8Linear's matmul in a RowParallelLinear (whose forward adds the ranks' parts)."""
+
+
+INT8_VERSIONS: dict[type[Linear], type[QuantizedLinear]] = {
+    Linear: Int8Linear, ColumnParallelLinear: Int8ColumnParallelLinear,
+    RowParallelLinear: Int8RowParallelLinear}
+Int8Linear.VERSIONS = INT8_VERSIONS
+
+
+class Int8Experts(Experts):
+    """Qwen3-MoE experts with int8 matrices: buffers gate_up_proj [E, 2Ie, H] and down_proj
+    [E, H, Ie] (int8), gate_up_proj_scale [E, 2Ie] and down_proj_scale [E, H] (one scale per row of
+    each expert, model dtype). Expert e's matrix is quantised as Int8Linear quantises a matrix, and
+    each expert's matmul picks its kernel the same way (int8pack for up to INT8PACK_MAX_ROWS tokens
+    on CPU, else dequantise): Experts.forward's grouping is unchanged, only `expert_linear` reads
+    int8.
+    """
+
+    def __init__(self, experts: Experts) -> None:
+        nn.Module.__init__(self)  # not Experts.__init__: no model-dtype parameters to allocate
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(experts, name)  # [E, out, in]
+            # the experts' rows, one after another
+            q, scale = quantize_weight(w.reshape(-1, w.shape[-1]))
+            self.register_buffer(name, q.view(w.shape))
+            self.register_buffer(f"{name}_scale", scale.view(w.shape[:2]))
+
+    def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        q, scale = getattr(self, name)[e], getattr(self, f"{name}_scale")[e]
+        return pick_kernel(x, q.shape[1])(x, q, scale.to(x.dtype))
+
+
+def int8pack_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(x @ q.T) * scale through the CPU kernel that reads int8 weights directly (see
+    int8pack_supported)."""
+    in_features = q.shape[1]
+    rows = x.numel() // in_features
+    y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, in_features).contiguous(), q, scale)
+    return y.view(*x.shape[:-1], q.shape[0])
+
+
+def int8pack_supported(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether the CPU int8pack kernel takes (and is fast for) this input: bf16/fp16,
+    in_features % 16 == 0."""
+    return dtype in (torch.bfloat16, torch.float16) and in_features > 0 and in_features % 16 == 0
+
+
+def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(x @ q.T) * scale with q converted to x's dtype in row blocks (block_rows)
+    (to float32 on a CPU whose bf16 matmuls are slow, nanoqwen/ops/cpu.py: the product then rounds
+    once, not twice)."""
+    out_features, in_features = q.shape
+    compute = torch.float32 if cpu.upcast_16bit(x) else x.dtype
+    xc = x.to(compute)
+
+    def product(start: int, end: int) -> torch.Tensor:
+        return F.linear(xc, q[start:end].to(compute)) * scale[start:end].to(compute)
+
+    return cpu.linear_in_row_blocks(x, out_features, block_rows(xc, in_features), product)
+
+
+def pick_kernel(x: torch.Tensor, in_features: int
+                ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The kernel for this input: int8pack for few rows on CPU, dequantise otherwise (module
+    docstring)."""
+    if x.device.type != "cpu":
+        return dequantized_linear
+    if cpu.int8_gemv_rows(x):
+        # where nanoqwen's gemv kernels are on: its own kernel (ops/cpu_gemv.py) reads the int8 rows
+        return cpu.int8_gemv
+    if cpu.own_gemm(x):  # more rows, where nanoqwen's GEMM was chosen: its int8 version
+        return cpu.int8_gemm
+    rows = x.numel() // in_features if in_features else 0
+    if rows <= INT8PACK_MAX_ROWS and int8pack_supported(x.dtype, in_features):
+        return int8pack_linear
+    return dequantized_linear
+
