@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoqwen.ops import cpu_gemv
+from nanoqwen.ops import cpu_build, cpu_gemv
 
 MS = (1, 2, 3, 5, 8)
 KS = (16, 17, 100, 1024 + 7)
@@ -291,7 +291,7 @@ def test_env_var_disables_without_building(fresh_state):
         raise AssertionError("must not build")
 
     fresh_state.setenv("NANOQWEN_CPU_GEMV", "0")
-    fresh_state.setattr(cpu_gemv, "_build", no_build)
+    fresh_state.setattr(cpu_build, "build", no_build)
     assert not cpu_gemv.available()
     with pytest.raises(RuntimeError, match="NANOQWEN_CPU_GEMV=0"):
         cpu_gemv.bf16_gemv(torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.bfloat16))
@@ -307,7 +307,7 @@ def test_build_failure_warns_once(fresh_state, caplog):
         raise RuntimeError("Error building extension: no compiler")
 
     fresh_state.delenv("NANOQWEN_CPU_GEMV", raising=False)
-    fresh_state.setattr(cpu_gemv, "compile_flags", lambda: ["-O3"])  # also on CPUs without AVX2
+    fresh_state.setattr(cpu_build, "compile_flags", lambda: ["-O3"])  # also on CPUs without AVX2
     fresh_state.setattr(cpp_extension, "load", failing_load)
     with caplog.at_level(logging.WARNING, logger="nanoqwen"):
         assert not cpu_gemv.available()
@@ -336,29 +336,29 @@ def test_a_killed_builds_lock_is_removed_not_waited_on_forever(fresh_state, tmp_
         raise RuntimeError("stop here")
 
     fresh_state.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    fresh_state.setattr(cpu_gemv, "compile_flags", lambda: ["-O3"])  # also on CPUs without AVX2
+    fresh_state.setattr(cpu_build, "compile_flags", lambda: ["-O3"])  # also on CPUs without AVX2
     fresh_state.setattr(cpp_extension, "load", load)
-    folder = cpu_gemv.build_directory()
+    folder = cpu_build.build_directory()
     assert folder.is_relative_to(tmp_path) and f"torch{torch.__version__}" in folder.parent.name
     folder.mkdir(parents=True)
     lock = folder / "lock"
     lock.touch()
-    old = time.time() - cpu_gemv.STALE_LOCK_SECONDS - 60
+    old = time.time() - cpu_build.STALE_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
     with caplog.at_level(logging.WARNING, logger="nanoqwen"), pytest.raises(RuntimeError, match="stop here"):
-        cpu_gemv._build()
+        cpu_build.build()
     assert seen == [False] and "did not finish" in caplog.text
     lock.touch()  # a build in progress: its lock goes when it ends
     threading.Timer(0.3, lock.unlink).start()
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match="stop here"):
-        cpu_gemv._build()
+        cpu_build.build()
     assert seen == [False, False] and time.perf_counter() - start >= 0.25
 
 
 def test_no_avx2_is_a_failure(fresh_state, caplog):
     fresh_state.delenv("NANOQWEN_CPU_GEMV", raising=False)
-    fresh_state.setattr(cpu_gemv, "cpu_name_and_flags", lambda: ("some CPU", {"sse2"}))
+    fresh_state.setattr(cpu_build, "cpu_name_and_flags", lambda: ("some CPU", {"sse2"}))
     with caplog.at_level(logging.WARNING, logger="nanoqwen"):
         assert not cpu_gemv.available()
     assert "AVX2" in caplog.text
@@ -369,21 +369,21 @@ def test_build_name_changes_with_every_source_file(tmp_path, monkeypatch):
     header too, gives a new name, so a stale build of the old sources is never loaded."""
     import shutil
 
-    sources = sorted(cpu_gemv.SOURCE_DIR.iterdir())
+    sources = sorted(cpu_build.SOURCE_DIR.iterdir())
     assert {p.suffix for p in sources} == {".cpp", ".h"}
     for path in sources:
         shutil.copy(path, tmp_path / path.name)
-    monkeypatch.setattr(cpu_gemv, "SOURCE_DIR", tmp_path)
-    monkeypatch.setattr(cpu_gemv, "compile_flags", lambda: ["-O3"])  # also on CPUs without AVX2
-    names = {cpu_gemv.build_digest()}
+    monkeypatch.setattr(cpu_build, "SOURCE_DIR", tmp_path)
+    monkeypatch.setattr(cpu_build, "compile_flags", lambda: ["-O3"])  # also on CPUs without AVX2
+    names = {cpu_build.build_digest()}
     for path in sources:
         copy = tmp_path / path.name
         copy.write_text(copy.read_text() + "\n// edited\n")
-        names.add(cpu_gemv.build_digest())
+        names.add(cpu_build.build_digest())
     assert len(names) == len(sources) + 1
 
 
-# ---- int4 (the format of nanoqwen/quantization.py)
+# ---- int4 (the format of nanoqwen/quantization/int4.py)
 
 
 def make_int4(m: int, k: int, n: int, group: int, seed: int = 0):
@@ -546,8 +546,9 @@ def test_integer_kernels_without_vnni_match_references(tmp_path):
         "from test_cpu_gemv import test_int4_integer_sums_at_their_largest as largest_sums\n"
         "from test_cpu_gemv import test_int4_unpack_is_the_reference_weight_rounded_to_bf16 as unpack\n"
         "from nanoqwen.ops import cpu_gemv as k\n"
-        "assert k.available() and k.int4_dot_instructions() == 'AVX2', k.compile_flags()\n"
-        "assert k.bf16_dot_instructions() == 'AVX2 FMA', k.compile_flags()\n"
+        "from nanoqwen.ops.cpu_build import compile_flags\n"
+        "assert k.available() and k.int4_dot_instructions() == 'AVX2', compile_flags()\n"
+        "assert k.bf16_dot_instructions() == 'AVX2 FMA', compile_flags()\n"
         "for m, kk, group, n in [(1, 1024 + 64, 64, 257), (3, 256, 128, 3), (5, 96, 32, 7), (9, 1024, 64, 65)]:\n"
         "    check_int4(k, *make_int4(m, kk, n, group))\n"
         "    check_int4(k, *make_int4(m + 4, kk, n, group), kernel='int4_gemm')\n"
@@ -570,7 +571,7 @@ def test_integer_kernels_without_vnni_match_references(tmp_path):
 def test_int4_dot_instructions_names_the_build_before_any_kernel_ran(kernels, monkeypatch):
     """The log line's instruction name matches the build's flags even when asked before any kernel was
     loaded (it said "AVX2" on a VNNI CPU then)."""
-    want = "AVX-512 VNNI" if "-mavx512vnni" in kernels.compile_flags() else "AVX2"
+    want = "AVX-512 VNNI" if "-mavx512vnni" in cpu_build.compile_flags() else "AVX2"
     monkeypatch.setattr(kernels, "_ext", None)  # as in a fresh process: available() loads it again
     assert kernels.int4_dot_instructions() == want
 
@@ -578,7 +579,7 @@ def test_int4_dot_instructions_names_the_build_before_any_kernel_ran(kernels, mo
 def test_bf16_dot_instructions_name_the_build(kernels, monkeypatch):
     """bf16_gemv's instructions, as the log line names them, follow the build's flags: AVX-512 BF16 dot
     products where the CPU has them (and is not limited to AVX2), else FMAs on widened weights."""
-    want = "AVX-512 BF16 dot products" if "-mavx512bf16" in kernels.compile_flags() else "AVX2 FMA"
+    want = "AVX-512 BF16 dot products" if "-mavx512bf16" in cpu_build.compile_flags() else "AVX2 FMA"
     monkeypatch.setattr(kernels, "_ext", None)  # as in a fresh process: available() loads it again
     assert kernels.bf16_dot_instructions() == want
     assert kernels._ext.has_bf16_dot() == (want != "AVX2 FMA")

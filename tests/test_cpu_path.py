@@ -12,7 +12,7 @@ from conftest import hf_greedy, hf_model, our_greedy
 
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.models.qwen3 import attention_reference
-from nanoqwen.ops import attention, cpu, cpu_probes
+from nanoqwen.ops import attention, cpu, cpu_build, cpu_probes
 from nanoqwen.quantization import dequantized_linear, quantize_weight
 
 # >= 64 rows: upcast and compiled kernels both run
@@ -100,7 +100,7 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
     monkeypatch.setenv("NANOQWEN_CPU_GEMV", "0")
     assert not cpu.select_matmul_path(tmp_path).gemv
     monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
-    monkeypatch.setattr(cpu_gemv, "build_digest", lambda: "changed kernels")
+    monkeypatch.setattr(cpu_build, "build_digest", lambda: "changed kernels")
     assert cpu.select_matmul_path(tmp_path) == first and len(calls) == 2  # measured again
 
 

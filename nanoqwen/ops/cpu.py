@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoqwen.ops import cpu_probes
+from nanoqwen.ops import cpu_build, cpu_probes
 
 logger = logging.getLogger("nanoqwen")
 PATHS = ("bf16", "float32")
@@ -168,8 +168,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cac
 
 def int4_unpacked(x: torch.Tensor) -> bool:
     """Whether an int4 product over bf16 x's rows unpacks the weights to bf16 for torch's matmul
-    (quantization.int4_linear), rather than nanoqwen's int4 kernel: from the row count where that was measured
-    faster (select_matmul_path)."""
+    (quantization/int4.py int4_linear), rather than nanoqwen's int4 kernel: from the row count where that was
+    measured faster (select_matmul_path)."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     return (0 < _in_use.int4_unpack_min_rows <= rows and x.device.type == "cpu"
             and x.dtype == torch.bfloat16)
@@ -211,7 +211,7 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     # {rows: [own GB/s, the alternative's GB/s]} (JSON keys are strings)
     # Keyed by the kernels' build too: a changed kernel is measured again.
     against = choice.path + (" + gemm" if choice.gemm else "")
-    what = f"gemv rows against the {against} path, kernels {cpu_gemv.build_digest()}"
+    what = f"gemv rows against the {against} path, kernels {cpu_build.build_digest()}"
 
     def measure() -> dict:
         return cpu_probes.gemv_probe(choice.path, choice.gemm)
@@ -229,12 +229,11 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
 def _select_gemm(choice: MatmulPath, forced: bool, cache_dir: Path | None) -> None:
     """Whether the float32 path's products over many rows go through nanoqwen's bf16_gemm: forced, or
     measured faster than upcast_linear (once per machine and build of the kernels, cached)."""
-    from nanoqwen.ops import cpu_gemv
 
     if forced:
         choice.gemm, choice.gemm_reason = True, "NANOQWEN_CPU_GEMV=1"
         return
-    what = f"gemm against upcast_linear, kernels {cpu_gemv.build_digest()}"
+    what = f"gemm against upcast_linear, kernels {cpu_build.build_digest()}"
     speeds = cpu_probes.cached(cache_dir, what, cpu_probes.gemm_probe)
     choice.gemm = speeds["own"] > speeds["upcast"]
     choice.gemm_reason = f"measured {speeds['own']:.0f} vs {speeds['upcast']:.0f} GFLOP/s through upcast_linear"
@@ -244,9 +243,8 @@ def _select_int4_unpack(choice: MatmulPath, cache_dir: Path | None) -> None:
     """From how many rows int4 products unpack the weights to bf16 for torch's matmul (bf16 path): the
     smallest row count of cpu_probes.INT4_UNPACK_PROBE_ROWS from which that was measured faster than int4_gemm at every
     count probed (once per machine and build of the kernels, cached); 0 where it never was."""
-    from nanoqwen.ops import cpu_gemv
 
-    what = f"int4 unpacked against int4_gemm, kernels {cpu_gemv.build_digest()}"
+    what = f"int4 unpacked against int4_gemm, kernels {cpu_build.build_digest()}"
     speeds = {int(m): v for m, v in cpu_probes.cached(cache_dir, what, cpu_probes.int4_unpack_probe).items()}
     choice.int4_unpack_min_rows = 0
     for rows, (gemm, unpacked) in sorted(speeds.items(), reverse=True):

@@ -38,9 +38,8 @@ kernel; the same function as upcast_linear (convert blocks, then torch's float32
 measured it so. `prefill_attention` runs a prompt chunk's attention through the same kernel in one call, rounding
 where ops/attention.py's prefill_attention_blocked rounds.
 
-The extension is compiled on first use with torch.utils.cpp_extension (a C++ compiler is needed; the build
-is cached in torch's extensions folder under a name that hashes the source and flags, so an edit rebuilds;
-a build killed midway leaves a lock file there, removed after STALE_LOCK_SECONDS).
+The extension is compiled on first use (ops/cpu_build.py: torch.utils.cpp_extension, a C++ compiler needed;
+the build cached under a name that hashes the source and flags, so an edit rebuilds).
 The decode-step kernels (`rms_norm`, `apply_rope`, `swiglu`, `paged_decode_attention`, and for `decode_model`
 `attention_inputs`, QK-norm, RoPE and the KV store in one pass, and `add_rms_norm`, a residual add and the norm
 after it) exist because a
@@ -56,7 +55,7 @@ for the rest of the process).
 
 Inputs: x bf16 [..., K] (any leading shape, M = their product; bf16 and int8: groups of 16 rows re-read the
 weights, so those kernels are meant for M <= 16), weights bf16 / int8 [N, K], bias / scale bf16 [N], all on
-the CPU; int4: packed uint8 [N, K/2], scale and offset bf16 [N, K/G] (the format of nanoqwen/quantization.py:
+the CPU; int4: packed uint8 [N, K/2], scale and offset bf16 [N, K/G] (the format of nanoqwen/quantization/int4.py:
 rows stored lane by lane in blocks of 16).
 Non-contiguous inputs are copied to contiguous ones first (correct, but a copied weight costs an extra pass);
 other dtypes, devices or shapes raise RuntimeError with a message naming the argument.
@@ -64,25 +63,18 @@ other dtypes, devices or shapes raise RuntimeError with a message naming the arg
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import sys
 import threading
-import time
-from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from nanoqwen.ops.cpu_probes import cpu_name_and_flags
+from nanoqwen.ops import cpu_build
 
 logger = logging.getLogger("nanoqwen")
-SOURCE_DIR = Path(__file__).parent / "csrc"  # cpu_kernels.h lists what each file holds
 ENV = "NANOQWEN_CPU_GEMV"  # "0" disables the kernels (no build)
-# A build takes 1-3 minutes on 2 cores; a lock file older than this was left by a build that died
-STALE_LOCK_SECONDS = 600
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None  # the built extension, once available() succeeded
@@ -124,7 +116,7 @@ def quantize_activations(x: torch.Tensor, block: int, levels: int = 127) -> torc
 def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                         offset: torch.Tensor) -> torch.Tensor:
     """What int4_gemv computes: x' @ W.T in float32, rounded to bf16 once, where W = offset + scale * q
-    (quantization.py) and x' is x quantised to int8 in blocks of the group size G (quantize_activations)."""
+    (quantization/int4.py) and x' is x quantised to int8 in blocks of the group size G (quantize_activations)."""
     from nanoqwen.quantization import dequantize_int4
 
     group = 2 * packed.shape[-1] // scale.shape[-1]
@@ -321,32 +313,12 @@ def available() -> bool:
     with _lock:
         if _ext is None and _failure is None:
             try:
-                _ext = _build()
+                _ext = cpu_build.build()
             except Exception as e:  # no compiler, no AVX2, a compile error: stay correct on torch's kernels
                 first_line = (str(e).strip().splitlines() or [""])[0][:300]
                 _failure = f"{type(e).__name__}: {first_line}"
                 logger.warning("nanoqwen's CPU gemv kernels are not available (%s); using torch's matmuls", _failure)
     return _ext is not None
-
-
-def compile_flags() -> list[str]:
-    """-O3, OpenMP and the ISA flags this CPU reports (the kernels need AVX2 and FMA; F16C where present;
-    AVX-512 VNNI, one instruction for int4_gemv's 32-element integer dot products, and AVX-512 BF16, one for
-    bf16_gemv's 16 bf16 products, where present and the CPU is not limited to AVX2 with
-    ATEN_CPU_CAPABILITY=avx2, as when measuring an AVX2-only CPU's speed).
-
-    -fopenmp matters: at::parallel_for is a header template that runs on OpenMP threads only when the
-    extension itself is compiled with OpenMP (else it silently runs on one thread). The extension then uses
-    the libgomp torch has already loaded, so torch.set_num_threads governs it too."""
-    _, flags = cpu_name_and_flags()
-    missing = [f for f in ("avx2", "fma") if f not in flags]
-    if missing:
-        raise RuntimeError(f"this CPU lacks {' and '.join(missing).upper()} (or /proc/cpuinfo is unreadable)")
-    cflags = ["-O3", "-fopenmp", "-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in flags else [])
-    limited = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2")
-    if "avx512vl" in flags and not limited:  # AVX-512 instructions on 256-bit vectors, where the CPU has them
-        cflags += ["-mavx512vl"] + [f"-mavx512{isa}" for isa in ("vnni", "bf16") if f"avx512_{isa}" in flags]
-    return cflags
 
 
 def int4_dot_instructions() -> str:
@@ -358,56 +330,3 @@ def bf16_dot_instructions() -> str:
     """How bf16_gemv multiplies (for the log line and `nanoqwen bench`): AVX-512 BF16's bf16 dot products, or
     AVX2 FMAs on weights widened to float32."""
     return "AVX-512 BF16 dot products" if available() and _ext.has_bf16_dot() else "AVX2 FMA"
-
-
-def build_digest() -> str:
-    """A hash of the kernels' source and compile flags: names the build, and keys the speeds measured with it."""
-    digest = hashlib.sha256(" ".join(compile_flags()).encode())
-    for path in sorted(SOURCE_DIR.glob("*.[ch]*")):  # the .cpp files and the header they share
-        digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()[:12]
-
-
-def build_directory() -> Path:
-    """Where this build of the kernels lives: torch's extensions folder (TORCH_EXTENSIONS_DIR, else
-    ~/.cache/torch_extensions), nanoqwen/<Python and torch versions>/<name with the build digest>. The
-    versions are in the path because a build links against one Python and one torch: another venv's
-    must not load it."""
-    from torch.utils import cpp_extension
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    versions = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
-    return Path(root) / "nanoqwen" / versions / f"nanoqwen_cpu_gemv_{build_digest()}"
-
-
-def _clear_stale_lock(folder: Path) -> None:
-    """Wait for another process's build of the same kernels (its lock file in the folder), but at most
-    STALE_LOCK_SECONDS from the lock's creation: a build killed midway (Ctrl-C, a timeout) leaves its
-    lock behind, and torch would wait for it forever, hanging every later start. Such a lock is removed,
-    with a warning."""
-    lock = folder / "lock"
-    while lock.exists():
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:  # the other build just finished
-            return
-        if age > STALE_LOCK_SECONDS:
-            logger.warning("removing %s, left %.0f s ago by a build of nanoqwen's CPU kernels that did not "
-                           "finish (killed?); building again", lock, age)
-            lock.unlink(missing_ok=True)
-            return
-        time.sleep(0.5)
-
-
-def _build() -> ModuleType:
-    from torch.utils import cpp_extension  # imported here: it pulls in setuptools, needed only to build
-
-    sources = sorted(str(path) for path in SOURCE_DIR.glob("*.cpp"))
-    folder = build_directory()
-    folder.mkdir(parents=True, exist_ok=True)
-    _clear_stale_lock(folder)
-    ext = cpp_extension.load(name=folder.name, sources=sources, build_directory=str(folder),
-                             extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"], verbose=False)
-    if not ext.has_avx2():
-        raise RuntimeError("the extension was built without AVX2/FMA")
-    return ext

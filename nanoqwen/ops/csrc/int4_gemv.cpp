@@ -5,7 +5,7 @@
 //             any M: above 8 rows a small GEMM on unpacked panels of W (int4_gemm)
 //   int4_unpack(packed, scale, offset) -> W [N,K] bf16, offset + scale * q rounded to bf16 (for torch's matmul)
 //
-// int4 layout (nanoqwen/quantization.py): row n is cut into groups of G consecutive elements (G % 16 == 0);
+// int4 layout (nanoqwen/quantization/int4.py): row n is cut into groups of G consecutive elements (G % 16 == 0);
 // group g has G/2 bytes, byte j holding element j in its low nibble and element j + G/2 in its high nibble,
 // each a q in 0..15, and the weight is offset[n, g] + scale[n, g] * q. The rows are stored in blocks of
 // kBlockRows = 16 (the last block holds the N % 16 rows left, if any), a block of L rows lane by lane: for
@@ -473,7 +473,7 @@ void int4_panels(const Int4Product& p) {
 // ---- int4 weights unpacked to bf16 (prompts on CPUs whose bf16 matmuls are fast: AMX; the caller multiplies).
 //
 // w[n, k] = round_bf16(offset + scale * q) in row order, as dequantize_int4(...).to(bfloat16) (nanoqwen/
-// quantization.py): scale * q is exact in float32 (8 bits times 4), so the sum rounds once, then to bf16.
+// quantization/int4.py): scale * q is exact in float32 (8 bits times 4), so the sum rounds once, then to bf16.
 
 // Rows n0 .. n0 + L - 1 (one stored block) into out [N, K].
 void unpack_block(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, int L, int64_t K, int64_t G,
