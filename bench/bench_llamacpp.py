@@ -37,7 +37,9 @@ matmul rates over its FLOPs. The bandwidth is read twice for each decode timing,
 and that timing's bound uses the higher reading; each system's decode fraction of its bound is the median of its
 rounds' fractions. The table also gives the fraction as earlier runs computed it, the best round over the
 highest reading of the whole run: two extremes of a drifting machine, taken minutes apart, so an underestimate
-wherever the drift is large.
+wherever the drift is large. Where the kernel gives transparent huge pages, each reading also sums a second 1 GiB
+buffer in 2 MiB pages, the kind of memory nanoqwen's weights are in, and the table gives the decode fraction against
+that too (a plain buffer's reading moved by up to 20% with where its pages landed; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -208,27 +210,43 @@ class Child:
 
 class ReadBandwidth:
     """The read bandwidth now (GB/s): a torch sum over 1 GiB of float32 (bench_model.read_bandwidth's measure), the
-    best of three, the tensor kept between readings (so a reading takes a fraction of a second)."""
+    best of three, the tensor kept between readings (so a reading takes a fraction of a second). Also, where the
+    kernel gives 2 MiB pages (transparent huge pages), the same sum over a buffer in them, as nanoqwen's weights lie
+    (engine/huge_pages.py): where a plain buffer's 4 KiB pages land moved its sum by up to 20% on one machine
+    (BENCHMARKS.md, twenty-seventh session), so the weights' own kind of memory is read too."""
 
     def __init__(self) -> None:
         import torch
 
+        from nanoqwen.engine import huge_pages
+
         self.x = torch.ones(1 << 28, dtype=torch.float32)
         self.x.sum()
         self.readings: list[float] = []
+        self.x_huge = None
+        if huge_pages.transparent_huge_pages() in ("always", "madvise"):
+            self.x_huge = huge_pages.huge_page_buffer(1 << 30).view(torch.float32).fill_(1.0)
+            self.x_huge.sum()
+        self.huge_readings: list[float] = []
 
-    def __call__(self) -> float:
+    def __call__(self) -> tuple[float, float | None]:
+        """(the plain buffer's reading, the 2 MiB-page buffer's or None)."""
         self.readings.append(bench_model.sum_bandwidth(self.x, 3))
-        return self.readings[-1]
+        if self.x_huge is None:
+            return self.readings[-1], None
+        self.huge_readings.append(bench_model.sum_bandwidth(self.x_huge, 3))
+        return self.readings[-1], self.huge_readings[-1]
 
 
 def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds: int
-               ) -> tuple[dict[str, dict], list[float]]:
+               ) -> tuple[dict[str, dict], list[float], list[float]]:
     """Per system: its facts, its best rates, every round's rates, the read bandwidth beside each decode timing
-    (the higher of the readings just before and just after it) and (nanoqwen) the sorted per-round ratios against
-    its llama.cpp pair; and every read bandwidth reading of the run (GB/s)."""
+    (the higher of the readings just before and just after it; also over 2 MiB pages, where there are) and
+    (nanoqwen) the sorted per-round ratios against its llama.cpp pair; and every read bandwidth reading of the run
+    (GB/s), plain and over 2 MiB pages."""
     rates = {name: {"prefill_tok_s": [], "decode_b1_tok_s": []} for name in children}
     beside = {name: [] for name in children}
+    beside_huge = {name: [] for name in children}  # the same over the 2 MiB-page buffer, where there is one
     ours = [name for _, name in pairs if name in children]
     read_bandwidth = ReadBandwidth()
     for r in range(rounds):
@@ -237,10 +255,13 @@ def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds:
                                       ("decode", DECODE_TOKENS, "decode_b1_tok_s")):
                 for name in (pair if r % 2 == 0 else pair[::-1]):
                     if name in children:
-                        before = read_bandwidth() if what == "decode" else 0.0
+                        before = read_bandwidth() if what == "decode" else (0.0, None)
                         rates[name][key].append(tokens / children[name].time(what))
                         if what == "decode":
-                            beside[name].append(max(before, read_bandwidth()))
+                            after = read_bandwidth()
+                            beside[name].append(max(before[0], after[0]))
+                            if after[1] is not None:
+                                beside_huge[name].append(max(before[1], after[1]))
         turn = r % max(1, len(ours))
         for name in ours[turn:] + ours[:turn]:  # nanoqwen's formats at batch 16, in turn
             rates[name].setdefault("decode_b16_tok_s", []).append(16 * DECODE_TOKENS / children[name].time("decode16"))
@@ -249,15 +270,15 @@ def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds:
     results = {}
     for name, child in children.items():
         results[name] = {**child.info, **{k: max(v) for k, v in rates[name].items()}, "rounds": rates[name],
-                         "decode_bandwidth": beside[name]}
+                         "decode_bandwidth": beside[name], "decode_bandwidth_huge": beside_huge[name]}
     for llama, ours in pairs:
         if llama in children and ours in children:
             results[ours]["paired"] = {k: sorted(a / b for a, b in zip(rates[ours][k], rates[llama][k], strict=True))
                                        for k in ("prefill_tok_s", "decode_b1_tok_s")}
-    return results, read_bandwidth.readings
+    return results, read_bandwidth.readings, read_bandwidth.huge_readings
 
 
-def table(results: dict[str, dict], bandwidth: list[float], ceil: dict, rounds: int) -> str:
+def table(results: dict[str, dict], bandwidth: list[float], huge: list[float], ceil: dict, rounds: int) -> str:
     matmul = max(ceil["bf16_tflop_s"], ceil.get("f32_tflop_s", 0.0)) * 1e12
     ours = results["nanoqwen"]
     flops_per_token = 2 * ours["layer_params"]
@@ -265,22 +286,23 @@ def table(results: dict[str, dict], bandwidth: list[float], ceil: dict, rounds: 
     def step_bytes(r: dict) -> int:  # every matrix read once a step (llama.cpp: the whole file)
         return r.get("decode_read_bytes", r.get("file_bytes"))
 
-    def fraction_beside(r: dict) -> list[float]:  # each round's decode rate over the bound read beside it
+    def fraction_beside(r: dict, readings: str = "decode_bandwidth") -> list[float]:
+        """Each round's decode rate over the bound read beside it (from the plain or the 2 MiB-page buffer)."""
         return sorted(rate * step_bytes(r) / (gb_s * 1e9)
-                      for rate, gb_s in zip(r["rounds"]["decode_b1_tok_s"], r["decode_bandwidth"], strict=True))
+                      for rate, gb_s in zip(r["rounds"]["decode_b1_tok_s"], r[readings], strict=True))
 
     rows = [("16-bit", "llama.cpp bf16", "llama-bf16", "nanoqwen bf16", "nanoqwen"),
             ("8-bit", "llama.cpp q8_0", "llama-q8_0", "nanoqwen int8", "nanoqwen-int8"),
             ("4-bit", "llama.cpp q4_0", "llama-q4_0", "nanoqwen int4", "nanoqwen-int4")]
     lines = ["| weights | system | prefill 512 (tok/s) | / llama.cpp | / bound | decode b1 (tok/s) | / llama.cpp "
-             "| / bound beside it (rounds) | best / highest bound (tok/s) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| / bound beside it (rounds) | best / highest bound (tok/s) | / bound, 2 MiB pages (rounds) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     spreads = []
     for bits, llama_label, llama_key, our_label, our_key in rows:
         for label, key in ((llama_label, llama_key), (our_label, our_key)):
             r = results.get(key)
             if r is None:
-                lines.append(f"| {bits} | {label} | – | | | – | | | |")
+                lines.append(f"| {bits} | {label} | – | | | – | | | | |")
                 continue
             paired = r.get("paired", {})
             ratio = {k: f"{statistics.median(paired[k]):.2f}×" if k in paired else ""
@@ -288,18 +310,25 @@ def table(results: dict[str, dict], bandwidth: list[float], ceil: dict, rounds: 
             spreads += [f"{paired[k][0]:.2f}–{paired[k][-1]:.2f}" for k in paired]
             bound = max(bandwidth) * 1e9 / step_bytes(r)
             fractions = fraction_beside(r)
+            huge_fraction = "–"
+            if r["decode_bandwidth_huge"]:
+                h = fraction_beside(r, "decode_bandwidth_huge")
+                huge_fraction = f"{statistics.median(h):.0%} ({h[0]:.0%}–{h[-1]:.0%})"
             lines.append(f"| {bits} | {label} | {r['prefill_tok_s']:.1f} | {ratio['prefill_tok_s']} | "
                          f"{r['prefill_tok_s'] * flops_per_token / matmul:.0%} | {r['decode_b1_tok_s']:.1f} | "
                          f"{ratio['decode_b1_tok_s']} | **{statistics.median(fractions):.0%}** "
                          f"({fractions[0]:.0%}–{fractions[-1]:.0%}) | {r['decode_b1_tok_s'] / bound:.0%} "
-                         f"({bound:.1f}) |")
+                         f"({bound:.1f}) | {huge_fraction} |")
     lines += ["", f"Each system's figure is its best of {rounds} rounds; each \"/ llama.cpp\" is the median of the "
               f"rounds' ratios, each of two timings taken back to back (the rounds' ratios ranged: "
               f"{', '.join(spreads)}, in table order). Bounds measured in the same run: read bandwidth (sum of "
               f"1 GiB, just before and just after each decode timing) {min(bandwidth):.1f}–{max(bandwidth):.1f} "
               f"GB/s. \"/ bound beside it\": the median (and range) of the rounds' decode rates, each over the "
               f"bound from the higher of its two readings; \"best / highest bound\": the best round over the "
-              f"bound from the run's highest reading (in parentheses, tok/s). Matmul "
+              f"bound from the run's highest reading (in parentheses, tok/s); \"/ bound, 2 MiB pages\": as \"beside "
+              f"it\", the same sum over a buffer in 2 MiB pages, as nanoqwen's weights are ("
+              + (f"{min(huge):.1f}–{max(huge):.1f} GB/s" if huge else "not measured: no transparent huge pages")
+              + "; a second view of the bound, not the one the issue's targets are judged by). Matmul "
               f"{ceil['bf16_tflop_s'] * 1e3:.0f} GFLOP/s in bf16, {ceil.get('f32_tflop_s', 0) * 1e3:.0f} in "
               f"float32 (prefill's bound: the faster, over {flops_per_token / 1e9:.2f} GFLOP a token); decode: the "
               "read bandwidth over the bytes a step reads (nanoqwen: every projection and the LM head; "
@@ -352,7 +381,7 @@ def main() -> None:
                     print(e, file=sys.stderr)
         if "nanoqwen" not in children:
             sys.exit("no table: nanoqwen failed to load")
-        results, bandwidth = run_rounds(children, pairs, args.rounds)
+        results, bandwidth, huge = run_rounds(children, pairs, args.rounds)
     finally:
         for c in children.values():
             c.close()
@@ -364,7 +393,7 @@ def main() -> None:
             f"converted to GGUF bf16 and quantised to q8_0 / q4_0; nanoqwen int8 and int4 are made at load "
             f"from the same bf16 checkpoint. {os.cpu_count()} threads for both; all six loaded at once, each in "
             f"its own process, and timed in rounds (the script's docstring).\n\n"
-            f"{bench_model.machine_line('cpu')}\n\n" + table(results, bandwidth, ceil, args.rounds))
+            f"{bench_model.machine_line('cpu')}\n\n" + table(results, bandwidth, huge, ceil, args.rounds))
     print(body)
     if args.write:
         # a llama.cpp built without AVX-512 (an AVX2-only build, for a like-for-like AVX2 comparison) gets its
