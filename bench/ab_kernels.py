@@ -26,16 +26,11 @@ import bench_model  # noqa: E402  (its checkpoint and prompts)
 
 
 def build(folder: Path, name: str):
-    """The extension built from folder/csrc/*.cpp, as nanoqwen/ops/cpu_gemv.py builds its own."""
-    from torch.utils import cpp_extension
-
+    """The extension built from folder/csrc/*.cpp, as nanoqwen/ops/cpu_gemv.py builds its own (ops/cpu_build.py),
+    in a build folder of its own named `name`."""
     from nanoqwen.ops import cpu_build
 
-    build_dir = Path("/tmp/nanoqwen-ab") / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=name, sources=sorted(str(p) for p in (folder / "csrc").glob("*.cpp")),
-                              build_directory=str(build_dir), extra_cflags=cpu_build.compile_flags(),
-                              extra_ldflags=["-fopenmp"])
+    return cpu_build.build(folder / "csrc", Path("/tmp/nanoqwen-ab") / name)
 
 
 def main() -> None:

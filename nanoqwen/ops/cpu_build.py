@@ -86,13 +86,14 @@ def clear_stale_lock(folder: Path) -> None:
         time.sleep(0.5)
 
 
-def build() -> ModuleType:
-    """The extension: compiled from SOURCE_DIR's .cpp files with compile_flags() into build_directory(), or
-    loaded from there when that build exists; raises whatever the compiler or the loader raised."""
+def build(source_dir: Path = SOURCE_DIR, folder: Path | None = None) -> ModuleType:
+    """The extension: compiled from source_dir's .cpp files with compile_flags() into folder (build_directory()),
+    or loaded from there when that build exists; raises whatever the compiler or the loader raised. The module is
+    named after the folder, so two builds in other folders (bench/ab_kernels.py's versions) load side by side."""
     from torch.utils import cpp_extension  # imported here: it pulls in setuptools, needed only to build
 
-    sources = sorted(str(path) for path in SOURCE_DIR.glob("*.cpp"))
-    folder = build_directory()
+    sources = sorted(str(path) for path in source_dir.glob("*.cpp"))
+    folder = folder or build_directory()
     folder.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(folder)
     ext = cpp_extension.load(name=folder.name, sources=sources, build_directory=str(folder),

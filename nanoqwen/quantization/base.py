@@ -65,6 +65,13 @@ class QuantizedLinear(Linear):
                 f"bias={self.bias is not None}")
 
 
+def scale_rounded_up(s32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 scales stored in the model dtype, rounded up where rounding to nearest went down (one step of that
+    dtype at most), so that the largest weight divided by its stored scale stays within the grid: no clipping."""
+    s = s32.to(dtype)
+    return torch.where(s.float() < s32, torch.nextafter(s, torch.tensor(float("inf"), dtype=dtype, device=s.device)), s)
+
+
 def block_rows(xc: torch.Tensor, in_features: int) -> int:
     """How many weight rows the dequantise paths convert at a time, for activations xc in the compute dtype."""
     if xc.device.type != "cpu":

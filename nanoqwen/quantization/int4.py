@@ -55,7 +55,7 @@ from torch import nn
 from nanoqwen.errors import ConfigError
 from nanoqwen.models.qwen3 import ColumnParallelLinear, Experts, Linear, RowParallelLinear
 from nanoqwen.ops import cpu
-from nanoqwen.quantization.base import QUANTIZE_BLOCK_ELEMENTS, QuantizedLinear, block_rows
+from nanoqwen.quantization.base import QUANTIZE_BLOCK_ELEMENTS, QuantizedLinear, block_rows, scale_rounded_up
 
 INT4_GROUP_SIZE = 64  # inputs per int4 scale and offset (module docstring)
 INT4_BLOCK_ROWS = 16  # int4 rows stored lane by lane, a block at a time (module docstring)
@@ -82,7 +82,6 @@ def quantize_int4(weight: torch.Tensor, group_size: int | None = None
     packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device)
     scale = torch.empty(out_features, groups, dtype=dtype, device=device)
     offset = torch.empty(out_features, groups, dtype=dtype, device=device)
-    up = torch.tensor(float("inf"), dtype=dtype, device=device)
     step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(in_features, 1))
     step = -(-step // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS  # row blocks that fit a cache, whole blocks of lanes
     for start in range(0, out_features, step):
@@ -90,8 +89,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int | None = None
         w = weight[rows].float().view(-1, groups, g)  # [r, groups, G]
         lo, hi = w.amin(-1), w.amax(-1)
         s32 = torch.where(hi > lo, (hi - lo) / 15, 1.0)
-        s = s32.to(dtype)
-        s = torch.where(s.float() < s32, torch.nextafter(s, up), s)  # round up: 15 steps span hi
+        s = scale_rounded_up(s32, dtype)  # 15 steps span hi
         o = lo.to(dtype)
         q = ((w - o.float()[..., None]) / s.float()[..., None]).round_().clamp_(0, 15).to(torch.uint8)
         low, high = q.view(-1, groups, 2, g // 2).unbind(2)  # elements j and j + G/2 of each group

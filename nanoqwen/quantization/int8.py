@@ -69,7 +69,7 @@ from torch import nn
 
 from nanoqwen.models.qwen3 import ColumnParallelLinear, Experts, Linear, RowParallelLinear
 from nanoqwen.ops import cpu
-from nanoqwen.quantization.base import QUANTIZE_BLOCK_ELEMENTS, QuantizedLinear, block_rows
+from nanoqwen.quantization.base import QUANTIZE_BLOCK_ELEMENTS, QuantizedLinear, block_rows, scale_rounded_up
 
 # int8pack's cost grows every 4 rows while a bf16 matmul's barely does, so above this many rows
 # (tokens) the dequantise path is faster on CPU (measured, see BENCHMARKS.md).
@@ -83,16 +83,13 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = weight.dtype
     q = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
     scale = torch.empty(out_features, dtype=dtype, device=weight.device)
-    up = torch.tensor(float("inf"), dtype=dtype, device=weight.device)
     step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(in_features, 1))
     # in row blocks that fit a cache: several times faster
     for start in range(0, out_features, step):
         w = weight[start: start + step]
         amax = w.abs().amax(dim=1).float()  # exact in any dtype: a max does not round
         s32 = torch.where(amax > 0, amax / 127, 1.0)
-        s = s32.to(dtype)
-        # round up: |w / s| <= 127, no clipping
-        s = torch.where(s.float() < s32, torch.nextafter(s, up), s)
+        s = scale_rounded_up(s32, dtype)  # |w / s| <= 127, no clipping
         # float32 division (out of place: a float32 weight's .float() is the weight itself).
         # Converting first is faster than dividing the bf16 block by a float32 column, which torch
         # does far slower.

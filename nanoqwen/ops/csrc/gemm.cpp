@@ -1,7 +1,7 @@
 // bf16_gemm: y = x @ w.T for many rows of x (a prompt, a large batch), computed in float32 from bf16 weights,
 // for CPUs without fast bf16 arithmetic; int8_gemm: the same with int8 weights and a scale per output,
-// y = (x @ q.T) * scale (quantization/int8.py's format). The plain way there (ops/cpu.py's upcast_linear) converts the weights
-// to float32 and calls torch's float32 product; this does the same arithmetic in one pass, as BLIS and
+// y = (x @ q.T) * scale (quantization/int8.py's format). The plain way there (ops/cpu.py's upcast_linear) converts
+// the weights to float32 and calls torch's float32 product; this does the same arithmetic in one pass, as BLIS and
 // OpenBLAS structure a GEMM (Goto's algorithm), converting bf16 while packing:
 //
 //   x is packed once into panels of kMR rows, [K][kMR] float32 each (so a kernel reads kMR values per step);
