@@ -229,7 +229,6 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
 def _select_gemm(choice: MatmulPath, forced: bool, cache_dir: Path | None) -> None:
     """Whether the float32 path's products over many rows go through nanoqwen's bf16_gemm: forced, or
     measured faster than upcast_linear (once per machine and build of the kernels, cached)."""
-
     if forced:
         choice.gemm, choice.gemm_reason = True, "NANOQWEN_CPU_GEMV=1"
         return
@@ -243,7 +242,6 @@ def _select_int4_unpack(choice: MatmulPath, cache_dir: Path | None) -> None:
     """From how many rows int4 products unpack the weights to bf16 for torch's matmul (bf16 path): the
     smallest row count of cpu_probes.INT4_UNPACK_PROBE_ROWS from which that was measured faster than int4_gemm at every
     count probed (once per machine and build of the kernels, cached); 0 where it never was."""
-
     what = f"int4 unpacked against int4_gemm, kernels {cpu_build.build_digest()}"
     speeds = {int(m): v for m, v in cpu_probes.cached(cache_dir, what, cpu_probes.int4_unpack_probe).items()}
     choice.int4_unpack_min_rows = 0
