@@ -436,11 +436,30 @@ def test_int4_gemv_and_its_panels_compute_the_same_bits(kernels):
     assert y.shape == (2, 5, 300) and torch.equal(y.view(10, 300), kernels.int4_gemm(x[:10], packed, scale, offset))
 
 
-def test_int4_gemv_threads_and_leading_dims(kernels):
-    x, packed, scale, offset = make_int4(3, 1024, 1001, 64)  # split over threads, odd row count
+def test_int4_gemv_leading_dims(kernels):
+    x, packed, scale, offset = make_int4(3, 1024, 1001, 64)  # odd row count
     check_int4(kernels, x, packed, scale, offset)
     y = kernels.int4_gemv(x[:2].reshape(2, 1, 1024), packed, scale, offset)
     assert y.shape == (2, 1, 1001) and torch.equal(y[:, 0], kernels.int4_gemv(x[:2], packed, scale, offset))
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_int4_gemv_threads_steal_work_and_get_the_same_bits(kernels, threads):
+    """The threads share the blocks of rows by work stealing (cpu_kernels.h, parallel_rows_stealing): where the
+    shares are cut differs from call to call, but every block is computed once, alone, so the output equals the
+    one-thread output to the bit, call after call. 3205 rows of 1024 (200 blocks of 16 and one of 5) are 6 tasks
+    of at least 256 KB, so each thread count in the test gets a share."""
+    x, packed, scale, offset = make_int4(2, 1024, 16 * 200 + 5, 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = check_int4(kernels, x[:1], packed, scale, offset), check_int4(kernels, x, packed, scale, offset)
+        torch.set_num_threads(threads)
+        for _ in range(20):
+            assert torch.equal(kernels.int4_gemv(x[:1], packed, scale, offset), alone[0])
+            assert torch.equal(kernels.int4_gemv(x, packed, scale, offset), alone[1])
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_int8_gemv_quantises_x_to_int16_in_blocks(kernels):
@@ -717,7 +736,8 @@ def test_paged_decode_attention_short_spans_for_the_threads(kernels, threads):
 
 def test_decode_model_takes_one_cache_per_layer(kernels):
     """decode_model runs layer i on caches [i] and refuses caches for another number of layers, naming them; it
-    returns float32 logits, one row per token."""
+    returns float32 logits, one row per token. Its kernels' outputs are recycled from call to call (cpu_kernels.h,
+    new_output), never the logits it returned: they stay as they were after the next calls."""
     g = torch.Generator().manual_seed(6)
     h, hq, hkv, d, inter, blocks, block_size, vocab = 32, 2, 1, 16, 48, 2, 4, 40
 
@@ -736,6 +756,10 @@ def test_decode_model_takes_one_cache_per_layer(kernels):
     assert logits.dtype == torch.float32 and logits.shape == (1, vocab)
     assert k_caches[0].abs().sum() > 0 and k_caches[1].abs().sum() > 0  # each layer stored its key
     assert not torch.equal(k_caches[0], k_caches[1])
+    first = logits.clone()
+    other = kernels.decode_model(model, torch.tensor([7]), torch.tensor([5]), k_caches, v_caches, *step)
+    again = kernels.decode_model(model, torch.tensor([3]), torch.tensor([5]), k_caches, v_caches, *step)
+    assert not torch.equal(other, first) and torch.equal(logits, first) and torch.equal(again, first)
     with pytest.raises(RuntimeError, match=r"k_caches and v_caches must be \[2, blocks"):
         kernels.decode_model(model, torch.tensor([3]), torch.tensor([5]), k_caches[:1], v_caches[:1], *step)
 

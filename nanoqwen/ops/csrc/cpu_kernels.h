@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -46,6 +47,7 @@ constexpr int kPrefetchBytes = 2048;
 constexpr int kRowPrefetchBytes = 1024;
 constexpr int kOwnSharePercent = 85;         // of a product's rows, split evenly over threads (parallel_rows below)
 constexpr int kChunksPerThread = 4;          // the other rows: this many chunks per thread
+constexpr int64_t kClaimBytes = 16 << 10;    // weight bytes a claim takes at least (parallel_rows_stealing)
 
 // bf16 -> float32: a bf16 is the upper 16 bits of a float32.
 inline float bf16_to_float(uint16_t h) {
@@ -177,6 +179,101 @@ inline void parallel_rows(int64_t N, int64_t grain, const F& body) {
     for (int64_t t = first; t < last; ++t) body(own * t / threads, own * (t + 1) / threads);
     for (int64_t b; (b = next.fetch_add(chunk, std::memory_order_relaxed)) < N;) body(b, std::min(N, b + chunk));
   });
+}
+
+// body(begin, end) over the rows [0, N) on torch's threads, shared out by work stealing: each thread streams its
+// own equal share, taking `claim` rows at a time; a thread whose share is done takes the back half of what is
+// left of the fullest other share, which becomes its own. Each thread reads one long sequential stream, then a
+// few shorter ones, and the threads end within a claim of each other. Used where body reads each claim as one
+// stream (int4_gemv), where it decodes faster than parallel_rows, whose tail is many small chunks (BENCHMARKS.md,
+// thirtieth session). bf16 and int8 keep parallel_rows: their body cuts its range into three
+// streams, which needs long ranges. Where the ranges are cut changes from call to call, so a row's result must
+// not depend on it (int4: blocks of 16 rows, each computed alone).
+//
+// A share [begin, end) is one 64-bit word (begin << 32 | end), so that its owner's claim from the front and a
+// thief's cut of the back are each one compare-and-swap and never both take a row.
+template <typename F>
+inline void parallel_rows_stealing(int64_t N, int64_t grain, int64_t claim, const F& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), N / grain);
+  if (threads <= 1) return at::parallel_for(0, N, grain, body);
+  TORCH_CHECK(N < (int64_t(1) << 32), "parallel_rows_stealing: ", N, " rows do not fit its 32-bit ranges");
+  struct alignas(64) Share { std::atomic<uint64_t> range; };  // a cache line each: claims stay on their core
+  const std::unique_ptr<Share[]> shares(new Share[threads]);
+  auto pack = [](int64_t begin, int64_t end) { return uint64_t(begin) << 32 | uint64_t(end); };
+  auto begin_of = [](uint64_t range) { return int64_t(range >> 32); };
+  auto end_of = [](uint64_t range) { return int64_t(range & 0xffffffffu); };
+  for (int64_t t = 0; t < threads; ++t) shares[t].range.store(pack(N * t / threads, N * (t + 1) / threads));
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {  // one thread each (inline: all of them)
+    for (int64_t t = first; t < last; ++t) {
+      std::atomic<uint64_t>& mine = shares[t].range;
+      while (true) {
+        uint64_t r = mine.load(std::memory_order_relaxed);
+        if (begin_of(r) < end_of(r)) {  // claim the next rows of my share
+          const int64_t begin = begin_of(r), end = std::min(end_of(r), begin + claim);
+          if (mine.compare_exchange_weak(r, pack(end, end_of(r)), std::memory_order_acq_rel)) body(begin, end);
+          continue;
+        }
+        int64_t victim = -1, most = claim;  // a share of one claim or less left: its owner finishes it
+        for (int64_t u = 0; u < threads; ++u) {
+          const uint64_t x = shares[u].range.load(std::memory_order_relaxed);
+          if (u != t && end_of(x) - begin_of(x) > most) {
+            most = end_of(x) - begin_of(x);
+            victim = u;
+          }
+        }
+        if (victim < 0) break;  // (not return: run inline, the next shares are still to do)
+        uint64_t x = shares[victim].range.load(std::memory_order_relaxed);
+        const int64_t begin = begin_of(x), end = end_of(x), middle = begin + (end - begin + 1) / 2;
+        if (end - begin > claim &&  // the owner keeps [begin, middle), the back half becomes mine
+            shares[victim].range.compare_exchange_strong(x, pack(begin, middle), std::memory_order_acq_rel))
+          mine.store(pack(middle, end), std::memory_order_relaxed);
+      }
+    }
+  });
+}
+
+// ---- A decode step's outputs, recycled from step to step.
+//
+// decode_model calls some ten kernels a layer, and each allocates its output: at::empty costs about 0.7 us in a
+// decode step (its data cold after the weights streamed through the caches), as much as a small kernel's work.
+// While a RecycledOutputs is alive on a thread (decode_model makes one), new_output hands out a tensor of this
+// thread's pool that has the shape and dtype asked for and that nothing else holds any more (neither the tensor
+// nor its storage is referenced outside the pool), and adds a new one to the pool when none is free; elsewhere it
+// is at::empty (measured: BENCHMARKS.md, thirtieth session). The pool holds one batch size's buffers, the last
+// step's (a step of another size empties it first: a pool of every size would hold an LM head's output of each),
+// until its thread ends.
+struct OutputPool {
+  int64_t rows = -1;  // the batch size its buffers are for
+  std::vector<at::Tensor> buffers;
+};
+inline thread_local OutputPool* t_output_pool = nullptr;
+
+class RecycledOutputs {
+ public:
+  explicit RecycledOutputs(int64_t rows) : previous_(t_output_pool) {
+    OutputPool& p = pool();
+    if (p.rows != rows) p.buffers.clear();
+    p.rows = rows;
+    t_output_pool = &p;
+  }
+  ~RecycledOutputs() { t_output_pool = previous_; }
+  RecycledOutputs(const RecycledOutputs&) = delete;
+  RecycledOutputs& operator=(const RecycledOutputs&) = delete;
+
+ private:
+  static OutputPool& pool() {
+    static thread_local OutputPool this_thread;
+    return this_thread;
+  }
+  OutputPool* previous_;
+};
+
+inline at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (t_output_pool == nullptr) return at::empty(sizes, options);
+  for (const at::Tensor& t : t_output_pool->buffers)
+    if (t.use_count() == 1 && t.storage().use_count() == 1 && t.sizes() == sizes && t.dtype() == options.dtype())
+      return t;
+  return t_output_pool->buffers.emplace_back(at::empty(sizes, options));
 }
 
 inline void check_vector(const at::Tensor& t, const char* name, int64_t N) {

@@ -181,7 +181,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
   check_bf16(weight, "weight");
   const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D, "weight must have shape [", D, "], got ", weight.sizes());
-  at::Tensor y = at::empty_like(x);
+  at::Tensor y = new_output(x.sizes(), x.options());
   const uint16_t *xp = bf16_ptr(x), *wp = bf16_ptr(weight);
   uint16_t* yp = bf16_ptr_mut(y);
   at::parallel_for(0, rows, row_grain(D), [&](int64_t begin, int64_t end) {
@@ -202,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
               y.sizes());
   const int64_t M = x.size(0), D = x.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D, "weight must have shape [", D, "], got ", weight.sizes());
-  at::Tensor h = at::empty_like(x), normed = at::empty_like(x);
+  at::Tensor h = new_output(x.sizes(), x.options()), normed = new_output(x.sizes(), x.options());
   const uint16_t *xp = bf16_ptr(x), *yp = bf16_ptr(y), *wp = bf16_ptr(weight);
   uint16_t *hp = bf16_ptr_mut(h), *np = bf16_ptr_mut(normed);
   at::parallel_for(0, M, row_grain(D), [&](int64_t begin, int64_t end) {
@@ -243,7 +243,7 @@ at::Tensor swiglu(const at::Tensor& gate_up_in) {
   check_bf16(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [N, 2I], got ", gate_up.sizes());
   const int64_t N = gate_up.size(0), I = gate_up.size(1) / 2;
-  at::Tensor y = at::empty({N, I}, gate_up.options());
+  at::Tensor y = new_output({N, I}, gate_up.options());
   const uint16_t* gp = bf16_ptr(gate_up);
   uint16_t* yp = bf16_ptr_mut(y);
   at::parallel_for(0, N, row_grain(I), [&](int64_t begin, int64_t end) {
@@ -378,7 +378,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     span[b] = spans == 0 ? 0 : (lens[b] + spans - 1) / spans;
   }
   const int64_t tasks = first_task[B], row = Hkv * D;  // row: one position's values in the cache
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = new_output(q.sizes(), q.options());
   const uint16_t *qp = bf16_ptr(q), *kp = bf16_ptr(k_cache), *vp = bf16_ptr(v_cache);
   uint16_t* op = bf16_ptr_mut(out);
   std::vector<float> span_o(tasks * Hq * D, 0.0f), span_m(tasks * Hq), span_l(tasks * Hq);
@@ -499,7 +499,7 @@ at::Tensor attention_inputs(const at::Tensor& qkv_in, const at::Tensor& q_norm, 
   at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == M, "slot_mapping must be [", M, "], got ", slots.sizes());
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = (Hq + 2 * Hkv) * D;
-  at::Tensor q = at::empty({M, Hq, D}, qkv.options());
+  at::Tensor q = new_output({M, Hq, D}, qkv.options());
   const uint16_t *qkv_p = bf16_ptr(qkv), *qn = bf16_ptr(q_norm), *kn = bf16_ptr(k_norm);
   const uint16_t *cp = bf16_ptr(cos), *sp = bf16_ptr(sin);
   uint16_t *q_p = bf16_ptr_mut(q), *kp = reinterpret_cast<uint16_t*>(k_cache.data_ptr());

@@ -334,7 +334,7 @@ at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& w_in, at::ScalarType w
   at::Tensor scale, bias;
   if (scale_in) { check_vector(*scale_in, "scale", N); scale = scale_in->contiguous(); }
   if (bias_in) { check_vector(*bias_in, "bias", N); bias = bias_in->contiguous(); }
-  at::Tensor y = at::empty({M, N}, x_in.options().dtype(at::kBFloat16));
+  at::Tensor y = new_output({M, N}, x_in.options().dtype(at::kBFloat16));
   if (M == 0 || N == 0) return y;
 
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());

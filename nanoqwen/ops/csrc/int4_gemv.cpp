@@ -307,20 +307,21 @@ Int4Product prepare_int4(const at::Tensor& x_in, const at::Tensor& packed_in, co
   const int64_t M = x_in.size(0), K = x_in.size(1), N = packed_in.size(0);
   TORCH_CHECK(2 * packed_in.size(1) == K, "x has K=", K, " but packed holds K=", 2 * packed_in.size(1));
   Int4Product p{x_in.contiguous(), packed_in.contiguous(), scale_in.contiguous(), offset_in.contiguous(),
-                at::empty({M, N}, x_in.options().dtype(at::kBFloat16)), M, K, N, G, {}};
+                new_output({M, N}, x_in.options().dtype(at::kBFloat16)), M, K, N, G, {}};
   if (M > 0 && N > 0)  // x quantised to int8 once
     p.xq = quantize_x(reinterpret_cast<const uint16_t*>(p.x.data_ptr()), M, K, G);
   return p;
 }
 
-// Few rows of x: the blocks of weight rows shared among the threads (parallel_rows), each block read from memory
-// once and run by every tile of rows of x.
+// Few rows of x: the blocks of weight rows shared among the threads (parallel_rows_stealing, in claims of at least
+// kClaimBytes), each block read from memory once and run by every tile of rows of x.
 void int4_passes(const Int4Product& p) {
   const int64_t K = p.K, N = p.N, G = p.G, groups = K / G;
   const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, kBlockRows * K / 2));
   const QuantizedRows x{p.xq.xq.data(), p.xq.d.data(), p.xq.xs.data()};
-  parallel_rows(blocks, grain, [&](int64_t begin, int64_t end) {
+  const int64_t claim = std::max<int64_t>(1, kClaimBytes / (kBlockRows * K / 2));
+  parallel_rows_stealing(blocks, grain, claim, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBlockRows;
       const int L = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));

@@ -71,6 +71,7 @@ at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& inpu
               "k_caches and v_caches must be [", layers.size(), ", blocks, block_size, Hkv, D], got ", k_caches.sizes(),
               " and ", v_caches.sizes());
   TORCH_CHECK(!layers.empty(), "a model without decoder layers");
+  const RecycledOutputs recycled(input_ids.numel());  // the kernels' outputs: the last step's (cpu_kernels.h)
   at::Tensor x = model.embed.index_select(0, input_ids);  // [M, H]
   at::Tensor x_normed = rms_norm(x, layers[0].input_norm, layers[0].eps);
   const at::Tensor cos = model.cos.index_select(0, positions).to(at::kBFloat16);  // [M, D]
