@@ -736,8 +736,10 @@ def test_paged_decode_attention_short_spans_for_the_threads(kernels, threads):
 
 def test_decode_model_takes_one_cache_per_layer(kernels):
     """decode_model runs layer i on caches [i] and refuses caches for another number of layers, naming them; it
-    returns float32 logits, one row per token. Its kernels' outputs are recycled from call to call (cpu_kernels.h,
-    new_output), never the logits it returned: they stay as they were after the next calls."""
+    returns float32 logits, one row per token, a tensor of its own: the next calls leave it as it was, and a call
+    whose kernels' outputs come from the pool of the last call's (cpu_kernels.h, new_output) gives the same bits as
+    the first. (A pool that handed a kernel a buffer still in use would compute every call alike, so this test
+    would not see it: test_cpu_path.py's fused-step test, against the module path, fails then.)"""
     g = torch.Generator().manual_seed(6)
     h, hq, hkv, d, inter, blocks, block_size, vocab = 32, 2, 1, 16, 48, 2, 4, 40
 
