@@ -4,6 +4,7 @@ batch-1 decode, at 16, 8 and 4 bits (bf16, int8 / q8_0, int4 / q4_0), each as a 
     python bench/bench_llamacpp.py            # random checkpoint with the exact Qwen3-0.6B shape
     python bench/bench_llamacpp.py --write    # also record the table in BENCHMARKS.md
     python bench/bench_llamacpp.py --rounds 9 # more rounds (default 5)
+    python bench/bench_llamacpp.py --num-scheduler-steps 1   # nanoqwen decodes one step a call (default 8)
 
 Needs llama-cpp-python (an optional benchmark dependency, never a test one): build it once with
 `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python` (15-25 minutes on 2 cores; pip keeps the wheel),
@@ -21,25 +22,26 @@ The checkpoint is converted with the `convert_hf_to_gguf.py` and `gguf-py` of th
 (downloaded once with pip into bench/.models/llama-cpp-src) to a bf16 GGUF, then quantised to q8_0 and q4_0
 with llama_cpp.llama_model_quantize.
 
-Procedure, the same for both (each system in its own process, the same thread count). All six systems are
-loaded first, each in its own process (so each keeps its own peak memory), then timed in --rounds rounds: in a
-round, for each bit width, llama.cpp and nanoqwen run one prompt processing and one batch-1 decode each, back to
-back (which goes first alternates by round). A shared machine's speed drifts within minutes, by up to 2x here;
-timing two systems minutes apart (as a run of one system after the other does) measures the drift as much as the
-systems. So each "/ llama.cpp" ratio is the median of the rounds' ratios, each from two timings seconds apart,
-and each system's figure is its best round. Prompt processing is one 512-token forward (llama.cpp: one `eval` of
-the tokens, batch 512; nanoqwen: a generate of 1 token); batch-1 decode is 64 tokens after a 32-token prompt
-(llama.cpp: 64 one-token `eval` calls, as llama-bench's tg does, no sampling; nanoqwen: generate 65 tokens minus
-generate 1, greedy). Each round also times nanoqwen's three formats at batch 16 (16 such prompts at once), for
-int8 and int4 against bf16 there. The bound of a decode row is the read bandwidth (a sum of 1 GiB) over the bytes a
-step reads (every matrix once, the tied embedding as the LM head); of prefill, the faster of the bf16 and float32
-matmul rates over its FLOPs. The bandwidth is read twice for each decode timing, just before and just after it,
-and that timing's bound uses the higher reading; each system's decode fraction of its bound is the median of its
-rounds' fractions. The table also gives the fraction as earlier runs computed it, the best round over the
-highest reading of the whole run: two extremes of a drifting machine, taken minutes apart, so an underestimate
-wherever the drift is large. Where the kernel gives transparent huge pages, each reading also sums a second 1 GiB
-buffer in 2 MiB pages, the kind of memory nanoqwen's weights are in, and the table gives the decode fraction against
-that too (a plain buffer's reading moved by up to 20% with where its pages landed; BENCHMARKS.md).
+Procedure, the same for both (each system in its own process, the same thread count). All six systems are loaded
+first, each in its own process (so each keeps its own peak memory), then timed in --rounds rounds: in a round, for
+each bit width, llama.cpp and nanoqwen run one prompt processing and one batch-1 decode each, back to back (which
+goes first alternates by round). A shared machine's speed drifts within minutes, by up to 2x here; timing two
+systems minutes apart (as a run of one system after the other does) measures the drift as much as the systems. So
+each "/ llama.cpp" ratio is the median of the rounds' ratios, each from two timings seconds apart, and each system's
+figure is its best round. Prompt processing is one 512-token forward (llama.cpp: one `eval` of the tokens, batch
+512; nanoqwen: a generate of 1 token); batch-1 decode is 64 tokens after a 32-token prompt (llama.cpp: 64 one-token
+`eval` calls, as llama-bench's tg does, no sampling; nanoqwen: generate 65 tokens minus generate 1, greedy, with
+num_scheduler_steps 8 unless --num-scheduler-steps says otherwise: up to 8 greedy steps in one C++ call;
+bench/bench_multi_step.py measures what that buys). Each round also times nanoqwen's three formats at batch 16 (16
+such prompts at once), for int8 and int4 against bf16 there. The bound of a decode row is the read bandwidth (a sum
+of 1 GiB) over the bytes a step reads (every matrix once, the tied embedding as the LM head); of prefill, the faster
+of the bf16 and float32 matmul rates over its FLOPs. The bandwidth is read twice for each decode timing, just before
+and just after it, and that timing's bound uses the higher reading; each system's decode fraction of its bound is
+the median of its rounds' fractions. The table also gives the fraction as earlier runs computed it, the best round
+over the highest reading of the whole run: two extremes of a drifting machine, taken minutes apart, so an
+underestimate wherever the drift is large. Where the kernel gives transparent huge pages, each reading also sums a
+second 1 GiB buffer in 2 MiB pages, the kind of memory nanoqwen's weights are in, and the table gives the decode
+fraction against that too (a plain buffer's reading moved by up to 20% with where its pages landed; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -143,9 +145,10 @@ def load_llama(gguf: str):
     return prefill, decode, None, {"file_bytes": os.path.getsize(gguf)}
 
 
-def load_nanoqwen(model: str, quantization: str | None):
+def load_nanoqwen(model: str, quantization: str | None, num_scheduler_steps: int):
     """nanoqwen on the checkpoint (in this child process): as load_llama, with a batch-16 decode."""
-    gen, info = bench_model.load_nanoqwen(model, "cpu", quantization=quantization)
+    gen, info = bench_model.load_nanoqwen(model, "cpu", quantization=quantization,
+                                          num_scheduler_steps=num_scheduler_steps)
     long_prompt = bench_model.prompts(1, bench_model.PREFILL_LEN)
     short = bench_model.prompts(1, DECODE_PROMPT)
 
@@ -163,11 +166,11 @@ def load_nanoqwen(model: str, quantization: str | None):
     return lambda: timed(gen(long_prompt, 1)), decode, decode16, info
 
 
-def child(system: str, model: str) -> None:
+def child(system: str, model: str, num_scheduler_steps: int) -> None:
     """Load one system, warm it up, print READY and its facts, then time what each line of stdin names
     ("prefill", "decode" or, nanoqwen only, "decode16"), one RESULT line each, until stdin closes."""
     if system.startswith("nanoqwen"):
-        prefill, decode, decode16, info = load_nanoqwen(model, system.partition("-")[2] or None)
+        prefill, decode, decode16, info = load_nanoqwen(model, system.partition("-")[2] or None, num_scheduler_steps)
     else:
         prefill, decode, decode16, info = load_llama(model)
     calls = {"prefill": prefill, "decode": decode, "decode16": decode16}
@@ -183,10 +186,11 @@ def child(system: str, model: str) -> None:
 class Child:
     """One system loaded in a process of its own, timed on request."""
 
-    def __init__(self, system: str, model: str) -> None:
+    def __init__(self, system: str, model: str, num_scheduler_steps: int) -> None:
         self.system = system
         self.stderr = tempfile.TemporaryFile("w+")  # (a pipe nobody reads could fill and block the child)
-        self.proc = subprocess.Popen([sys.executable, __file__, "--child", system, "--model", model],
+        self.proc = subprocess.Popen([sys.executable, __file__, "--child", system, "--model", model,
+                                      "--num-scheduler-steps", str(num_scheduler_steps)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
         self.info = json.loads(self._line("READY "))
 
@@ -355,10 +359,12 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model folder (default: bench_model's random Qwen3-0.6B)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of timings (each system's best counts)")
     parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
+    parser.add_argument("--num-scheduler-steps", type=int, default=8, metavar="K",
+                        help="nanoqwen's greedy decode steps in one go (EngineConfig.num_scheduler_steps; default 8)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.model)
+        return child(args.child, args.model, args.num_scheduler_steps)
     try:
         import llama_cpp
     except ImportError:
@@ -376,7 +382,7 @@ def main() -> None:
             for name, model in ((llama, str(files[llama.partition("-")[2]])), (ours, str(model_dir))):
                 print(f"loading {name} ...", file=sys.stderr, flush=True)
                 try:
-                    children[name] = Child(name, model)
+                    children[name] = Child(name, model, args.num_scheduler_steps)
                 except SystemExit as e:  # a system that fails to load does not stop the others (its row: –)
                     print(e, file=sys.stderr)
         if "nanoqwen" not in children:
@@ -391,7 +397,8 @@ def main() -> None:
             f"`python bench/bench_llamacpp.py` on "
             f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}, "
             f"converted to GGUF bf16 and quantised to q8_0 / q4_0; nanoqwen int8 and int4 are made at load "
-            f"from the same bf16 checkpoint. {os.cpu_count()} threads for both; all six loaded at once, each in "
+            f"from the same bf16 checkpoint; nanoqwen decodes with num_scheduler_steps {args.num_scheduler_steps}. "
+            f"{os.cpu_count()} threads for both; all six loaded at once, each in "
             f"its own process, and timed in rounds (the script's docstring).\n\n"
             f"{bench_model.machine_line('cpu')}\n\n" + table(results, bandwidth, huge, ceil, args.rounds))
     print(body)

@@ -51,10 +51,11 @@ def run_nanoqwen(model_dir: str, device: str, repeats: int, quantization: str | 
     return {**measure(gen, repeats, batches), **info}
 
 
-def load_nanoqwen(model_dir: str, device: str, quantization: str | None = None, enforce_eager: bool = False):
+def load_nanoqwen(model_dir: str, device: str, quantization: str | None = None, enforce_eager: bool = False,
+                  num_scheduler_steps: int = 1):
     """nanoqwen on the checkpoint: gen(prompts, n) (a call generating n tokens for each prompt, greedy, EOS
     ignored) and what the tables need to know of the model (its weight bytes, the bytes a decode step reads,
-    the multiply-adds a token costs)."""
+    the multiply-adds a token costs). num_scheduler_steps: greedy decode steps run in one go (EngineConfig)."""
     from nanoqwen import LLM, SamplingParams
     from nanoqwen.models.qwen3 import Experts, Linear
     from nanoqwen.quantization import Int4Experts, weight_bytes
@@ -63,7 +64,7 @@ def load_nanoqwen(model_dir: str, device: str, quantization: str | None = None, 
     # On GPU, decode steps replay CUDA graphs unless enforce_eager.
     llm = LLM(model_dir, dtype="bfloat16", device=device, max_model_len=PREFILL_LEN + DECODE_TOKENS + 8,
               max_num_seqs=16, max_num_batched_tokens=PREFILL_LEN * 16, enable_prefix_caching=False,
-              quantization=quantization, enforce_eager=enforce_eager)
+              quantization=quantization, enforce_eager=enforce_eager, num_scheduler_steps=num_scheduler_steps)
 
     def gen(batch: list[list[int]], n: int):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

@@ -429,6 +429,10 @@ class EngineConfig:
     task: "generate", "embed" or "score"; "auto" reads it from the checkpoint (nanoqwen/pooling.py).
     speculative_config: speculative decoding (SpeculativeConfig: a dict or JSON text is read into
     one).
+    num_scheduler_steps: decode steps run in one go when every sequence of a decode batch is
+    greedy without logprobs, penalties or grammar (vLLM's multi-step scheduling,
+    engine/scheduler.py): less Python per token, but tokens arrive k at a time and a new request
+    waits up to k steps to start. 1 (the default) schedules every step.
     """
 
     model: str | Path = DEFAULT_MODEL
@@ -450,13 +454,14 @@ class EngineConfig:
     # "auto" (from the checkpoint's files: nanoqwen/pooling.py), "generate", "embed" or "score"
     task: str = "auto"
     speculative_config: SpeculativeConfig | dict | str | None = None
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         # (it imports the model, which imports this file)
         from nanoqwen.quantization import check_quantization
 
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "num_scheduler_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 1")
@@ -469,6 +474,10 @@ class EngineConfig:
         if self.task not in tasks:
             raise ConfigError(f"task={self.task!r} is not a task; choose one of {', '.join(tasks)}")
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if self.speculative_config is not None and self.num_scheduler_steps > 1:
+            raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} and speculative_config "
+                              "both run several tokens a step: choose one (num_scheduler_steps=1 "
+                              "with speculative decoding)")
 
     @classmethod
     def from_kwargs(cls, model: str | Path, options: dict[str, Any]) -> EngineConfig:

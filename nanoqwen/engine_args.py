@@ -37,6 +37,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="no torch.compile (CPU) and no CUDA graphs (GPU): "
                         "faster start-up, slower steps")
+    p.add_argument("--num-scheduler-steps", type=int, default=default.num_scheduler_steps, metavar="K",
+                   help="greedy decode batches (no logprobs, penalties or grammar) run up to K "
+                        "steps in one go: less overhead per token, tokens arrive K at a time "
+                        "(default 1)")
     p.add_argument("--task", choices=["auto", "generate", "embed", "score"], default="auto",
                    help="what the model is for: generate text, embed (Qwen3-Embedding) or score "
                         "(Qwen3-Reranker); auto reads it from the checkpoint's files")

@@ -35,7 +35,8 @@ class LLM:
         """options: the engine options, EngineConfig's fields (nanoqwen/config.py): dtype, device,
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
         enable_prefix_caching, seed, enforce_eager, tensor_parallel_size, quantization, task,
-        speculative_config (speculative decoding: README, nanoqwen/config.py SpeculativeConfig).
+        speculative_config (speculative decoding: README, nanoqwen/config.py SpeculativeConfig),
+        num_scheduler_steps (greedy decode steps run in one go).
 
         task: "generate", "embed" (Qwen3-Embedding) or "score" (Qwen3-Reranker); by default read
         from the checkpoint (sentence-transformers' files mean "embed", the model card's

@@ -129,6 +129,26 @@ def test_cpu_argmax_is_torch_argmax_on_ties_nan_and_inf(path, monkeypatch):
     assert bool(used) == (path == "kernel")
 
 
+def test_cpp_argmax_of_bf16_values_is_torch_argmax():
+    """The C++ argmax reads bf16 rows too (the greedy multi-step decode takes the LM head's bf16 output,
+    ops/decode_step.py): torch.argmax's index of the same bf16 values, on rows full of ties (bf16 rounds
+    many random values to the same one), NaN, -inf, and lengths cut in the 8 lanes' tail."""
+    from nanoqwen.ops import cpu_gemv
+
+    if not cpu_gemv.available():
+        pytest.skip("nanoqwen's CPU kernels cannot be built here")
+    g = torch.Generator().manual_seed(1)
+    rows = (torch.randn(6, 1001, generator=g) * 4).round().bfloat16()  # values -16..16: ties everywhere
+    rows[1, [17, 999]] = 100.0  # tied, the first in the lanes, the second in the tail
+    rows[2, 1000] = float("nan")  # a NaN, last
+    rows[3] = float("-inf")
+    rows[4, -1] = 100.0
+    for width in (1001, 1000, 8, 7):
+        values = rows[:, :width].contiguous()
+        assert torch.equal(cpu_gemv.argmax(values), values.argmax(-1)), width
+        assert torch.equal(cpu_gemv.argmax(values), cpu_gemv.argmax(values.float()))
+
+
 def test_samples_follow_the_distribution():
     n = 4000
     gen = torch.Generator().manual_seed(0)

@@ -119,10 +119,11 @@ class BlockManager:
         self._release(tail)
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """Key the blocks that this step filled, so later requests can reuse them."""
+        """Key the blocks that this step filled, so later requests can reuse them (only blocks
+        whose tokens seq holds: a sequence finished by a stop string may have computed more)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if num_full <= seq.num_registered_blocks:  # most decode steps: no block filled up
             return
         hashes = self._block_hashes(seq, num_full)

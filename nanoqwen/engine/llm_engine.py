@@ -111,7 +111,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            spec_max_batch=(spec.disable_by_batch_size or DEFAULT_SPEC_MAX_BATCH) if spec else 0)
+            spec_max_batch=(spec.disable_by_batch_size or DEFAULT_SPEC_MAX_BATCH) if spec else 0,
+            num_scheduler_steps=config.num_scheduler_steps)
         # proposed and accepted draft tokens, and verification steps, since start (/metrics)
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.spec_switch = (SpecDecodeSwitch() if spec is not None and spec.disable_by_acceptance
@@ -393,18 +394,20 @@ class LLMEngine:
     def _postprocess(self, batch: ScheduledBatch, sampled: list[SampledTokens] | list[PooledOutput]
                      ) -> list[RequestOutput | PoolingRequestOutput]:
         """Everything that happens to sequences after a step, in order: their computed tokens
-        advance (a speculating one's by the drafts accepted too; the blocks its rejected drafts
-        took go back), newly filled blocks join the prefix cache, siblings waiting for a prompt
-        start from its cache, each sampled token is appended (text, stop checks) and finished
-        sequences free their blocks. A pooled result (embedding, score) finishes its sequence."""
+        advance (a speculating one's by the drafts accepted too, a multi-step one's by its steps),
+        siblings waiting for a prompt start from its cache, each sampled token is appended (text,
+        stop checks; what follows a stop is dropped), newly filled blocks join the prefix cache,
+        finished sequences free their blocks, and blocks reserved for tokens that did not come
+        (rejected drafts, steps not run) go back. A pooled result (embedding, score) finishes its
+        sequence."""
         for seq, n in batch.prefill:
             seq.num_computed_tokens += n
         if self.task != "generate":
             self._register_blocks(batch)
             return [self._finish_pooled(seq, data) for seq, data in sampled]
-        for seq in batch.decode:
-            seq.num_computed_tokens += 1
         new_tokens = {id(s.seq): len(s.token_ids) for s in sampled}
+        for seq in batch.decode:  # the tokens fed (one, or one a step with num_scheduler_steps)
+            seq.num_computed_tokens += new_tokens[id(seq)]
         batch_size = len(batch.decode) + len(batch.spec_decode)
         for seq, _ in batch.spec_decode:
             self._count_spec(seq, new_tokens[id(seq)], batch_size)
@@ -413,19 +416,27 @@ class LLMEngine:
             seq.num_computed_tokens += new_tokens[id(seq)]
             seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens,
                                                 seq.num_computed_tokens)
-        self._register_blocks(batch)
         for s in sampled:  # siblings take the prompt's cache before anything can finish
             if s.seq.status == SequenceStatus.FORK_PENDING:
                 self._start_fork(s.seq)
         touched: dict[str, RequestState] = {}
+        finished = []
         for seq, token_ids, logprobs in sampled:
             for token_id, token_logprobs in zip(token_ids, logprobs, strict=True):
                 if self.output_processor.append_token(seq, token_id, token_logprobs) is not None:
-                    self.scheduler.finish(seq)
-                    break
+                    finished.append(seq)
+                    break  # (tokens after a stop are dropped)
             touched[seq.request_id] = self.requests[seq.request_id]
+        # now that the tokens of filled blocks are appended (drafts, several steps' tokens) and
+        # before the finished sequences free their blocks
+        self._register_blocks(batch)
+        for seq in finished:
+            self.scheduler.finish(seq)
         for seq, _ in batch.spec_decode:
             seq.spec_token_ids, seq.draft_probs = [], None
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.trim(seq)
+        for seq in batch.decode if batch.num_steps > 1 else ():  # steps not run: their blocks back
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.trim(seq)
         outputs = []

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from nanoqwen import distributed
-from nanoqwen.engine.attention_metadata import AttentionMetadata, DecodeRow, PrefillRow
+from nanoqwen.engine.attention_metadata import AttentionMetadata, DecodeRow, PrefillRow, padded_block_tables
 from nanoqwen.engine.cuda_graph import CUDAGraphRunner
 from nanoqwen.engine.huge_pages import move_to_huge_pages
 from nanoqwen.engine.kv_cache import KVCache
@@ -28,7 +28,7 @@ from nanoqwen.ops.decode_step import FusedDecoder
 from nanoqwen.ops.paged_attention import attention_backend
 from nanoqwen.pooling import EmbeddingPooler, ScorePooler
 from nanoqwen.rejection_sampler import rejection_sample
-from nanoqwen.sampler import TokenLogprobs, sample
+from nanoqwen.sampler import TokenLogprobs, argmax, sample
 
 logger = logging.getLogger("nanoqwen")
 
@@ -137,6 +137,8 @@ class ModelRunner:
         sequence whose prompt finishes here also samples the first token of each sibling waiting to
         fork.
         """
+        if batch.num_steps > 1:
+            return self.greedy_steps(batch.decode, batch.num_steps, eos_token_ids)
         step, seqs, verify = self.prepare(batch)
         logits = self.forward(step)
         if logits is None:
@@ -155,6 +157,38 @@ class ModelRunner:
                                         *self._sampling_inputs(verify, eos_token_ids))
             out += [SampledTokens(s, *v) for s, v in zip(verify, verified, strict=True)]
         return out
+
+    def greedy_steps(self, seqs: list[Sequence], num_steps: int, eos_token_ids: set[int]) -> list[SampledTokens]:
+        """Up to num_steps decode steps of seqs, which all take the argmax of their logits
+        (Sequence.samples_by_argmax; their blocks cover every step): each step's tokens are the next
+        step's input. Stops early after a step where every sequence produced a stop token.
+
+        The reference runs each step through forward() and the sampler's argmax; the CPU fused
+        decoder runs them all in one C++ call (ops/decode_step.py), with the same tokens."""
+        stop_ids = [self._stop_ids(seq, eos_token_ids) for seq in seqs]
+        if self.fused_decoder is not None and len(seqs) <= cpu.matmul_path().gemv_max_rows:
+            last = [DecodeRow(seq.block_table, seq.num_tokens + num_steps - 1) for seq in seqs]
+            steps = self.fused_decoder.greedy_steps(
+                [seq.last_token_id for seq in seqs], [seq.num_tokens for seq in seqs],
+                padded_block_tables(last, self.kv_cache.block_size), stop_ids, num_steps, self.kv_cache)
+        else:
+            steps = self.greedy_steps_reference(seqs, num_steps, stop_ids)
+        return [SampledTokens(seq, list(tokens), [None] * len(tokens))
+                for seq, tokens in zip(seqs, zip(*steps, strict=True), strict=True)]
+
+    def greedy_steps_reference(self, seqs: list[Sequence], num_steps: int,
+                               stop_ids: list[set[int]]) -> list[list[int]]:
+        """greedy_steps one forward at a time: the tokens of each step run, [steps][len(seqs)]."""
+        steps: list[list[int]] = []
+        input_ids = [seq.last_token_id for seq in seqs]
+        for i in range(num_steps):
+            step = StepInput(input_ids=input_ids, prefill=[], sample_rows=list(range(len(seqs))),
+                             decode=[DecodeRow(seq.block_table, seq.num_tokens + i) for seq in seqs])
+            input_ids = argmax(self.forward(step)).tolist()
+            steps.append(input_ids)
+            if all(token in stop for token, stop in zip(input_ids, stop_ids, strict=True)):
+                break
+        return steps
 
     def _sampling_inputs(self, seqs: list[Sequence], eos_token_ids: set[int]) -> tuple[list, ...]:
         """What sampler.sample and rejection_sample take per sequence: params, generators, prompt

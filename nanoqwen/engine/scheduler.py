@@ -13,6 +13,12 @@ With speculative decoding, a decoding sequence may get up to num_speculative_tok
 (and their blocks): the draft tokens the proposer fills in before the step runs, all verified in
 one forward. Only while few sequences run (spec_max_batch): in bigger batches a step is no longer
 bound by reading the weights and verifying drafts costs more than it saves.
+
+With num_scheduler_steps k > 1 (vLLM's multi-step scheduling), a step of decode rows only, whose
+sequences all take the argmax of their logits (Sequence.samples_by_argmax), runs up to k decode
+steps in one go, each step's tokens fed to the next without a return to the scheduler: the
+blocks for all k tokens are reserved first, and fewer steps run near a sequence's max_tokens or
+max_model_len. Its tokens come back together; what follows a stop is dropped.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class ScheduledBatch:
     prefill: list[ScheduledPrefill] = field(default_factory=list)
     # decoding with speculation: the newest token and up to num_spec_tokens drafts each
     spec_decode: list[ScheduledSpecDecode] = field(default_factory=list)
+    # decode steps run in one go (num_scheduler_steps; > 1 only for a batch of decode rows only)
+    num_steps: int = 1
 
     @property
     def empty(self) -> bool:
@@ -59,13 +67,15 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int | None = None,
-                 num_speculative_tokens: int = 0, spec_max_batch: int = 0) -> None:
+                 num_speculative_tokens: int = 0, spec_max_batch: int = 0,
+                 num_scheduler_steps: int = 1) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_max_batch = spec_max_batch
+        self.num_scheduler_steps = num_scheduler_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
@@ -125,7 +135,33 @@ class Scheduler:
             budget -= n
         # shortest first: attention groups similar lengths
         batch.decode.sort(key=lambda s: s.num_tokens)
+        if self.num_scheduler_steps > 1 and batch.decode and not batch.prefill and not batch.spec_decode:
+            batch.num_steps = self.steps_ahead(batch.decode)
         return batch
+
+    def steps_ahead(self, seqs: list[Sequence]) -> int:
+        """How many decode steps seqs run in one go: up to num_scheduler_steps while every one
+        takes the argmax of its logits, no more than any of them has tokens left, and 1 when the
+        blocks for the steps ahead are short (they never preempt anyone)."""
+        if not all(seq.samples_by_argmax for seq in seqs):
+            return 1
+        k = min(self.num_scheduler_steps, *(self.tokens_left(seq, self.num_scheduler_steps) for seq in seqs))
+        if k <= 1:
+            return 1
+        for i, seq in enumerate(seqs):
+            if not self.block_manager.append_slots(seq, seq.num_computed_tokens + k):
+                for reserved in seqs[:i]:  # back to one step's blocks
+                    self.block_manager.trim(reserved)
+                return 1
+        return k
+
+    def tokens_left(self, seq: Sequence, most: int) -> int:
+        """Tokens seq may still generate (its max_tokens, max_model_len), at most `most`."""
+        left = self.max_model_len - seq.num_tokens if self.max_model_len else most
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:
+            left = min(left, max_tokens - len(seq.output_token_ids))
+        return min(left, most)
 
     def spec_tokens_allowed(self, seq: Sequence, k: int) -> int:
         """Draft tokens worth proposing for seq: at most k, none under a grammar (structured
@@ -134,11 +170,7 @@ class Scheduler:
         target's own, so drafts beyond max_tokens or max_model_len would be wasted."""
         if seq.grammar is not None or len(seq.output_token_ids) < seq.spec_resume_at:
             return 0
-        left = self.max_model_len - seq.num_tokens if self.max_model_len else k + 1
-        max_tokens = seq.sampling_params.max_tokens
-        if max_tokens is not None:
-            left = min(left, max_tokens - len(seq.output_token_ids))
-        return max(0, min(k, left - 1))
+        return max(0, self.tokens_left(seq, k + 1) - 1)
 
     def preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -88,6 +88,17 @@ class Sequence:
         return self.num_uncomputed_tokens > 1
 
     @property
+    def samples_by_argmax(self) -> bool:
+        """Whether its next token is the plain argmax of the model's logits: greedy, with no logprobs,
+        penalties or grammar, and min_tokens reached (so that, once past it, a stop token always
+        ends it). Several such decode steps can then run without Python between them
+        (num_scheduler_steps)."""
+        p = self.sampling_params
+        return (p is not None and p.greedy and p.logprobs is None and self.grammar is None
+                and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
+                and len(self.output_token_ids) >= p.min_tokens)
+
+    @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 

@@ -234,8 +234,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def argmax(values: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(values, dim=-1) for float32 values [B, V] (V > 0) -> int64 [B]: the first of tied maxima, a NaN
-    as the largest."""
+    """torch.argmax(values, dim=-1) for float32 or bf16 values [B, V] (V > 0) -> int64 [B]: the first of tied maxima,
+    a NaN as the largest."""
     if _ext is None:
         _require()
     return _ext.argmax(values)
@@ -293,6 +293,19 @@ def decode_model(model: object, input_ids: torch.Tensor, positions: torch.Tensor
         _require()
     return _ext.decode_model(model, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables,
                              context_lens)
+
+
+def decode_steps(model: object, input_ids: torch.Tensor, positions: torch.Tensor, k_caches: torch.Tensor,
+                 v_caches: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 stop_token_ids: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """Up to num_steps greedy decode steps (decoder_model_weights), one C++ call: step s feeds each row's token from
+    step s - 1 at positions + s and takes its logits' argmax; stops early once every row has produced one of its
+    stop_token_ids [M, S] (int64, -1 pads). block_tables [M, W] must cover the last step's position; context_lens
+    are step 0's. -> the tokens [steps run, M] int64."""
+    if _ext is None:
+        _require()
+    return _ext.decode_steps(model, input_ids, positions, k_caches, v_caches, block_tables, context_lens,
+                             stop_token_ids, num_steps)
 
 
 def _require() -> None:

@@ -16,6 +16,10 @@ Used by ModelRunner for steps of decode rows only (no prompt chunk), up to the g
 (cpu.matmul_path().gemv_max_rows), when
 `FusedDecoder.supports(model)`: bf16 activations, the "cpu" paged attention backend, dense layers (not MoE),
 no attention bias, an LM head, one rank. NANOQWEN_FUSED_DECODE=0 turns it off (the per-module path).
+
+`FusedDecoder.greedy_steps` runs several greedy decode steps in one call (`decode_steps`: the engine's
+num_scheduler_steps), each step's argmax fed to the next in C++, so no Python runs between them: the fast path
+beside ModelRunner's step-by-step loop, and the same tokens (tests/test_multi_step.py).
 """
 
 from __future__ import annotations
@@ -84,3 +88,18 @@ class FusedDecoder:
         paged = meta.paged_decode
         return cpu_gemv.decode_model(self.weights, input_ids, meta.positions, kv_cache.k, kv_cache.v,
                                      meta.slot_mapping, paged.block_tables, paged.context_lens)
+
+    def greedy_steps(self, input_ids: list[int], context_lens: list[int], block_tables: list[list[int]],
+                     stop_token_ids: list[set[int]], num_steps: int, kv_cache: KVCache) -> list[list[int]]:
+        """Up to num_steps greedy decode steps of M rows in one call: row m feeds input_ids[m] at position
+        context_lens[m] - 1 (its context after step 0), then each step's argmax; block_tables must cover the last
+        step. Stops early after a step where every row produced one of its stop ids. -> the tokens of each step
+        run, [steps][M]."""
+        width = max(map(len, stop_token_ids), default=0)
+        stops = [[*sorted(s), *[-1] * (width - len(s))] for s in stop_token_ids]  # [M, S], -1 pads
+        lens = torch.tensor(context_lens, dtype=torch.int32)
+        tokens = cpu_gemv.decode_steps(
+            self.weights, torch.tensor(input_ids), lens.long() - 1, kv_cache.k, kv_cache.v,
+            torch.tensor(block_tables, dtype=torch.int32), lens,
+            torch.tensor(stops, dtype=torch.long).view(len(stops), width), num_steps)  # [steps run, M]
+        return tokens.tolist()

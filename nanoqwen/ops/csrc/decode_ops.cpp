@@ -267,18 +267,22 @@ at::Tensor swiglu(const at::Tensor& gate_up_in) {
   return y;
 }
 
-// The index of the largest of v[0 .. n - 1], as torch.argmax gives it: the first of tied maxima, the first NaN where
-// there is one (a NaN counts as the largest). Two passes over the row: its largest value (and whether it holds a
-// NaN), 8 lanes at a time, then the first index holding that value.
+// The index of the largest of v[0 .. n - 1] (float32 or bf16 values), as torch.argmax gives it: the first of tied
+// maxima, the first NaN where there is one (a NaN counts as the largest). Two passes over the row: its largest value
+// (and whether it holds a NaN), 8 lanes at a time, then the first index holding that value.
 namespace {
-int64_t argmax_row(const float* v, int64_t n) {
+inline float value(const float* v, int64_t i) { return v[i]; }
+inline float value(const uint16_t* v, int64_t i) { return bf16_to_float(v[i]); }
+
+template <typename T>
+int64_t argmax_row(const T* v, int64_t n) {
   int64_t i = 0;
   float mx = -INFINITY;
   bool nan = false;
 #ifdef NANOQWEN_AVX2
   __m256 vmx = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(v + i);
+    const __m256 x = load8(v + i);
     unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     vmx = _mm256_max_ps(x, vmx);  // (a NaN x gives vmx back: NaNs are found by `unordered`)
   }
@@ -286,38 +290,43 @@ int64_t argmax_row(const float* v, int64_t n) {
   nan = _mm256_movemask_ps(unordered) != 0;
 #endif
   for (; i < n; ++i) {
-    nan = nan || std::isnan(v[i]);
-    mx = std::max(mx, v[i]);
+    nan = nan || std::isnan(value(v, i));
+    mx = std::max(mx, value(v, i));
   }
   int64_t j = 0;
   if (nan) {
-    while (!std::isnan(v[j])) ++j;
+    while (!std::isnan(value(v, j))) ++j;
     return j;
   }
 #ifdef NANOQWEN_AVX2
   const __m256 target = _mm256_set1_ps(mx);
   for (; j + 8 <= n; j += 8) {
-    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + j), target, _CMP_EQ_OQ));
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(load8(v + j), target, _CMP_EQ_OQ));
     if (hits) return j + __builtin_ctz(hits);
   }
 #endif
-  while (v[j] != mx) ++j;  // (mx is one of the values)
+  while (value(v, j) != mx) ++j;  // (mx is one of the values)
   return j;
 }
 }  // namespace
 
-// argmax: torch.argmax(values, dim=-1) for float32 values [B, V] -> int64 [B] (the sampler's greedy choice: torch's
-// CPU argmax reads a row one value at a time, several times slower than this).
+// argmax: torch.argmax(values, dim=-1) for float32 or bf16 values [B, V] -> int64 [B] (the sampler's greedy choice:
+// torch's CPU argmax reads a row one value at a time, several times slower than this). A bf16 value converts to
+// float32 exactly, so bf16 logits give the index their float32 copy gives.
 at::Tensor argmax(const at::Tensor& values_in) {
   at::Tensor values = values_in.contiguous();
-  TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kFloat && values.dim() == 2 && values.size(1) > 0,
-              "values must be a CPU float32 [B, V] tensor with V > 0, got ", values.scalar_type(), " ", values.sizes());
+  const auto dtype = values.scalar_type();
+  TORCH_CHECK(values.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16) && values.dim() == 2 &&
+                  values.size(1) > 0,
+              "values must be a CPU float32 or bfloat16 [B, V] tensor with V > 0, got ", dtype, " ", values.sizes());
   const int64_t B = values.size(0), V = values.size(1);
   at::Tensor out = at::empty({B}, values.options().dtype(at::kLong));
-  const float* vp = values.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) op[b] = argmax_row(vp + b * V, V);
+    for (int64_t b = begin; b < end; ++b)
+      op[b] = dtype == at::kFloat
+                  ? argmax_row(values.data_ptr<float>() + b * V, V)
+                  : argmax_row(reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()) + b * V, V);
   });
   return out;
 }

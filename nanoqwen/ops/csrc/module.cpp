@@ -57,15 +57,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const at::T
   return add_rms_norm(h, linear(swiglu(linear(h_normed, w.gate_up_proj)), w.down_proj), next_norm, next_eps);
 }
 
-}  // namespace
-
-// A decode step's forward, one call a step: input_ids [M] (one token per row) at positions [M] -> float32 logits
-// [M, V], as Qwen3ForCausalLM's forward and compute_logits give them on this path (the embedding's rows, cos and
-// sin cast to bf16 as RotaryEmbedding casts them, the layers, the final norm, the LM head). Layer i uses the
-// caches k_caches[i], v_caches[i] ([layers, blocks, block_size, Hkv, D]); the rest is shared by all layers.
-at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& positions,
-                        const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& slot_mapping,
-                        const at::Tensor& block_tables, const at::Tensor& context_lens) {
+// A decode step's forward to the LM head's bf16 output [M, V] (decode_model below says what it takes).
+at::Tensor decode_logits(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& positions,
+                         const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& context_lens) {
   const auto& layers = model.layers;
   TORCH_CHECK(k_caches.dim() == 5 && k_caches.size(0) == int64_t(layers.size()) && v_caches.sizes() == k_caches.sizes(),
               "k_caches and v_caches must be [", layers.size(), ", blocks, block_size, Hkv, D], got ", k_caches.sizes(),
@@ -82,7 +77,72 @@ at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& inpu
                                          last ? model.eps : layers[i + 1].eps, cos, sin, k_caches[i], v_caches[i],
                                          slot_mapping, block_tables, context_lens);
   }
-  return linear(x_normed, model.lm_head).to(at::kFloat);  // [M, V]: the final norm's output through the LM head
+  return linear(x_normed, model.lm_head);  // [M, V]: the final norm's output through the LM head
+}
+
+}  // namespace
+
+// A decode step's forward, one call a step: input_ids [M] (one token per row) at positions [M] -> float32 logits
+// [M, V], as Qwen3ForCausalLM's forward and compute_logits give them on this path (the embedding's rows, cos and
+// sin cast to bf16 as RotaryEmbedding casts them, the layers, the final norm, the LM head). Layer i uses the
+// caches k_caches[i], v_caches[i] ([layers, blocks, block_size, Hkv, D]); the rest is shared by all layers.
+at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& positions,
+                        const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  return decode_logits(model, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables, context_lens)
+      .to(at::kFloat);
+}
+
+// Greedy decode steps, several in one call (ModelRunner's greedy multi-step decode: num_scheduler_steps): step s
+// feeds each row's token from step s - 1 (input_ids [M] at step 0) at position positions[m] + s, stores its keys
+// and values there and takes the argmax of its logits as the row's next token: what decode_model and the sampler's
+// greedy choice give step after step, without a return to Python. block_tables [M, W] int32 must cover every
+// step's position; context_lens [M] int32 are step 0's (each step adds one). Stops after the step where every row
+// has produced one of its stop_token_ids [M, S] (-1 pads a row's list): their sequences are finished. Returns the
+// tokens [steps run, M] int64.
+at::Tensor decode_steps(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& positions_in,
+                        const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& block_tables_in,
+                        const at::Tensor& context_lens_in, const at::Tensor& stop_token_ids_in, int64_t num_steps) {
+  const int64_t M = input_ids.numel(), block_size = k_caches.size(2);
+  const at::Tensor block_tables = block_tables_in.contiguous(), stops = stop_token_ids_in.contiguous();
+  TORCH_CHECK(num_steps >= 1, "num_steps must be >= 1, got ", num_steps);
+  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong, "input_ids must be int64 [M]");
+  TORCH_CHECK(positions_in.sizes() == input_ids.sizes() && positions_in.scalar_type() == at::kLong,
+              "positions must be int64 [", M, "]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == M && block_tables.scalar_type() == at::kInt,
+              "block_tables must be int32 [", M, ", W]");
+  TORCH_CHECK(context_lens_in.sizes() == input_ids.sizes() && context_lens_in.scalar_type() == at::kInt,
+              "context_lens must be int32 [", M, "]");
+  TORCH_CHECK(stops.dim() == 2 && stops.size(0) == M && stops.scalar_type() == at::kLong,
+              "stop_token_ids must be int64 [", M, ", S]");
+  at::Tensor positions = positions_in.clone(), context_lens = context_lens_in.clone();
+  at::Tensor slot_mapping = at::empty({M}, positions.options());
+  int64_t* pos = positions.data_ptr<int64_t>();
+  int32_t* lens = context_lens.data_ptr<int32_t>();
+  int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* stop = stops.data_ptr<int64_t>();
+  const int64_t W = block_tables.size(1), S = stops.size(1);
+  std::vector<bool> stopped(M, false);
+  std::vector<at::Tensor> tokens;
+  at::Tensor ids = input_ids;
+  for (int64_t s = 0; s < num_steps; ++s) {
+    for (int64_t m = 0; m < M; ++m) {  // the step's position of each row, and its cache slot
+      if (s > 0) ++pos[m], ++lens[m];
+      TORCH_CHECK(pos[m] / block_size < W, "block_tables cover ", W, " blocks, too few for position ", pos[m]);
+      slots[m] = int64_t(tables[m * W + pos[m] / block_size]) * block_size + pos[m] % block_size;
+    }
+    ids = nanoqwen::argmax(decode_logits(model, ids, positions, k_caches, v_caches, slot_mapping, block_tables, context_lens));
+    tokens.push_back(ids);
+    const int64_t* next = ids.data_ptr<int64_t>();
+    bool all_stopped = true;
+    for (int64_t m = 0; m < M; ++m) {
+      stopped[m] = stopped[m] || std::find(stop + m * S, stop + (m + 1) * S, next[m]) != stop + (m + 1) * S;
+      all_stopped = all_stopped && stopped[m];
+    }
+    if (all_stopped) break;
+  }
+  return at::stack(tokens);  // [steps run, M]
 }
 
 bool has_avx2() {
@@ -137,7 +197,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   m.def("swiglu", &swiglu, "models.qwen3.swiglu for bf16 gate_up [N, 2I]", py::arg("gate_up"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("argmax", &argmax, "torch.argmax(values, dim=-1) for float32 values [B, V]", py::arg("values"),
+  m.def("argmax", &argmax, "torch.argmax(values, dim=-1) for float32 or bf16 values [B, V]", py::arg("values"),
         py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "h = x + y (bf16) and rms_norm(h): a residual add and the norm after it",
         py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
@@ -171,6 +231,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(see ops/decode_step.py)", py::arg("model"), py::arg("input_ids"), py::arg("positions"), py::arg("k_caches"),
         py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("decode_steps", &decode_steps, "greedy decode steps, several in one call: the tokens [steps run, M] "
+        "(see ops/decode_step.py)", py::arg("model"), py::arg("input_ids"), py::arg("positions"), py::arg("k_caches"),
+        py::arg("v_caches"), py::arg("block_tables"), py::arg("context_lens"), py::arg("stop_token_ids"),
+        py::arg("num_steps"), py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
   m.def("has_vnni", &has_vnni, "whether int4_gemv's integer dot products use AVX-512 VNNI (else AVX2)");
   m.def("has_bf16_dot", &has_bf16_dot,
