@@ -73,8 +73,9 @@ def test_steps_in_one_go_give_the_tokens_of_one_step_at_a_time(fused, quantizati
 
 def test_the_cpp_loop_and_the_reference_agree_step_by_step(model_dir):
     """ModelRunner.greedy_steps through FusedDecoder.greedy_steps against greedy_steps_reference, on the same
-    sequences, cache contents and blocks: the same tokens at every step, and the same keys and values
-    written."""
+    sequences, cache contents and blocks: the same tokens at every step, and the same keys and values written.
+    (With the fused decoder loaded, the reference's forward() is one decode_model call a step: this checks the C++
+    loop's positions, slots, argmax and feeding against calls made one at a time from Python.)"""
     if not cpu_gemv.available():
         pytest.skip("nanoqwen's CPU kernels cannot be built here")
     llm = bf16_llm(model_dir, 1)
@@ -104,11 +105,13 @@ def test_the_cpp_loop_and_the_reference_agree_step_by_step(model_dir):
         engine.abort_request(str(i))
 
 
-def test_a_stop_token_ends_the_answer_where_one_step_at_a_time_ends_it(model_dir, monkeypatch):
-    """A stop token in the middle of a K-step window: the answer ends at it (the tokens after it dropped),
-    and the C++ loop stops after the step where every sequence has stopped."""
-    if not cpu_gemv.available():
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_a_stop_token_ends_the_answer_where_one_step_at_a_time_ends_it(fused, model_dir, monkeypatch):
+    """A stop token in the middle of a K-step window: the answer ends at it (the tokens after it dropped), and
+    the window stops after the step where every sequence has stopped, in the C++ loop and in the reference."""
+    if fused == "1" and not cpu_gemv.available():
         pytest.skip("nanoqwen's CPU kernels cannot be built here")
+    monkeypatch.setenv("NANOQWEN_FUSED_DECODE", fused)
     free_run = answers(bf16_llm(model_dir, 1), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                        PROMPTS[:1])[0][0]
     # the prompt's step gives token 0, the first window tokens 1-8, the second 9-16: a stop in the second
@@ -118,11 +121,17 @@ def test_a_stop_token_ends_the_answer_where_one_step_at_a_time_ends_it(model_dir
     expected = answers(bf16_llm(model_dir, 1), params, PROMPTS[:1])
     assert expected[0][0] == free_run[:stop_at + 1] and expected[0][2] == "stop" and expected[0][3] == stop
     many = bf16_llm(model_dir, K)
-    loops = []
-    original = cpu_gemv.decode_steps
-    monkeypatch.setattr(cpu_gemv, "decode_steps", lambda *a: loops.append(original(*a)) or loops[-1])
+    runner = many.llm_engine.runner
+    windows = []  # the tokens of each window's steps run, [steps][rows]
+    if fused == "1":
+        original = cpu_gemv.decode_steps
+        monkeypatch.setattr(cpu_gemv, "decode_steps", lambda *a: windows.append(original(*a).tolist()) or
+                            torch.tensor(windows[-1]))
+    else:
+        original = runner.greedy_steps_reference
+        monkeypatch.setattr(runner, "greedy_steps_reference", lambda *a: windows.append(original(*a)) or windows[-1])
     assert answers(many, params, PROMPTS[:1]) == expected
-    assert [len(t) for t in loops] == [K, stop_at - 8]  # the second window stopped after the stop token
+    assert [len(w) for w in windows] == [K, stop_at - 8]  # the second window stopped after the stop token
     bm = many.llm_engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -140,9 +149,12 @@ def test_stop_strings_and_max_model_len_end_answers_as_one_step_at_a_time(model_
     prompts = [PROMPTS[0], [5] * 70, [7] * 83]  # 26 and 13 tokens of room under max_model_len 96
     results = {}
     for steps in (1, K):
-        outs = bf16_llm(model_dir, steps).generate(prompts, params, use_tqdm=False)
+        llm = bf16_llm(model_dir, steps)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         results[steps] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
                            o.outputs[0].stop_reason) for o in outs]
+        bm = llm.llm_engine.block_manager  # every block keyed for the prefix cache holds a full block of tokens
+        assert bm.cached_blocks and all(len(b.token_ids) == 4 for b in bm.blocks if b.hash is not None)
     assert results[K] == results[1]
     assert results[1][0][2:] == ("stop", stop_string)
     assert [len(r[0]) for r in results[1][1:]] == [26, 13] and results[1][1][2] == "length"
@@ -158,6 +170,19 @@ def test_filled_blocks_join_the_prefix_cache_with_their_tokens(model_dir):
     follow = prompt + out.outputs[0].token_ids + [11, 12, 13]
     again = llm.generate([follow], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
     assert again.num_cached_tokens == 20
+
+
+def test_only_blocks_of_a_sequences_own_tokens_join_the_prefix_cache():
+    """A sequence that stopped inside a window (at a stop string, or at a stop token while other rows ran on) has
+    computed keys past its last token: register_full_blocks keys only the blocks its tokens fill."""
+    bm = BlockManager(8, 4)
+    seq = Sequence("r", 0, list(range(6)), SamplingParams(), output_token_ids=[100, 101, 102])  # 9 tokens
+    seq.status = SequenceStatus.RUNNING
+    assert bm.allocate(seq, [], 16)
+    seq.num_computed_tokens = 15  # the window ran on 6 tokens past the stop
+    bm.register_full_blocks(seq)
+    keyed = [b for b in bm.blocks if b.hash is not None]
+    assert [b.token_ids for b in keyed] == [(0, 1, 2, 3), (4, 5, 100, 101)]
 
 
 def test_only_batches_that_all_take_the_argmax_run_steps_ahead():
@@ -209,3 +234,29 @@ def test_num_scheduler_steps_is_checked_and_on_the_command_line(tiny_dir):
     add_engine_args(p)
     assert engine_config_from_args(p.parse_args(["--num-scheduler-steps", "4"])).num_scheduler_steps == 4
     assert engine_config_from_args(p.parse_args([])).num_scheduler_steps == 1
+
+
+@pytest.mark.timeout(180)  # (a sibling never started would keep generate waiting forever)
+def test_a_prompt_finishing_in_a_decode_row_still_starts_its_siblings(model_dir):
+    """n = 2 with a chunked prompt whose last token is left for the next step: that step is a decode row that also
+    samples the waiting sibling's first token, so it runs one step (not K); both answers then finish as one step
+    at a time gives them."""
+    prompt = [(7 * i + 3) % 5000 + 100 for i in range(17)]  # 16 tokens in the first step, 1 left
+    params = SamplingParams(temperature=0, max_tokens=5, n=2, ignore_eos=True)
+    results = {}
+    for steps in (1, K):
+        llm = bf16_llm(model_dir, steps, max_num_batched_tokens=16)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        results[steps] = [(c.token_ids, c.finish_reason) for c in out.outputs]
+        assert not llm.llm_engine.has_unfinished_requests()
+    assert results[K] == results[1] and [len(t) for t, _ in results[1]] == [5, 5]
+
+
+def test_a_block_table_short_of_its_tokens_is_refused():
+    """Padding a decode row's blocks with block 0 would write its keys into another sequence's block: a table too
+    short for the row's tokens (the scheduler reserved too few) is an error, not a silent write."""
+    from nanoqwen.engine.attention_metadata import DecodeRow, padded_block_tables
+
+    assert padded_block_tables([DecodeRow([3, 7], 5), DecodeRow([2], 4)], 4) == [[3, 7], [2, 0]]
+    with pytest.raises(RuntimeError, match="fewer than the 2 its 5 tokens need"):
+        padded_block_tables([DecodeRow([3], 5)], 4)

@@ -141,6 +141,10 @@ class AttentionMetadata:
 def padded_block_tables(decode: list[DecodeRow], block_size: int) -> list[list[int]]:
     """Each row's blocks up to its context_len, padded with block 0 to the widest row's count."""
     num_blocks = [-(-row.context_len // block_size) for row in decode]
+    for row, nb in zip(decode, num_blocks, strict=True):
+        if len(row.block_table) < nb:  # (padding would send its keys to block 0, another sequence's)
+            raise RuntimeError(f"a decode row's block table has {len(row.block_table)} blocks, fewer than the "
+                               f"{nb} its {row.context_len} tokens need: the scheduler reserved too few")
     width = max(num_blocks)
     return [row.block_table[:nb] + [0] * (width - nb)
             for row, nb in zip(decode, num_blocks, strict=True)]

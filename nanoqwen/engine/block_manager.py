@@ -120,7 +120,8 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Key the blocks that this step filled, so later requests can reuse them (only blocks
-        whose tokens seq holds: a sequence finished by a stop string may have computed more)."""
+        whose tokens seq holds: a sequence that finished inside a multi-step window, at a stop
+        string or at a stop token while other rows ran on, has computed more)."""
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size

@@ -436,9 +436,10 @@ class LLMEngine:
             seq.spec_token_ids, seq.draft_probs = [], None
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.trim(seq)
-        for seq in batch.decode if batch.num_steps > 1 else ():  # steps not run: their blocks back
-            if seq.status == SequenceStatus.RUNNING:
-                self.block_manager.trim(seq)
+        if batch.num_steps > 1:  # the blocks of steps not run (after every row stopped) go back
+            for seq in batch.decode:
+                if seq.status == SequenceStatus.RUNNING:
+                    self.block_manager.trim(seq)
         outputs = []
         for state in touched.values():
             outputs.append(self.output_processor.make_output(state))

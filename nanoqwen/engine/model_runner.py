@@ -166,7 +166,7 @@ class ModelRunner:
         The reference runs each step through forward() and the sampler's argmax; the CPU fused
         decoder runs them all in one C++ call (ops/decode_step.py), with the same tokens."""
         stop_ids = [self._stop_ids(seq, eos_token_ids) for seq in seqs]
-        if self.fused_decoder is not None and len(seqs) <= cpu.matmul_path().gemv_max_rows:
+        if self._fused_decode_fits(len(seqs)):
             last = [DecodeRow(seq.block_table, seq.num_tokens + num_steps - 1) for seq in seqs]
             steps = self.fused_decoder.greedy_steps(
                 [seq.last_token_id for seq in seqs], [seq.num_tokens for seq in seqs],
@@ -260,8 +260,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(step.decode, step.prefill, self.kv_cache.block_size,
                                        self.device, paged_backend=self.attention_backend)
         input_ids = torch.tensor(step.input_ids, device=self.device)
-        if (self.fused_decoder is not None and not step.prefill and meta.paged_decode is not None
-                and len(step.decode) <= cpu.matmul_path().gemv_max_rows):
+        if not step.prefill and meta.paged_decode is not None and self._fused_decode_fits(len(step.decode)):
             logits = self.fused_decoder(input_ids, self.kv_cache, meta)  # [N, V]: every row's
             rows = step.sample_rows  # (each row once, in order, unless drafts or forks say otherwise)
             return logits if rows == list(range(len(logits))) else logits[torch.tensor(rows)]
@@ -270,6 +269,10 @@ class ModelRunner:
             return None
         hidden = hidden[torch.tensor(step.sample_rows, device=self.device)]  # [M, H]
         return self.model.compute_logits(hidden) if self.pooler is None else self.pooler(hidden)
+
+    def _fused_decode_fits(self, num_rows: int) -> bool:
+        """Whether a decode step of num_rows rows runs through the fused CPU decoder (up to the gemv kernels' rows)."""
+        return self.fused_decoder is not None and num_rows <= cpu.matmul_path().gemv_max_rows
 
     @staticmethod
     def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:

@@ -56,6 +56,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of one step (a multi-step batch runs num_steps such steps)."""
         return (len(self.decode) + sum(1 + s.num_spec_tokens for s in self.spec_decode)
                 + sum(p.num_tokens for p in self.prefill))
 
@@ -145,7 +146,7 @@ class Scheduler:
         blocks for the steps ahead are short (they never preempt anyone)."""
         if not all(seq.samples_by_argmax for seq in seqs):
             return 1
-        k = min(self.num_scheduler_steps, *(self.tokens_left(seq, self.num_scheduler_steps) for seq in seqs))
+        k = min(self.tokens_left(seq, self.num_scheduler_steps) for seq in seqs)
         if k <= 1:
             return 1
         for i, seq in enumerate(seqs):

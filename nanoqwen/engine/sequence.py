@@ -92,11 +92,12 @@ class Sequence:
         """Whether its next token is the plain argmax of the model's logits: greedy, with no logprobs,
         penalties or grammar, and min_tokens reached (so that, once past it, a stop token always
         ends it). Several such decode steps can then run without Python between them
-        (num_scheduler_steps)."""
+        (num_scheduler_steps). Not while siblings wait to fork from it: its prompt's last token is
+        still to compute, and that step also samples their first tokens (ModelRunner.prepare)."""
         p = self.sampling_params
         return (p is not None and p.greedy and p.logprobs is None and self.grammar is None
                 and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
-                and len(self.output_token_ids) >= p.min_tokens)
+                and len(self.output_token_ids) >= p.min_tokens and not self.forks)
 
     @property
     def last_token_id(self) -> int:

@@ -123,16 +123,20 @@ at::Tensor decode_steps(const DecoderModelWeights& model, const at::Tensor& inpu
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t* stop = stops.data_ptr<int64_t>();
   const int64_t W = block_tables.size(1), S = stops.size(1);
+  for (int64_t m = 0; m < M; ++m)  // (checked before any step writes the cache)
+    TORCH_CHECK((pos[m] + num_steps - 1) / block_size < W, "block_tables cover ", W, " blocks, too few for position ",
+                pos[m] + num_steps - 1, " of row ", m);
   std::vector<bool> stopped(M, false);
   std::vector<at::Tensor> tokens;
   at::Tensor ids = input_ids;
   for (int64_t s = 0; s < num_steps; ++s) {
     for (int64_t m = 0; m < M; ++m) {  // the step's position of each row, and its cache slot
       if (s > 0) ++pos[m], ++lens[m];
-      TORCH_CHECK(pos[m] / block_size < W, "block_tables cover ", W, " blocks, too few for position ", pos[m]);
       slots[m] = int64_t(tables[m * W + pos[m] / block_size]) * block_size + pos[m] % block_size;
     }
-    ids = nanoqwen::argmax(decode_logits(model, ids, positions, k_caches, v_caches, slot_mapping, block_tables, context_lens));
+    const at::Tensor logits = decode_logits(model, ids, positions, k_caches, v_caches, slot_mapping, block_tables,
+                                            context_lens);  // [M, V] bf16
+    ids = nanoqwen::argmax(logits);  // [M]: each row's next token
     tokens.push_back(ids);
     const int64_t* next = ids.data_ptr<int64_t>();
     bool all_stopped = true;
