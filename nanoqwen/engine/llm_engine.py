@@ -397,9 +397,9 @@ class LLMEngine:
         advance (a speculating one's by the drafts accepted too, a multi-step one's by its steps),
         siblings waiting for a prompt start from its cache, each sampled token is appended (text,
         stop checks; what follows a stop is dropped), newly filled blocks join the prefix cache,
-        finished sequences free their blocks, and blocks reserved for tokens that did not come
-        (rejected drafts, steps not run) go back. A pooled result (embedding, score) finishes its
-        sequence."""
+        finished sequences free their blocks, and the blocks rejected drafts took go back (a
+        multi-step window ends early only when every sequence in it stopped, so its reserved
+        blocks are all used or freed). A pooled result (embedding, score) finishes its sequence."""
         for seq, n in batch.prefill:
             seq.num_computed_tokens += n
         if self.task != "generate":
@@ -436,10 +436,6 @@ class LLMEngine:
             seq.spec_token_ids, seq.draft_probs = [], None
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.trim(seq)
-        if batch.num_steps > 1:  # the blocks of steps not run (after every row stopped) go back
-            for seq in batch.decode:
-                if seq.status == SequenceStatus.RUNNING:
-                    self.block_manager.trim(seq)
         outputs = []
         for state in touched.values():
             outputs.append(self.output_processor.make_output(state))

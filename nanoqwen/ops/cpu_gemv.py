@@ -295,17 +295,17 @@ def decode_model(model: object, input_ids: torch.Tensor, positions: torch.Tensor
                              context_lens)
 
 
-def decode_steps(model: object, input_ids: torch.Tensor, positions: torch.Tensor, k_caches: torch.Tensor,
-                 v_caches: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 stop_token_ids: torch.Tensor, num_steps: int) -> torch.Tensor:
+def decode_steps(model: object, input_ids: torch.Tensor, k_caches: torch.Tensor, v_caches: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, stop_token_ids: torch.Tensor,
+                 num_steps: int) -> torch.Tensor:
     """Up to num_steps greedy decode steps (decoder_model_weights), one C++ call: step s feeds each row's token from
-    step s - 1 at positions + s and takes its logits' argmax; stops early once every row has produced one of its
-    stop_token_ids [M, S] (int64, -1 pads). block_tables [M, W] must cover the last step's position; context_lens
-    are step 0's. -> the tokens [steps run, M] int64."""
+    step s - 1 at position context_lens - 1 + s (context_lens [M] int32: step 0's) and takes its logits' argmax;
+    stops early once every row has produced one of its stop_token_ids [M, S] (int64, -1 pads). block_tables [M, W]
+    must cover the last step's position. -> the tokens [steps run, M] int64."""
     if _ext is None:
         _require()
-    return _ext.decode_steps(model, input_ids, positions, k_caches, v_caches, block_tables, context_lens,
-                             stop_token_ids, num_steps)
+    return _ext.decode_steps(model, input_ids, k_caches, v_caches, block_tables, context_lens, stop_token_ids,
+                             num_steps)
 
 
 def _require() -> None:

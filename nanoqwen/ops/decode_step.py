@@ -97,9 +97,8 @@ class FusedDecoder:
         run, [steps][M]."""
         width = max(map(len, stop_token_ids), default=0)
         stops = [[*sorted(s), *[-1] * (width - len(s))] for s in stop_token_ids]  # [M, S], -1 pads
-        lens = torch.tensor(context_lens, dtype=torch.int32)
         tokens = cpu_gemv.decode_steps(
-            self.weights, torch.tensor(input_ids), lens.long() - 1, kv_cache.k, kv_cache.v,
-            torch.tensor(block_tables, dtype=torch.int32), lens,
+            self.weights, torch.tensor(input_ids), kv_cache.k, kv_cache.v,
+            torch.tensor(block_tables, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32),
             torch.tensor(stops, dtype=torch.long).view(len(stops), width), num_steps)  # [steps run, M]
         return tokens.tolist()

@@ -322,11 +322,10 @@ at::Tensor argmax(const at::Tensor& values_in) {
   const int64_t B = values.size(0), V = values.size(1);
   at::Tensor out = at::empty({B}, values.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
+  const float* fp = dtype == at::kFloat ? values.data_ptr<float>() : nullptr;
+  const uint16_t* hp = dtype == at::kBFloat16 ? bf16_ptr(values) : nullptr;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      op[b] = dtype == at::kFloat
-                  ? argmax_row(values.data_ptr<float>() + b * V, V)
-                  : argmax_row(reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()) + b * V, V);
+    for (int64_t b = begin; b < end; ++b) op[b] = fp ? argmax_row(fp + b * V, V) : argmax_row(hp + b * V, V);
   });
   return out;
 }

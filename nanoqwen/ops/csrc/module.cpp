@@ -94,29 +94,27 @@ at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& inpu
 }
 
 // Greedy decode steps, several in one call (ModelRunner's greedy multi-step decode: num_scheduler_steps): step s
-// feeds each row's token from step s - 1 (input_ids [M] at step 0) at position positions[m] + s, stores its keys
-// and values there and takes the argmax of its logits as the row's next token: what decode_model and the sampler's
-// greedy choice give step after step, without a return to Python. block_tables [M, W] int32 must cover every
-// step's position; context_lens [M] int32 are step 0's (each step adds one). Stops after the step where every row
-// has produced one of its stop_token_ids [M, S] (-1 pads a row's list): their sequences are finished. Returns the
-// tokens [steps run, M] int64.
-at::Tensor decode_steps(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& positions_in,
-                        const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& block_tables_in,
+// feeds each row's token from step s - 1 (input_ids [M] at step 0) at position context_lens[m] - 1 + s, stores its
+// keys and values there and takes the argmax of its logits as the row's next token: what decode_model and the
+// sampler's greedy choice give step after step, without a return to Python. block_tables [M, W] int32 must cover
+// every step's position; context_lens [M] int32 are step 0's (each step adds one; a decode row's position is its
+// context length - 1). Stops after the step where every row has produced one of its stop_token_ids [M, S] (-1 pads
+// a row's list): their sequences are finished. Returns the tokens [steps run, M] int64.
+at::Tensor decode_steps(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& k_caches,
+                        const at::Tensor& v_caches, const at::Tensor& block_tables_in,
                         const at::Tensor& context_lens_in, const at::Tensor& stop_token_ids_in, int64_t num_steps) {
   const int64_t M = input_ids.numel(), block_size = k_caches.size(2);
   const at::Tensor block_tables = block_tables_in.contiguous(), stops = stop_token_ids_in.contiguous();
   TORCH_CHECK(num_steps >= 1, "num_steps must be >= 1, got ", num_steps);
   TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong, "input_ids must be int64 [M]");
-  TORCH_CHECK(positions_in.sizes() == input_ids.sizes() && positions_in.scalar_type() == at::kLong,
-              "positions must be int64 [", M, "]");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == M && block_tables.scalar_type() == at::kInt,
               "block_tables must be int32 [", M, ", W]");
   TORCH_CHECK(context_lens_in.sizes() == input_ids.sizes() && context_lens_in.scalar_type() == at::kInt,
               "context_lens must be int32 [", M, "]");
   TORCH_CHECK(stops.dim() == 2 && stops.size(0) == M && stops.scalar_type() == at::kLong,
               "stop_token_ids must be int64 [", M, ", S]");
-  at::Tensor positions = positions_in.clone(), context_lens = context_lens_in.clone();
-  at::Tensor slot_mapping = at::empty({M}, positions.options());
+  at::Tensor context_lens = context_lens_in.clone();
+  at::Tensor positions = context_lens.to(at::kLong) - 1, slot_mapping = at::empty({M}, positions.options());
   int64_t* pos = positions.data_ptr<int64_t>();
   int32_t* lens = context_lens.data_ptr<int32_t>();
   int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -236,8 +234,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_steps", &decode_steps, "greedy decode steps, several in one call: the tokens [steps run, M] "
-        "(see ops/decode_step.py)", py::arg("model"), py::arg("input_ids"), py::arg("positions"), py::arg("k_caches"),
-        py::arg("v_caches"), py::arg("block_tables"), py::arg("context_lens"), py::arg("stop_token_ids"),
+        "(see ops/decode_step.py)", py::arg("model"), py::arg("input_ids"), py::arg("k_caches"), py::arg("v_caches"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("stop_token_ids"),
         py::arg("num_steps"), py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
   m.def("has_vnni", &has_vnni, "whether int4_gemv's integer dot products use AVX-512 VNNI (else AVX2)");
