@@ -10,7 +10,7 @@ if [ $# -gt 0 ]; then
   exec .venv/bin/nanoqwen "$@"
 fi
 model=Qwen/Qwen3-0.6B
-if ! .venv/bin/python -c "from nanoqwen.hub import resolve_model_path as r; r('$model')" 2>/dev/null; then
+if ! .venv/bin/python -c "from nanoqwen.model_loader.hub import resolve_model_path as r; r('$model')" 2>/dev/null; then
   model=models/qwen3-0.6b-random
   echo "The Hugging Face hub is not reachable: using random weights with the exact Qwen3-0.6B shape" \
        "(the text is gibberish, the speed is real)." >&2

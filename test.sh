@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up (first time only) and run the tests: ruff, then pytest. Extra arguments go to pytest.
+# Set up (first time only) and run the tests: ruff, the import layers (lint-imports), then pytest. Extra
+# arguments go to pytest, e.g. `./test.sh -m "not slow"` for a fast run, `./test.sh tests/core`.
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/setup.sh --test
 .venv/bin/ruff check .
+.venv/bin/lint-imports
 .venv/bin/python -m pytest "$@"
 # On a CPU with more than AVX2 (and a full run: no arguments), the parity, engine, CPU-path and int4 tests
 # again with torch and nanoqwen limited to AVX2, so the paths an AVX2-only CPU takes (float32 compute from
@@ -11,5 +13,6 @@ scripts/setup.sh --test
 if [ $# -eq 0 ] && grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
   echo "== the same CPU limited to AVX2: parity, engine, CPU-path and int4 tests =="
   ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-    .venv/bin/python -m pytest tests/test_parity.py tests/test_engine.py tests/test_cpu_path.py tests/test_int4.py
+    .venv/bin/python -m pytest tests/models/test_parity.py tests/engine/test_llm_engine.py \
+      tests/ops/cpu/test_matmul_path.py tests/quantization/test_int4.py
 fi

@@ -1,15 +1,15 @@
-"""A/B of versions of nanoqwen's CPU kernels (nanoqwen/ops/csrc), decode step by decode step.
+"""A/B of versions of nanoqwen's CPU kernels (nanoqwen/ops/cpu/csrc), decode step by decode step.
 
-    cp -r nanoqwen/ops/csrc /tmp/try/csrc     # then edit /tmp/try/csrc
+    cp -r nanoqwen/ops/cpu/csrc /tmp/try/csrc     # then edit /tmp/try/csrc
     python bench/ab_kernels.py nanoqwen/ops /tmp/try --quantization int4 --seconds 90
 
 Each folder holds a csrc/ (the first is the baseline; name the repository's own as nanoqwen/ops). Each is built
 as its own extension; one LLM decodes (batch 1, or --batch) with the versions taking turns step by step, each
-step's decode_model call timed (ops/decode_step.py). Neighbouring steps see the same memory phase (this machine's read
-bandwidth moves between levels for tens of seconds at a time), so the ratio of neighbouring steps' times shows
-differences of 2-3% that A/B runs seconds apart drown in noise: two identical builds read 0.999x, quartiles
-0.947-1.051, over 1322 pairs (BENCHMARKS.md, twenty-fourth session). Greedy tokens must be the same whichever
-version runs a step; the script says if they are not.
+step's decode_model call timed (worker/fused_decoder.py). Neighbouring steps see the same memory phase (this
+machine's read bandwidth moves between levels for tens of seconds at a time), so the ratio of neighbouring steps'
+times shows small differences that A/B runs seconds apart drown in noise (two identical builds read level; the
+figures are in docs/tried-and-not-kept.md). Greedy tokens must be the same whichever version runs a step; the
+script says if they are not.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import bench_model  # noqa: E402  (its checkpoint and prompts)
 
 
 def build(folder: Path, name: str):
-    """The extension built from folder/csrc/*.cpp, as nanoqwen/ops/cpu_gemv.py builds its own (ops/cpu_build.py),
+    """The extension built from folder/csrc/*.cpp, as nanoqwen/ops/cpu/kernels.py builds its own (ops/cpu/build.py),
     in a build folder of its own named `name`."""
-    from nanoqwen.ops import cpu_build
+    from nanoqwen.ops.cpu import build as cpu_build
 
     return cpu_build.build(folder / "csrc", Path("/tmp/nanoqwen-ab") / name)
 
@@ -46,7 +46,8 @@ def main() -> None:
         parser.error("give at least two folders (the baseline first)")
 
     from nanoqwen import LLM, SamplingParams
-    from nanoqwen.ops import cpu_gemv, decode_step
+    from nanoqwen.ops.cpu import kernels as cpu_kernels
+    from nanoqwen.worker import fused_decoder as decode_step
 
     model_dir = Path(args.model) if args.model else bench_model.DEFAULT_DIR
     bench_model.ensure_checkpoint(model_dir)
@@ -57,12 +58,12 @@ def main() -> None:
               enable_prefix_caching=False)
     runner = llm.llm_engine.runner
     if runner.fused_decoder is None:
-        sys.exit("this engine does not decode through decode_model (ops/decode_step.py): nothing to compare")
+        sys.exit("this engine does not decode through decode_model (worker/fused_decoder.py): nothing to compare")
     names = [f"v{i}_{f.resolve().name}".replace("-", "_") for i, f in enumerate(args.folders)]
     versions = {}
     for name, folder in zip(names, args.folders, strict=True):
-        cpu_gemv._ext = build(folder, name)  # (FusedDecoder packs its weights for the extension in use)
-        versions[name] = (cpu_gemv._ext, decode_step.FusedDecoder(runner.model))
+        cpu_kernels._ext = build(folder, name)  # (FusedDecoder packs its weights for the extension in use)
+        versions[name] = (cpu_kernels._ext, decode_step.FusedDecoder(runner.model))
     times: dict[str, list[float]] = collections.defaultdict(list)
 
     class TakingTurns:
@@ -71,7 +72,7 @@ def main() -> None:
         def __call__(self, *inputs):
             name = names[self.calls % len(names)]
             self.calls += 1
-            cpu_gemv._ext, decoder = versions[name]
+            cpu_kernels._ext, decoder = versions[name]
             start = time.perf_counter()
             logits = decoder(*inputs)
             times[name].append(time.perf_counter() - start)

@@ -1,5 +1,5 @@
 """What each of nanoqwen's own CPU decode kernels buys: the batch-1 decode step with each of them switched back
-to torch's ops, one at a time, in one process and one run (nanoqwen/ops/cpu_gemv.py).
+to torch's ops, one at a time, in one process and one run (nanoqwen/ops/cpu/kernels.py).
 
     python bench/bench_decode_step.py            # random Qwen3-0.6B-shaped checkpoint, bf16 and int4
     python bench/bench_decode_step.py --write    # also record the table in BENCHMARKS.md
@@ -8,7 +8,7 @@ to torch's ops, one at a time, in one process and one run (nanoqwen/ops/cpu_gemv
 Configurations (each a decode step of one sequence after a --prompt-len prompt (32 tokens unless given),
 32 steps, best of --repeats):
 - all own kernels: what the engine chooses on a CPU without fast bf16 (all decoder layers in one C++ call,
-  ops/decode_step.py);
+  worker/fused_decoder.py);
 - per-module calls: the same kernels called from the model's modules, one by one (NANOQWEN_FUSED_DECODE=0);
 - then, per module, one kind of kernel switched back to torch's: attention (gathers each sequence's blocks
   and calls SDPA), elementwise (RMSNorm, RoPE and SwiGLU as the plain functions of models/qwen3.py, 5-9 ops
@@ -46,33 +46,40 @@ def step_ms(llm, repeats: int, prompt_len: int) -> float:
 
 def measure(model_dir: Path, quantization: str | None, repeats: int, prompt_len: int) -> dict[str, float]:
     from nanoqwen import LLM
+    from nanoqwen.layers.linear import Linear
     from nanoqwen.models import qwen3
-    from nanoqwen.ops import cpu
+    from nanoqwen.ops.cpu.matmul import MatmulPath
 
     llm = LLM(str(model_dir), dtype="bfloat16", max_model_len=prompt_len + STEPS + 64, enable_prefix_caching=False,
               quantization=quantization)
-    runner, kernels = llm.llm_engine.runner, qwen3.kernels
+    runner, model = llm.llm_engine.runner, llm.llm_engine.model
+    own = model.kernels
     if runner.attention_backend != "cpu":
         sys.exit(f"nanoqwen's own decode kernels are not on here ({llm.llm_engine.kernel_path})")
-    own = {name: getattr(kernels, name) for name in ("rms_norm", "apply_rope", "swiglu", "linear")}
+
+    def use_kernels(kernels: qwen3.Kernels) -> None:  # the engine's choice swapped in every module that holds it
+        for module in model.modules():
+            if getattr(module, "kernels", None) is not None:
+                module.kernels = kernels
+
     results = {"all own kernels": step_ms(llm, repeats, prompt_len)}
     runner.fused_decoder = None
     results["per-module calls"] = step_ms(llm, repeats, prompt_len)
     runner.attention_backend = None
     results["per module, torch attention"] = step_ms(llm, repeats, prompt_len)
     runner.attention_backend = "cpu"
-    for name in ("rms_norm", "apply_rope", "swiglu"):
-        setattr(kernels, name, getattr(qwen3, name))
+    use_kernels(qwen3.Kernels(matmul=own.matmul))
     results["per module, torch elementwise"] = step_ms(llm, repeats, prompt_len)
-    for name in ("rms_norm", "apply_rope", "swiglu"):
-        setattr(kernels, name, own[name])
+    use_kernels(own)
     if quantization is None:
-        path = cpu.matmul_path()
-        cpu.use_matmul_path(cpu.MatmulPath(path.path, path.reason))
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        for linear in linears:
+            linear.matmul_path = MatmulPath(own.matmul.path, own.matmul.reason)
         results["per module, torch gemv"] = step_ms(llm, repeats, prompt_len)
-        cpu.use_matmul_path(path)
-    for module in llm.llm_engine.model.modules():
-        if isinstance(module, qwen3.Linear):
+        for linear in linears:
+            linear.matmul_path = own.matmul
+    for module in model.modules():
+        if isinstance(module, Linear):
             module.matmul = (lambda m: lambda x, bias: x.new_empty(*x.shape[:-1], m.weight.shape[0]))(module)
     results["per-module calls, no matmuls"] = step_ms(llm, repeats, prompt_len)
     return results

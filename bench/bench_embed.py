@@ -62,7 +62,7 @@ def checkpoint_dir(preset: str) -> Path:
 
 def ensure_checkpoint(preset: str) -> Path:
     """The preset's random-weight bf16 checkpoint (std 0.02), written on first use."""
-    from nanoqwen import benchmark
+    from nanoqwen.entrypoints import benchmark
 
     path = checkpoint_dir(preset)
     if not (path / "config.json").exists():

@@ -1,5 +1,5 @@
 """Matrix-vector speed on CPU: torch's bf16 F.linear and int8 `_weight_int8pack_mm` against nanoqwen's
-bf16_gemv, int8_gemv and int4_gemv (nanoqwen/ops/cpu_gemv.py), on Qwen3-0.6B's weight shapes, at 1 and 4 rows
+bf16_gemv, int8_gemv and int4_gemv (nanoqwen/ops/cpu/kernels.py), on Qwen3-0.6B's weight shapes, at 1 and 4 rows
 of x.
 
     python bench/bench_gemv.py                 # 2 threads
@@ -23,8 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanoqwen.ops import cpu_gemv
-from nanoqwen.quantization import quantize_int4
+from nanoqwen.ops.cpu import kernels as cpu_kernels
+from nanoqwen.ops.quantize import quantize_int4
 
 # Qwen3-0.6B: (name, out features N, in features K)
 SHAPES = [("qkv", 4096, 1024), ("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072),
@@ -75,8 +75,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    ok = cpu_gemv.available()
-    print(f"cpu_gemv available: {ok} (build or load {time.perf_counter() - start:.1f} s)")
+    ok = cpu_kernels.available()
+    print(f"cpu_kernels available: {ok} (build or load {time.perf_counter() - start:.1f} s)")
     print(f"torch {torch.__version__}, {args.threads} threads; read bandwidth (sum of 1 GiB float32): "
           f"{read_bandwidth():.1f} GB/s\n")
 
@@ -84,10 +84,10 @@ def main() -> None:
     kernels = {
         "read (sum)": ("float32", lambda x, f, s: f.sum()),
         "torch bf16 F.linear": ("bf16", lambda x, w, s: F.linear(x, w)),
-        "nanoqwen bf16_gemv": ("bf16", lambda x, w, s: cpu_gemv.bf16_gemv(x, w)),
+        "nanoqwen bf16_gemv": ("bf16", lambda x, w, s: cpu_kernels.bf16_gemv(x, w)),
         "torch int8pack_mm": ("int8", lambda x, q, s: torch.ops.aten._weight_int8pack_mm(x, q, s)),
-        "nanoqwen int8_gemv": ("int8", lambda x, q, s: cpu_gemv.int8_gemv(x, q, s)),
-        "nanoqwen int4_gemv": ("int4", lambda x, q4, s: cpu_gemv.int4_gemv(x, *q4)),
+        "nanoqwen int8_gemv": ("int8", lambda x, q, s: cpu_kernels.int8_gemv(x, q, s)),
+        "nanoqwen int4_gemv": ("int4", lambda x, q4, s: cpu_kernels.int4_gemv(x, *q4)),
     }
     if not ok:
         kernels = {k: v for k, v in kernels.items() if not k.startswith("nanoqwen")}

@@ -7,13 +7,13 @@ batch-1 decode, at 16, 8 and 4 bits (bf16, int8 / q8_0, int4 / q4_0), each as a 
     python bench/bench_llamacpp.py --num-scheduler-steps 1   # nanoqwen decodes one step a call (default 8)
 
 Needs llama-cpp-python (an optional benchmark dependency, never a test one): build it once with
-`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python` (15-25 minutes on 2 cores; pip keeps the wheel),
+`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python` (a long build on few cores; pip keeps the wheel),
 plus `pip install sentencepiece`. To compare on AVX2 only on a bigger CPU, run nanoqwen with the AVX2 limits
 (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`) against a llama.cpp built
 for AVX2 into a folder of its own, put first on PYTHONPATH:
 `CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF"
 pip install --no-cache-dir --target bench/.models/llama-cpp-avx2 llama-cpp-python` (the table names the
-instruction sets the llama.cpp in use was built for). On an Intel Xeon with AMX (2026-12-05) the GGML_NATIVE
+instruction sets the llama.cpp in use was built for). On an Intel Xeon with AMX the GGML_NATIVE
 build crashed (SIGSEGV) on the first eval of a q8_0 or q4_0 file; the same flags without AMX
 (`-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
 -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON`, into
@@ -25,7 +25,7 @@ with llama_cpp.llama_model_quantize.
 Procedure, the same for both (each system in its own process, the same thread count). All six systems are loaded
 first, each in its own process (so each keeps its own peak memory), then timed in --rounds rounds: in a round, for
 each bit width, llama.cpp and nanoqwen run one prompt processing and one batch-1 decode each, back to back (which
-goes first alternates by round). A shared machine's speed drifts within minutes, by up to 2x here; timing two
+goes first alternates by round). A shared machine's speed drifts within minutes; timing two
 systems minutes apart (as a run of one system after the other does) measures the drift as much as the systems. So
 each "/ llama.cpp" ratio is the median of the rounds' ratios, each from two timings seconds apart, and each system's
 figure is its best round. Prompt processing is one 512-token forward (llama.cpp: one `eval` of the tokens, batch
@@ -37,11 +37,11 @@ such prompts at once), for int8 and int4 against bf16 there. The bound of a deco
 of 1 GiB) over the bytes a step reads (every matrix once, the tied embedding as the LM head); of prefill, the faster
 of the bf16 and float32 matmul rates over its FLOPs. The bandwidth is read twice for each decode timing, just before
 and just after it, and that timing's bound uses the higher reading; each system's decode fraction of its bound is
-the median of its rounds' fractions. The table also gives the fraction as earlier runs computed it, the best round
-over the highest reading of the whole run: two extremes of a drifting machine, taken minutes apart, so an
+the median of its rounds' fractions. The table also gives the best round over the highest reading of the whole
+run: two extremes of a drifting machine, taken minutes apart, so an
 underestimate wherever the drift is large. Where the kernel gives transparent huge pages, each reading also sums a
 second 1 GiB buffer in 2 MiB pages, the kind of memory nanoqwen's weights are in, and the table gives the decode
-fraction against that too (a plain buffer's reading moved by up to 20% with where its pages landed; BENCHMARKS.md).
+fraction against that too (a plain buffer's reading moves with where its pages land).
 """
 
 from __future__ import annotations
@@ -216,13 +216,13 @@ class ReadBandwidth:
     """The read bandwidth now (GB/s): a torch sum over 1 GiB of float32 (bench_model.read_bandwidth's measure), the
     best of three, the tensor kept between readings (so a reading takes a fraction of a second). Also, where the
     kernel gives 2 MiB pages (transparent huge pages), the same sum over a buffer in them, as nanoqwen's weights lie
-    (engine/huge_pages.py): where a plain buffer's 4 KiB pages land moved its sum by up to 20% on one machine
-    (BENCHMARKS.md, twenty-seventh session), so the weights' own kind of memory is read too."""
+    (worker/huge_pages.py): where a plain buffer's 4 KiB pages land moves its sum, so the weights' own kind of
+    memory is read too."""
 
     def __init__(self) -> None:
         import torch
 
-        from nanoqwen.engine import huge_pages
+        from nanoqwen.worker import huge_pages
 
         self.x = torch.ones(1 << 28, dtype=torch.float32)
         self.x.sum()
@@ -332,7 +332,7 @@ def table(results: dict[str, dict], bandwidth: list[float], huge: list[float], c
               f"bound from the run's highest reading (in parentheses, tok/s); \"/ bound, 2 MiB pages\": as \"beside "
               f"it\", the same sum over a buffer in 2 MiB pages, as nanoqwen's weights are ("
               + (f"{min(huge):.1f}–{max(huge):.1f} GB/s" if huge else "not measured: no transparent huge pages")
-              + "; a second view of the bound, not the one the issue's targets are judged by). Matmul "
+              + "; a second view of the bound, not the bold column's). Matmul "
               f"{ceil['bf16_tflop_s'] * 1e3:.0f} GFLOP/s in bf16, {ceil.get('f32_tflop_s', 0) * 1e3:.0f} in "
               f"float32 (prefill's bound: the faster, over {flops_per_token / 1e9:.2f} GFLOP a token); decode: the "
               "read bandwidth over the bytes a step reads (nanoqwen: every projection and the LM head; "

@@ -57,7 +57,8 @@ def load_nanoqwen(model_dir: str, device: str, quantization: str | None = None, 
     ignored) and what the tables need to know of the model (its weight bytes, the bytes a decode step reads,
     the multiply-adds a token costs). num_scheduler_steps: greedy decode steps run in one go (EngineConfig)."""
     from nanoqwen import LLM, SamplingParams
-    from nanoqwen.models.qwen3 import Experts, Linear
+    from nanoqwen.layers.experts import Experts
+    from nanoqwen.layers.linear import Linear
     from nanoqwen.quantization import Int4Experts, weight_bytes
 
     # No prefix caching: the timed repeats send the same prompts, and transformers has nothing like it.
@@ -215,7 +216,7 @@ def machine_line(device: str) -> str:
     if device == "cuda":
         hw = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     else:
-        from nanoqwen.ops.cpu_probes import cpu_name_and_flags, isa_summary
+        from nanoqwen.ops.cpu.cpu_info import cpu_name_and_flags, isa_summary
 
         name, flags = cpu_name_and_flags()
         hw = (f"{name or platform.processor()} (flags: {isa_summary(flags)}; torch's CPU capability "
@@ -227,7 +228,7 @@ def machine_line(device: str) -> str:
 def bounds(ours: dict, ceil: dict) -> dict:
     """What the hardware allows for each row (tok/s): decode reads every weight once a step (bandwidth bound),
     prefill and batch-16 decode multiply-add every weight once per token (matmul bound)."""
-    # (a CPU without fast bf16 computes 16-bit prefill in float32: nanoqwen/ops/cpu.py)
+    # (a CPU without fast bf16 computes 16-bit prefill in float32: nanoqwen/ops/cpu/matmul.py)
     flops, read = max(ceil["bf16_tflop_s"], ceil.get("f32_tflop_s", 0.0)) * 1e12, ceil["read_gb_s"] * 1e9
     per_token = 2 * ours["layer_params"]  # FLOPs per prompt token (the head runs for the last one only)
     return {"prefill_tok_s": flops / per_token,
@@ -281,15 +282,16 @@ def table(ours: dict, theirs: dict, ceil: dict, quantized: dict[str, dict], eage
 
 def section_name(script: str, device: str) -> str:
     """The BENCHMARKS.md section of a script's table: one per device, and on CPU one per CPU class
-    (avx512-bf16: native bf16 matrix instructions; avx512; avx2), e.g. bench_model-cpu-avx2; a bigger CPU
-    limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) gets its own, e.g. bench_model-cpu-avx512-bf16-as-avx2."""
+    (amx: AMX tiles, an Intel Xeon's; avx512-bf16: AVX-512 with native bf16 dot products; avx512; avx2), e.g.
+    bench_model-cpu-avx2; a bigger CPU limited to AVX2 (ATEN_CPU_CAPABILITY=avx2) gets its own, e.g.
+    bench_model-cpu-amx-as-avx2."""
     if device != "cpu":
         return f"{script}-{device}"
-    from nanoqwen.ops.cpu_probes import cpu_name_and_flags
+    from nanoqwen.ops.cpu.cpu_info import cpu_name_and_flags
 
     flags = cpu_name_and_flags()[1]
-    cpu_class = ("avx512-bf16" if {"avx512_bf16", "amx_bf16"} & flags else "avx512" if "avx512f" in flags
-                 else "avx2")
+    cpu_class = ("amx" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags
+                 else "avx512" if "avx512f" in flags else "avx2")
     if cpu_class != "avx2" and os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2":
         cpu_class += "-as-avx2"
     return f"{script}-cpu-{cpu_class}"
@@ -310,7 +312,10 @@ def command_line(script: str, argv: list[str]) -> str:
 
 
 def write_benchmarks(section: str, body: str) -> None:
-    """Replace (or append) the section between this script's markers in BENCHMARKS.md."""
+    """Replace the section between this script's markers in BENCHMARKS.md. A new one goes at the end of its
+    machine class's part (the "## " heading below, up to the next one): a run limited to AVX2 at the very end,
+    any other before the part's "### Limited to AVX2" sub-section; at the end of the file for a class without
+    a part of its own."""
     path = ROOT / "BENCHMARKS.md"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     start, end = f"<!-- {section}:start -->", f"<!-- {section}:end -->"
@@ -318,14 +323,26 @@ def write_benchmarks(section: str, body: str) -> None:
     if start in text:
         text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
     else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
+        headings = {"cpu-amx": "## Intel Xeon with AMX", "cpu-avx512-bf16": "## AMD EPYC with AVX-512 and bf16",
+                    "cpu-avx2": "## AMD EPYC, AVX2 only", "cuda": "## NVIDIA H200 (GPU)"}
+        heading = next((h for c, h in headings.items() if f"-{c}-" in f"{section}-"), None)
+        at = len(text)
+        if heading and f"\n{heading}" in text:
+            part = text.index(f"\n{heading}") + 1
+            next_part = text.find("\n## ", part)
+            at = next_part + 1 if next_part >= 0 else len(text)
+            limited = text.find("\n### Limited to AVX2", part, at)
+            if limited >= 0 and "-as-avx2" not in section:
+                at = limited + 1
+        rest = text[at:]
+        text = text[:at].rstrip("\n") + "\n\n" + block + "\n" + ("\n" + rest if rest else "")
     path.write_text(text)
 
 
 def ensure_checkpoint(model_dir: Path) -> None:
     """Write the random Qwen3-0.6B-shaped checkpoint to model_dir unless it has one."""
     if not (model_dir / "config.json").exists():
-        from nanoqwen.init_random import write_random_model
+        from nanoqwen.model_loader.init_random import write_random_model
 
         print(f"writing a random Qwen3-0.6B-shaped checkpoint to {model_dir} ...", file=sys.stderr)
         write_random_model(model_dir, "qwen3-0.6b", dtype="bfloat16", std=0.02)
@@ -339,7 +356,7 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
     parser.add_argument("--transformers-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="transformers' dtype (float32: its faster choice on a CPU without fast bf16, where "
-                             "its bf16 matmuls run at about 1 GFLOP/s)")
+                             "its bf16 matmuls are very slow)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

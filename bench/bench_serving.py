@@ -38,7 +38,7 @@ SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 
 def start_server(args: argparse.Namespace, model_dir: Path, max_seqs: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "nanoqwen.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "nanoqwen", "serve", "--model", str(model_dir), "--port", str(port),
            "--dtype", args.dtype, "--device", args.device, "--max-model-len", str(args.input_len + args.output_len + 8),
            "--max-num-seqs", str(max(max_seqs, 1)), "--max-waiting", "100000", "--log-level", "warning"]
     proc = subprocess.Popen(cmd)
@@ -122,7 +122,7 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     model_dir = Path(args.model) if args.model else bench_model.DEFAULT_DIR
     if not (model_dir / "config.json").exists():
-        from nanoqwen.init_random import write_random_model
+        from nanoqwen.model_loader.init_random import write_random_model
 
         print(f"writing a random Qwen3-0.6B-shaped checkpoint to {model_dir} ...", file=sys.stderr)
         write_random_model(model_dir, "qwen3-0.6b", dtype="bfloat16", std=0.02)

@@ -251,7 +251,7 @@ def write_checkpoint(model_dir: Path, std: float, embedding_scale: float) -> Non
     """A random Qwen3-0.6B-shaped checkpoint, its embedding multiplied by embedding_scale."""
     from safetensors.torch import load_file, save_file
 
-    from nanoqwen.init_random import write_random_model
+    from nanoqwen.model_loader.init_random import write_random_model
 
     print(f"writing a random Qwen3-0.6B-shaped checkpoint (std {std:g}, embedding x"
           f"{embedding_scale:g}) to {model_dir}", file=sys.stderr)

@@ -58,7 +58,8 @@ def compile_times(engine) -> dict[str, float]:
     sys.path.insert(0, str(bench_model.ROOT / "tests"))
     from test_structured_outputs import SCHEMAS
 
-    from nanoqwen.structured_outputs import GrammarCompiler, StructuredOutputsParams
+    from nanoqwen.sample.structured_outputs import GrammarCompiler
+    from nanoqwen.sampling_params import StructuredOutputsParams
 
     compiler = GrammarCompiler(engine.tokenizer, engine.config.vocab_size, engine.eos_token_ids)
     start = time.perf_counter()
@@ -83,7 +84,7 @@ def main() -> None:
         bench_model.ensure_checkpoint(model_dir)
 
     from nanoqwen import LLM
-    from nanoqwen.structured_outputs import StructuredOutputsParams
+    from nanoqwen.sampling_params import StructuredOutputsParams
 
     engine = LLM(str(model_dir), device=args.device, max_num_seqs=16,
                  enable_prefix_caching=False).llm_engine
@@ -104,7 +105,7 @@ def main() -> None:
         bench_model.machine_line(args.device), "",
         "| batch | unconstrained step (ms) | constrained step (ms) | difference (ms) | cost |",
         "|---:|---:|---:|---:|---:|", *rows, "",
-        "Grammar compile time of the test schemas (tests/test_structured_outputs.py), a fresh "
+        "Grammar compile time of the test schemas (tests/sample/test_structured_outputs.py), a fresh "
         "compiler, milliseconds: " + ", ".join(f"{k} {v:.1f}" for k, v in compiled.items()) + ".",
     ])
     print(body)

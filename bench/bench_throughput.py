@@ -4,7 +4,7 @@
     python bench/bench_throughput.py --gpu-workload --device cuda   # 256 requests, prompts and outputs 100-1024
     python bench/bench_throughput.py --write          # also record the table in BENCHMARKS.md
 
-The workload (nanoqwen.benchmark.make_workload) is the same for both: random token ids, uniformly random
+The workload (nanoqwen.entrypoints.benchmark.make_workload) is the same for both: random token ids, uniformly random
 prompt and output lengths, sampling at temperature 0.6 / top-p 0.95 / top-k 20 with EOS ignored, so every
 request produces exactly its output length. Each system runs in its own subprocess (so its peak memory is its
 own) and times one pass over all requests after a warm-up:
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_model  # noqa: E402  (bench/ is not a package)
 
-from nanoqwen import benchmark  # noqa: E402
+from nanoqwen.entrypoints import benchmark
 
 
 def run_transformers(model_dir: str, workload: benchmark.Workload, device: str, dtype: str,

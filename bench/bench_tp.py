@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from nanoqwen import benchmark
+from nanoqwen.entrypoints import benchmark
 
 
 def child(args: argparse.Namespace, size: int, threads: int) -> dict:

@@ -18,9 +18,7 @@
 # throughput (256 requests, prompts and outputs 100-1024; bench/bench_throughput.py).
 #
 # The whole run stays within GPU_SH_BUDGET seconds (default 570): each stage gets its own timeout, cut to what
-# is left. On an H200 (2026-12-04) the stages took: setup 16 s, each checkpoint 6-9 s, kernels 10 s, parity 36-46 s,
-# moe 11 s, decode 89 s, profile about 90 s, throughput over 226 s (nanoqwen's pass alone 105 s), so the
-# throughput stage, last, gets what is left (features, new since, took 36 s on the 2-core CPU).
+# is left. The throughput stage, the longest, runs last and gets what is left.
 # Everything goes to $OUT (default bench/.gpu-results) as it comes: gpu.log (all output), summary.md (versions,
 # check results and the benchmark tables, ready for BENCHMARKS.md), BENCHMARKS.md (this copy's, with the GPU
 # sections written).
@@ -118,13 +116,13 @@ echo "|---|---|---:|" >>"$OUT/stages.md"
 # --- stages ------------------------------------------------------------------------------------------------
 if want checkpoint || want parity || want decode || want profile || want throughput; then
   if [ ! -f "$MODEL/config.json" ]; then
-    run_stage checkpoint 120 "$PY" -m nanoqwen.cli init-random "$MODEL" --preset qwen3-0.6b --dtype bfloat16
+    run_stage checkpoint 120 "$PY" -m nanoqwen init-random "$MODEL" --preset qwen3-0.6b --dtype bfloat16
   fi
 fi
 want kernels && run_stage kernels 90 "$PY" bench/gpu_check.py kernels
 if want parity; then
   if [ ! -f "$PARITY_MODEL/config.json" ]; then
-    run_stage parity-checkpoint 120 "$PY" -m nanoqwen.cli init-random "$PARITY_MODEL" --preset qwen3-0.6b \
+    run_stage parity-checkpoint 120 "$PY" -m nanoqwen init-random "$PARITY_MODEL" --preset qwen3-0.6b \
       --dtype bfloat16 --std 0.08
   fi
   run_stage parity 100 "$PY" bench/gpu_check.py parity --model "$MODEL"
@@ -132,7 +130,7 @@ if want parity; then
 fi
 if want moe; then
   if [ ! -f "$MOE_MODEL/config.json" ]; then
-    run_stage moe-checkpoint 60 "$PY" -m nanoqwen.cli init-random "$MOE_MODEL" --preset qwen3-moe-tiny \
+    run_stage moe-checkpoint 60 "$PY" -m nanoqwen init-random "$MOE_MODEL" --preset qwen3-moe-tiny \
       --dtype bfloat16 --std 0.08
   fi
   run_stage moe 90 "$PY" bench/gpu_check.py parity --model "$MOE_MODEL" --dtype float32
@@ -140,7 +138,7 @@ fi
 if want features; then
   for preset in tiny embedding-tiny reranker-tiny; do
     if [ ! -f "$FEATURE_MODELS/$preset/config.json" ]; then
-      "$PY" -m nanoqwen.cli init-random "$FEATURE_MODELS/$preset" --preset "$preset" --dtype float32 --std 0.08 \
+      "$PY" -m nanoqwen init-random "$FEATURE_MODELS/$preset" --preset "$preset" --dtype float32 --std 0.08 \
         >/dev/null || say "init-random $preset failed"
     fi
   done

@@ -4,7 +4,8 @@
     python bench/gpu_check.py parity [--model DIR]   # greedy tokens: graphs, eager, gather path, transformers
     python bench/gpu_check.py features --model DIR   # sampling, speculation, prefix caching, pooling vs CPU
 
-Exit status 1 when a check fails. The CPU tests (tests/test_gpu_paths.py) cover the same logic without a GPU.
+Exit status 1 when a check fails. The CPU tests (tests/attention/test_paged_attention.py) cover the same logic
+without a GPU.
 `--device cpu` is a dry run of this script itself (tiny shapes, the Triton kernel under TRITON_INTERPRET=1, no
 graphs or timings; parity with a small model folder given by --model).
 """
@@ -27,8 +28,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanoqwen.ops.paged_attention import has_module, paged_decode_attention  # noqa: E402
-from nanoqwen.ops.paged_attention import paged_decode_attention_reference as reference  # noqa: E402
+from nanoqwen.attention.backends.paged import has_module, paged_decode_attention  # noqa: E402
+from nanoqwen.attention.backends.paged import paged_decode_attention_reference as reference  # noqa: E402
 
 DEVICE = torch.device("cuda")
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
@@ -268,7 +269,7 @@ def check_features(models: Path) -> None:
     if not has_module("llguidance"):
         print("SKIP  structured outputs: llguidance is not installed")
         return
-    from nanoqwen.structured_outputs import StructuredOutputsParams
+    from nanoqwen.sampling_params import StructuredOutputsParams
 
     choice = ["yes", "no", "maybe"]
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=8,
@@ -305,7 +306,7 @@ def main() -> None:
     global DEVICE
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("no CUDA GPU: these checks need one (tests/test_gpu_paths.py covers the logic on CPU)")
+        sys.exit("no CUDA GPU: these checks need one (tests/attention/test_paged_attention.py covers the logic on CPU)")
     if args.check == "kernels":
         check_kernels()
     elif args.check == "parity":

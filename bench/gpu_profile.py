@@ -11,7 +11,7 @@ For each mode (CUDA graphs; --enforce-eager), on one LLM:
   figures hold the GPU's share;
 - torch.profiler over 8 batch-1 steps: GPU kernels a step (the profile of a 1-token call taken from that of a
   9-token one), and the kernels with the most GPU time.
-bench/gpu.sh runs it as its `profile` stage; BENCHMARKS.md ("Twenty-fourth session") reads such a run.
+bench/gpu.sh runs it as its `profile` stage; BENCHMARKS.md's GPU section reads such a run.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model  # noqa: E402  (its checkpoint and prompts)
 
 from nanoqwen import LLM, SamplingParams  # noqa: E402
-from nanoqwen.engine import model_runner  # noqa: E402
+from nanoqwen.worker import model_runner
 
 STEPS = 128
 

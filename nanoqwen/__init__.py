@@ -1,5 +1,6 @@
 """nanoqwen: a small, exact, readable inference engine for Qwen3 models."""
 
+from nanoqwen.entrypoints.llm import LLM
 from nanoqwen.errors import (
     ConfigError,
     EngineDeadError,
@@ -8,7 +9,6 @@ from nanoqwen.errors import (
     NanoQwenError,
     WeightsError,
 )
-from nanoqwen.llm import LLM
 from nanoqwen.outputs import (
     CompletionOutput,
     EmbeddingRequestOutput,

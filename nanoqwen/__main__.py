@@ -3,7 +3,7 @@ command."""
 
 import sys
 
-from nanoqwen.cli import main
+from nanoqwen.entrypoints.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,7 @@
 With tensor_parallel_size N, N processes (ranks) each hold 1/N of every big weight matrix
 (models/qwen3.py shows which part and where the ranks' results are combined). They meet in one
 torch.distributed process group: NCCL on GPU, gloo on CPU. Rank 0 runs the engine (scheduler,
-sampler); ranks 1..N-1 are workers that run the same forward on their shard (engine/tp_worker.py).
+sampler); ranks 1..N-1 are workers that run the same forward on their shard (worker/tp_worker.py).
 The ranks are either started by nanoqwen itself or by `torchrun` (the RANK / WORLD_SIZE / LOCAL_RANK
 environment variables say so).
 
@@ -19,7 +19,6 @@ Every helper is a no-op when there is no group (tensor_parallel_size 1).
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 from datetime import timedelta
@@ -122,30 +121,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def tp_split_sizes(config: Any) -> dict[str, int]:
-    """The sizes that tensor parallelism splits N ways: each must divide by N."""
-    sizes = {"num_attention_heads": config.num_attention_heads,
-             # each rank holds whole key/value heads
-             "num_key_value_heads": config.num_key_value_heads,
-             "intermediate_size": config.intermediate_size,
-             "vocab_size": config.vocab_size}
-    # MoE models: each expert's columns are split too
-    if getattr(config, "moe_intermediate_size", None):
-        sizes["moe_intermediate_size"] = config.moe_intermediate_size
-    return sizes
-
-
-def check_tensor_parallel_size(config: Any, size: Any) -> None:
-    """Refuse a tensor_parallel_size that does not split every head, MLP column and vocabulary
-    row evenly."""
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ConfigError(f"tensor_parallel_size={size!r} must be an integer >= 1")
-    sizes = tp_split_sizes(config)
-    bad = [f"{name}={value}" for name, value in sizes.items() if value % size]
-    if bad:
-        common = math.gcd(*sizes.values())
-        valid = ", ".join(str(n) for n in range(1, common + 1) if common % n == 0)
-        raise ConfigError(f"tensor_parallel_size={size} does not divide {', '.join(bad)} "
-                          f"of this model; valid sizes: {valid}")

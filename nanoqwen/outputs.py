@@ -39,7 +39,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_output_tokens: int = 0
     # speculative decoding: verification steps, draft tokens proposed, drafts accepted, and
-    # the times its drafts were paused for not paying (engine/spec_switch.py)
+    # the times its drafts were paused for not paying (spec_decode/spec_switch.py)
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass
 
 from nanoqwen.errors import InvalidRequestError
-from nanoqwen.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 # vLLM's floor for a positive temperature: logits / 1e-39 overflow to inf, and the softmax to NaN
@@ -23,6 +23,56 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the answer must be, as vLLM spells it: exactly one of json (a JSON schema, as a dict or
+    a string), json_object=True (any JSON object), regex, choice (one of these strings) or grammar
+    (Lark or GBNF/EBNF). disable_any_whitespace: JSON without optional whitespace."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "StructuredOutputsParams needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {', '.join(given) if given else 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        valid = {"json": isinstance(value, (str, dict)), "regex": isinstance(value, str),
+                 "grammar": isinstance(value, str), "json_object": value is True,
+                 "choice": isinstance(value, list) and bool(value)
+                 and all(isinstance(c, str) for c in value)}[kind]
+        if not valid:
+            rule = {"json": "a JSON schema (dict or string)", "regex": "a string",
+                    "grammar": "a string", "json_object": "True",
+                    "choice": "a non-empty list of strings"}[kind]
+            raise InvalidRequestError(f"StructuredOutputsParams.{kind}={value!r:.100} is invalid: "
+                                      f"must be {rule}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidRequestError("StructuredOutputsParams.disable_any_whitespace must be "
+                                      "True or False")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, text, compact): what the compiled grammar depends on (the cache key)."""
+        value = getattr(self, self.kind)
+        if isinstance(value, (dict, list)) or value is True:
+            value = json.dumps(value, sort_keys=True)
+        return self.kind, value, self.disable_any_whitespace
 
 
 @dataclass
@@ -54,7 +104,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
-    # the answer must follow a JSON schema, regex, choice or grammar (nanoqwen/structured_outputs.py)
+    # the answer must follow a JSON schema, regex, choice or grammar (nanoqwen/sample/structured_outputs.py)
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,9 +17,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must never try the 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from nanoqwen import LLM  # noqa: E402
-from nanoqwen.engine.attention_metadata import AttentionMetadata, PrefillRow  # noqa: E402
-from nanoqwen.engine.kv_cache import KVCache  # noqa: E402
-from nanoqwen.init_random import preset_config, write_random_model  # noqa: E402
+from nanoqwen.attention.kv_cache import KVCache  # noqa: E402
+from nanoqwen.attention.metadata import AttentionMetadata, PrefillRow  # noqa: E402
+from nanoqwen.model_loader.init_random import preset_config, write_random_model  # noqa: E402
 
 # Small shapes covering what the math must get right (names are used as test ids).
 SHAPES = {
@@ -50,6 +53,32 @@ CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n
          '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 
 
+# Same thread count as this process, so the subprocess computes bit for bit what the in-process
+# LLM does.
+ENV = {**os.environ, "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": str(torch.get_num_threads()),
+       "HF_HUB_OFFLINE": "1"}
+
+
+def run_cli(*args: str, stdin: str = "") -> SimpleNamespace:
+    """Run `python -m nanoqwen ARGS`; stdout/stderr decoded as UTF-8 without newline
+    translation."""
+    r = subprocess.run([sys.executable, "-m", "nanoqwen", *args], input=stdin.encode(),
+                       capture_output=True, env=ENV, timeout=120)
+    return SimpleNamespace(returncode=r.returncode, stdout=r.stdout.decode("utf-8"),
+                           stderr=r.stderr.decode("utf-8", errors="replace"))
+
+
+# tests/<folder>/ -> the marker its tests carry (pyproject.toml lists the markers)
+FOLDER_MARKERS = {"server": pytest.mark.server, "distributed": pytest.mark.tensor_parallel}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for folder, marker in FOLDER_MARKERS.items():
+            if folder in item.path.relative_to(Path(__file__).parent).parts[:-1]:
+                item.add_marker(marker)
+
+
 def tiny_config(**overrides) -> dict:
     raw = preset_config("tiny")
     raw.update(overrides)
@@ -61,9 +90,9 @@ def cpu_kernels_built() -> None:
     """Build nanoqwen's C++ CPU kernels once, here, before any test: the CLI and server tests run
     nanoqwen in subprocesses under a timeout, and a first build inside one of them (a minute or two on
     2 cores) would spend that timeout. Built here, the subprocesses load the cached build."""
-    from nanoqwen.ops import cpu_gemv
+    from nanoqwen.ops.cpu import kernels as cpu_kernels
 
-    cpu_gemv.available()
+    cpu_kernels.available()
 
 
 @pytest.fixture(scope="session")

@@ -13,14 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanoqwen import (
-    LLM,
-    ConfigError,
-    InvalidRequestError,
-    ModelNotFoundError,
-    SamplingParams,
-    WeightsError,
-)
+from nanoqwen import LLM, ConfigError, InvalidRequestError, ModelNotFoundError, SamplingParams, WeightsError
 
 
 def copy_model(src, dst):
@@ -35,7 +28,7 @@ def edit_config(path, **changes):
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nanoqwen.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "nanoqwen", *args], capture_output=True,
                           text=True, input=stdin, timeout=120)
 
 

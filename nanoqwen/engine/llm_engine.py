@@ -1,17 +1,17 @@
 """LLMEngine: requests in, tokens out, one `step()` at a time.
 No I/O, so any front end can drive it.
 
-request -> Scheduler.schedule (which tokens run) -> [proposer: draft tokens]
-        -> ModelRunner.execute (pack, forward, sample) -> LLMEngine._postprocess (sequences
-        advance; OutputProcessor: text, stops) -> RequestOutput.
+request -> InputProcessor (tokens, checks) -> Scheduler.schedule (which tokens run)
+        -> [proposer: draft tokens] -> ModelRunner.execute (pack, forward, sample)
+        -> LLMEngine._postprocess (sequences advance; OutputProcessor: text, stops) -> RequestOutput.
 
-With a speculative_config, a proposer (engine/proposer.py) fills in draft tokens for the
+With a speculative_config, a proposer (nanoqwen/spec_decode/proposer.py) fills in draft tokens for the
 decoding sequences the scheduler gave draft slots, and the step verifies them
-(rejection_sampler.py): each such sequence may get several tokens per step.
+(nanoqwen/sample/rejection_sampler.py): each such sequence may get several tokens per step.
 
 With tensor_parallel_size N > 1 this engine is rank 0: it holds 1/N of the weights and of each KV
-block (its heads), schedules and samples; N-1 worker processes (engine/tp_worker.py) hold the rest
-and run every step's forward with it. Call shutdown() (or let the engine be collected) to stop
+block (its heads), schedules and samples; N-1 worker processes (nanoqwen/worker/tp_worker.py) hold the
+rest and run every step's forward with it. Call shutdown() (or let the engine be collected) to stop
 them.
 """
 
@@ -24,37 +24,34 @@ import weakref
 
 import torch
 
-from nanoqwen.compilation import select_kernels
-from nanoqwen.config import DEFAULT_SPEC_MAX_BATCH, EngineConfig, GenerationConfig, SpeculativeConfig
-from nanoqwen.device import resolve_device, resolve_dtype
-from nanoqwen.distributed import check_tensor_parallel_size
-from nanoqwen.engine.block_manager import BlockManager
-from nanoqwen.engine.kv_cache import KVCache
-from nanoqwen.engine.memory import kv_cache_budget
-from nanoqwen.engine.model_runner import ModelRunner, PooledOutput, SampledTokens
+from nanoqwen.config.device import resolve_device, resolve_dtype
+from nanoqwen.config.engine import EngineConfig
+from nanoqwen.config.model import GenerationConfig
+from nanoqwen.config.pooling import SentenceTransformersConfig, resolve_task
+from nanoqwen.config.speculative import DEFAULT_SPEC_MAX_BATCH, SpeculativeConfig
+from nanoqwen.core.block_manager import BlockManager
+from nanoqwen.core.scheduler import ScheduledBatch, Scheduler
+from nanoqwen.core.sequence import Sequence, SequenceStatus
+from nanoqwen.engine.input_processor import InputProcessor
 from nanoqwen.engine.output_processor import OutputProcessor, RequestState
-from nanoqwen.engine.proposer import DraftModelProposer, NgramProposer, check_same_tokenizer
-from nanoqwen.engine.scheduler import ScheduledBatch, Scheduler
-from nanoqwen.engine.sequence import Sequence, SequenceStatus
-from nanoqwen.engine.spec_switch import SpecDecodeSwitch
-from nanoqwen.engine.tp_worker import KVCacheSize, LoadModel, TPGroup
 from nanoqwen.errors import ConfigError, InvalidRequestError
-from nanoqwen.hub import resolve_model_path
-from nanoqwen.loader import load_config, load_model
-from nanoqwen.ops import cpu
+from nanoqwen.layers.pooler import make_pooler
+from nanoqwen.model_loader.hub import resolve_model_path
+from nanoqwen.model_loader.loader import load_config
+from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
-from nanoqwen.pooling import (
-    SentenceTransformersConfig,
-    embedding_input_ids,
-    make_pooler,
-    rerank_prompt_ids,
-    resolve_task,
-)
 from nanoqwen.pooling_params import PoolingParams
-from nanoqwen.quantization import int4_kernels, weight_bytes
+from nanoqwen.quantization import weight_bytes
+from nanoqwen.sample.structured_outputs import GrammarCompiler
 from nanoqwen.sampling_params import SamplingParams
-from nanoqwen.structured_outputs import GrammarCompiler
+from nanoqwen.spec_decode.proposer import DraftModelProposer, NgramProposer, check_same_tokenizer
+from nanoqwen.spec_decode.spec_switch import SpecDecodeSwitch
 from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoqwen.worker.kernel_selection import describe_kernels
+from nanoqwen.worker.loading import load_model_with_kernels
+from nanoqwen.worker.memory import kv_cache_blocks, kv_cache_budget
+from nanoqwen.worker.model_runner import ModelRunner, PooledOutput, SampledTokens
+from nanoqwen.worker.tp_worker import KVCacheSize, LoadModel, TPGroup
 
 logger = logging.getLogger("nanoqwen")
 
@@ -67,27 +64,14 @@ class LLMEngine:
         self.quantization = config.quantization
         self.model_dir = resolve_model_path(str(config.model))
         self.config = load_config(self.model_dir)
-        check_tensor_parallel_size(self.config, config.tensor_parallel_size)
-        config.check_model_len(self.config.max_position_embeddings, self.model_dir / "config.json")
+        # "generate", or a pooling task ("embed", "score": nanoqwen/config/pooling.py)
+        self.task = resolve_task(self.model_dir, config.task)
+        config.check_for_model(self.config, self.task, self.model_dir / "config.json")
         self.generation_config = GenerationConfig.from_file(
             self.model_dir / "generation_config.json", fallback_eos=self.config.eos_token_id)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.config.torch_dtype, self.device)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
-        # "generate", or a pooling task ("embed", "score": nanoqwen/pooling.py)
-        self.task = resolve_task(self.model_dir, config.task)
-        self.sentence_transformers = SentenceTransformersConfig.from_dir(self.model_dir)
-        if self.task != "generate" and config.tensor_parallel_size > 1:
-            raise ConfigError(f"task {self.task!r} runs on one device: set tensor_parallel_size=1 "
-                              "(the Qwen3 embedding and reranker models fit one)")
-        spec = config.speculative_config
-        if spec is not None and self.task != "generate":
-            raise ConfigError(f"speculative decoding speeds up generation; task {self.task!r} "
-                              "generates nothing: drop speculative_config")
-        if spec is not None and spec.method != "ngram" and config.tensor_parallel_size > 1:
-            raise ConfigError(f"speculative method {spec.method!r} runs with "
-                              "tensor_parallel_size=1 (its draft model is not split); use "
-                              "'ngram', or one process")
         self.eos_token_ids = set(self.generation_config.eos_token_id or self.config.eos_token_id)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
@@ -106,6 +90,10 @@ class LLMEngine:
             if dead is None:
                 raise
             raise dead from e
+        spec = config.speculative_config
+        self.input_processor = InputProcessor(self.tokenizer, self.config, self.max_model_len, self.task,
+                                              self.generation_config,
+                                              SentenceTransformersConfig.from_dir(self.model_dir))
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -126,45 +114,36 @@ class LLMEngine:
                                                 self.eos_token_ids)
 
     def _load(self) -> int:
-        """Load the weights (this rank's shard) and size the KV cache (the workers do the same with
-        theirs); return the number of KV blocks."""
+        """Load the weights (this rank's shard, with the kernels chosen for this engine) and size the KV
+        cache (the workers do the same with theirs); return the number of KV blocks."""
         config, c = self.engine_config, self.config
         limit = c.max_position_embeddings
+        max_len = config.max_model_len or limit
         tp = self.tp_group
         if tp is not None:
-            tp.send(LoadModel(str(self.model_dir), self.dtype, config.max_model_len or limit,
-                              config.enforce_eager, self.quantization))
-        model_ = load_model(self.model_dir, c, self.dtype, self.device,
-                            config.max_model_len or limit, tp_rank=0, tp_size=tp.size if tp else 1,
-                            quantization=self.quantization, task=self.task)
-        pooler = make_pooler(self.task, model_, self.tokenizer)  # None for a generative model
-        self.weight_bytes = weight_bytes(model_)  # this rank's
+            tp.send(LoadModel(str(self.model_dir), self.dtype, max_len, config.enforce_eager, self.quantization))
+        model = load_model_with_kernels(self.model_dir, c, self.dtype, self.device, max_len, config.enforce_eager,
+                                        self.quantization, tp_rank=0, tp_size=tp.size if tp else 1,
+                                        task=self.task)
+        pooler = make_pooler(self.task, model, self.tokenizer)  # None for a generative model
+        self.weight_bytes = weight_bytes(model)  # this rank's
         # every rank's (filled in below under tensor parallelism)
         self.rank_weight_bytes = [self.weight_bytes]
         logger.info("weights: %.2f GiB in memory (%s)", self.weight_bytes / 2**30,
                     self.quantization or str(self.dtype).removeprefix("torch."))
-        self.kernel_path = select_kernels(self.device, self.dtype, config.enforce_eager)
-        kernels = int4_kernels() if self.quantization == "int4" and self.device.type == "cpu" else None
-        if kernels is not None:
-            self.kernel_path += (f"; int4 rows: int8 activations, {kernels.int4_dot_instructions()} integer dot "
-                                 f"products (up to 8 rows streamed, more on unpacked weight panels)")
-            path = cpu.matmul_path()
-            if path.int4_unpack_min_rows:
-                self.kernel_path += (f"; int4, >= {path.int4_unpack_min_rows} rows: weights unpacked to bf16 for "
-                                     f"torch's matmul ({path.int4_unpack_reason})")
+        self.kernel_path = describe_kernels(model.kernels, self.device, self.dtype, config.enforce_eager,
+                                            self.quantization)
         logger.info("kernels: %s", self.kernel_path)
         # The KV pool: as many blocks as the budget holds; it must fit at least one full-length
         # sequence. With tensor parallelism the budget is per rank, and a rank's block holds only
         # its heads.
         spec = config.speculative_config
-        draft = (self._load_draft(spec, model_, config.max_model_len or limit)
+        draft = (self._load_draft(spec, model, max_len)
                  if spec is not None and spec.method != "ngram" else None)
         block_size = config.block_size
-        per_token = sum(KVCache.bytes_per_token(m.config.num_hidden_layers, m.num_kv_heads,
-                                                m.config.head_dim, self.dtype)
-                        for m in (model_, draft) if m is not None)  # the draft's cache too
         budget = kv_cache_budget(config.kv_cache_memory, self.device)
-        num_blocks = max(0, budget) // (per_token * block_size)
+        num_blocks = kv_cache_blocks([m for m in (model, draft) if m is not None], self.dtype, block_size,
+                                     budget)  # the draft's cache too
         capacity = num_blocks * block_size
         self.max_model_len = config.max_model_len or min(limit, capacity)
         if capacity < max(self.max_model_len, 2):
@@ -175,13 +154,13 @@ class LLMEngine:
         if self.max_model_len < limit and config.max_model_len is None:
             logger.info("max_model_len set to %d, what the KV cache budget holds",
                         self.max_model_len)
-        self.runner = ModelRunner(model_, num_blocks, block_size, max_num_seqs=config.max_num_seqs,
+        self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager, pooler=pooler)
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if spec is not None and draft is None:
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        elif draft is not None:  # its cache has the same blocks (engine/proposer.py)
+        elif draft is not None:  # its cache has the same blocks (nanoqwen/spec_decode/proposer.py)
             draft_runner = ModelRunner(draft, num_blocks, block_size,
                                        max_num_seqs=config.max_num_seqs,
                                        max_model_len=self.max_model_len,
@@ -192,8 +171,8 @@ class LLMEngine:
             self.rank_weight_bytes = tp.wait_ready(self.weight_bytes)
         return num_blocks
 
-    def _load_draft(self, spec: SpeculativeConfig, target: torch.nn.Module,
-                    max_model_len: int) -> torch.nn.Module:
+    def _load_draft(self, spec: SpeculativeConfig, target: Qwen3ForCausalLM,
+                    max_model_len: int) -> Qwen3ForCausalLM:
         """The draft model: the target's own weights quantised (self_quantized), or another
         checkpoint that must share the target's tokenizer (draft_model)."""
         if spec.method == "self_quantized":
@@ -203,8 +182,8 @@ class LLMEngine:
             draft_config = load_config(draft_dir)
             check_same_tokenizer(self.tokenizer, Tokenizer.from_pretrained(draft_dir),
                                  self.config.vocab_size, draft_config.vocab_size, draft_dir)
-        draft = load_model(draft_dir, draft_config, self.dtype, self.device, max_model_len,
-                           quantization=spec.quantization)
+        draft = load_model_with_kernels(draft_dir, draft_config, self.dtype, self.device, max_model_len,
+                                        self.engine_config.enforce_eager, spec.quantization)
         embedding = target.embed_tokens.weight
         if spec.method == "self_quantized" and draft.embed_tokens.weight.dtype == embedding.dtype:
             draft.embed_tokens.weight = embedding  # one copy of the same table (never quantised)
@@ -213,89 +192,24 @@ class LLMEngine:
                     weight_bytes(draft) / 2**30, spec.num_speculative_tokens)
         return draft
 
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.runner.model
-
-    def default_sampling_params(self) -> SamplingParams:
-        """The checkpoint's recommended sampling (generation_config.json), as vLLM does."""
-        g = self.generation_config
-        temperature = (g.temperature if g.temperature is not None else 1.0) if g.do_sample else 0.0
-        return SamplingParams(
-            temperature=temperature,
-            top_k=g.top_k or -1, top_p=g.top_p if g.top_p is not None else 1.0,
-            min_p=g.min_p or 0.0)
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """A string is tokenized as is (no chat template); a list is taken as token ids."""
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(token_ids)
-        return token_ids
-
-    def embedding_input(self, text: str | list[int], prompt_name: str | None = None,
-                        prompt: str | None = None,
-                        params: PoolingParams | None = None) -> list[int]:
-        """An embedding model's input ids for a text (after its prompt: `prompt`, or the checkpoint's
-        prompt called prompt_name), tokenised as sentence-transformers does, then truncated as
-        params ask and checked."""
-        prefix = self.sentence_transformers.prompt(prompt_name, prompt)
-        return self._pooling_input(embedding_input_ids(self.tokenizer, text, prefix), params)
-
-    def score_input(self, query: str, document: str, instruction: str | None = None,
-                    params: PoolingParams | None = None) -> list[int]:
-        """A reranker's input ids for one (query, document) pair (the model card's prompt)."""
-        ids = rerank_prompt_ids(self.tokenizer, query, document, instruction)
-        return self._pooling_input(ids, params)
-
-    def _pooling_input(self, token_ids: list[int], params: PoolingParams | None) -> list[int]:
-        k = params.truncate_prompt_tokens if params is not None else None
-        if k is not None:
-            token_ids = token_ids[-k:]  # the last k, as vLLM truncates
-        self.validate_prompt(token_ids, pooling=True)
-        return token_ids
-
-    def require_task(self, task: str) -> None:
-        """An InvalidRequestError saying which model to use unless this model's task is `task`."""
-        if task == self.task:
-            return
-        if self.task == "generate":
-            raise InvalidRequestError("this is a generative model (task 'generate'): it does not "
-                                      "embed or score; use generate/chat, or load an embedding or "
-                                      "reranker model (or pass task='embed'/'score')")
-        kind = "an embedding" if task == "embed" else "a reranker"
-        raise InvalidRequestError(f"this model's task is {self.task!r}: {task} needs {kind} model "
-                                  f"(or task={task!r})")
-
-    def check_task(self, params: SamplingParams | PoolingParams) -> None:
-        """Whether params fit this model's task: SamplingParams to generate, PoolingParams to embed
-        or score."""
-        if isinstance(params, PoolingParams) and self.task == "generate":
-            self.require_task("embed")
-        if isinstance(params, SamplingParams) and self.task != "generate":
-            use = "embed" if self.task == "embed" else "score"
-            raise InvalidRequestError(f"this is {'an embedding' if use == 'embed' else 'a reranker'}"
-                                      f" model (task {self.task!r}): it does not generate; use "
-                                      f"{use}, or load it with task='generate'")
-        if not isinstance(params, (SamplingParams, PoolingParams)):
-            raise InvalidRequestError(f"sampling_params must be a SamplingParams (or PoolingParams "
-                                      f"for embed/score), got {type(params).__name__}")
-
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | PoolingParams | None = None,
                     prompt_token_ids: list[int] | None = None) -> None:
-        """Queue a request (prompt_token_ids, when given, are the already tokenized prompt).
+        """Queue a request (prompt_token_ids, when given, are the already tokenized prompt; they are
+        checked as a prompt is).
 
         With PoolingParams (an embedding or reranker model) the request is only prefilled: its one
-        output is the embedding or score (give prompt_token_ids from embedding_input or
-        score_input)."""
+        output is the embedding or score (give prompt_token_ids from the input processor's
+        embedding_input or score_input)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        params = sampling_params or (self.default_sampling_params() if self.task == "generate"
+        inputs = self.input_processor
+        params = sampling_params or (inputs.default_sampling_params() if self.task == "generate"
                                      else PoolingParams())
-        self.check_task(params)
+        inputs.check_task(params)
         if isinstance(params, PoolingParams):
             return self._add_pooling_request(request_id, prompt, params, prompt_token_ids)
-        token_ids = self.tokenize(prompt) if prompt_token_ids is None else prompt_token_ids
+        token_ids = inputs.tokenize(prompt if prompt_token_ids is None else prompt_token_ids)
         seqs = [Sequence(request_id, i, token_ids, params) for i in range(params.n)]
         if params.structured_outputs is not None:  # compiled here unless prepare_request did
             for seq in seqs:
@@ -323,17 +237,7 @@ class LLMEngine:
     def _add_pooling_request(self, request_id: str, prompt: str | list[int],
                              params: PoolingParams, prompt_token_ids: list[int] | None) -> None:
         """One sequence, only prefilled; its output is the embedding or the score."""
-        dims = params.dimensions
-        if dims is not None and self.task == "embed" and dims > self.config.hidden_size:
-            raise InvalidRequestError(f"dimensions={dims} is more than this model's "
-                                      f"{self.config.hidden_size}")
-        if prompt_token_ids is not None:
-            token_ids = self._pooling_input(prompt_token_ids, None)
-        elif self.task == "embed":
-            token_ids = self.embedding_input(prompt, params=params)
-        else:  # a reranker prompt written out already
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            token_ids = self._pooling_input(ids, params)
+        token_ids = self.input_processor.pooling_request_ids(prompt, params, prompt_token_ids)
         seq = Sequence(request_id, 0, token_ids, None, pooling_params=params)
         text = prompt if isinstance(prompt, str) else None
         metrics = RequestMetrics(arrival_time=time.perf_counter())
@@ -341,25 +245,9 @@ class LLMEngine:
                                                  metrics)
         self.scheduler.add(seq)
 
-    def validate_prompt(self, token_ids: list[int], pooling: bool = False) -> None:
-        """pooling: an input to embed or score, which may fill the whole context (no token is
-        generated after it)."""
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
-        vocab = self.config.vocab_size
-        bad = [t for t in token_ids
-               if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]!r} is not in the vocabulary "
-                                      f"[0, {vocab})")
-        if len(token_ids) > self.max_model_len or (len(token_ids) == self.max_model_len
-                                                   and not pooling):
-            fix = ("shorten the input, raise max_model_len (--max-model-len) or truncate it "
-                   "(truncate_prompt_tokens)" if pooling else
-                   "shorten the prompt or raise max_model_len (--max-model-len)")
-            raise InvalidRequestError(f"the {'input' if pooling else 'prompt'} has "
-                                      f"{len(token_ids)} tokens but max_model_len is "
-                                      f"{self.max_model_len}: {fix}")
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its cache blocks (a no-op for unknown or finished ids)."""

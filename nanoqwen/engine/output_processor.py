@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoqwen.engine.sequence import Sequence
+from nanoqwen.core.sequence import Sequence
+from nanoqwen.layers.pooler import EmbeddingPooler, ScorePooler
 from nanoqwen.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -22,9 +23,8 @@ from nanoqwen.outputs import (
     RequestOutput,
     ScoringOutput,
 )
-from nanoqwen.pooling import EmbeddingPooler, ScorePooler
 from nanoqwen.pooling_params import PoolingParams
-from nanoqwen.sampler import TokenLogprobs
+from nanoqwen.sample.sampler import TokenLogprobs
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import Tokenizer
 

@@ -1,13 +1,15 @@
 """The Qwen3 decoder (dense and MoE), written from plain tensor operations.
 
-Read top to bottom: RMSNorm -> linear layers -> RoPE -> attention (QK-norm, GQA) -> SwiGLU MLP or
-sparse MoE block -> decoder layer -> the whole model. It computes what transformers'
-Qwen3ForCausalLM and Qwen3MoeForCausalLM compute.
+Read top to bottom: RMSNorm -> RoPE -> SwiGLU -> attention (QK-norm, GQA) -> MLP or sparse MoE block
+-> decoder layer -> the whole model. It computes what transformers' Qwen3ForCausalLM and
+Qwen3MoeForCausalLM compute. The building blocks that are not Qwen3's own math live beside it in
+nanoqwen/layers/: the linear layers (whole, or cut for tensor parallelism), the embedding table and
+the MoE experts computed grouped by expert.
 
 Two layout choices, both made so one batch can mix sequences of different lengths:
 - Tokens are flat: a batch of sequences is one [num_tokens, hidden] tensor, so every matmul
   runs once over all tokens with no padding. Only attention needs to know where each
-  sequence starts; `AttentionMetadata` (nanoqwen/engine/attention_metadata.py) tells it.
+  sequence starts; `AttentionMetadata` (nanoqwen/attention/metadata.py) tells it.
 - The checkpoint's q/k/v projections are stored as one `qkv_proj` matrix and gate/up as one
   `gate_up_proj` (stacked at load time), so each layer does two big matmuls instead of five.
 
@@ -15,33 +17,38 @@ Shapes: N = tokens in the batch, H = hidden_size, Hq/Hkv = query/key-value heads
 D = head_dim, I = intermediate_size, V = vocab_size; MoE: E = num_experts, K = num_experts_per_tok,
 Ie = moe_intermediate_size.
 
-Tensor parallelism (tp_size ranks, nanoqwen/distributed.py) lives in the layers that are cut:
-`ColumnParallelLinear` holds 1/tp of the output rows (qkv_proj: Hq/tp query and Hkv/tp key-value
-heads; gate_up_proj: I/tp MLP columns; the LM head: V/tp vocabulary rows), `RowParallelLinear` the
-matching 1/tp of the input columns (o_proj, down_proj), so its output is this rank's part of a sum
-and it adds the parts with one all_reduce. MoE experts are cut the same way over Ie (the router is
-whole on every rank, so all ranks pick the same experts), with one all_reduce after the expert sum;
-the embedding is cut over the vocabulary. Each such module's `tp_dims` says which dimension of which
-parameter is cut (the loader reads only that slice). So a layer costs two all_reduce calls, the only
-places ranks talk; at tp_size 1 every all_reduce is skipped: the plain model.
+Tensor parallelism (tp_size ranks, nanoqwen/distributed.py) lives in the layers that are cut
+(nanoqwen/layers/linear.py): qkv_proj and gate_up_proj hold 1/tp of their output rows, o_proj and
+down_proj the matching 1/tp of their input columns and add the ranks' parts with one all_reduce. MoE
+experts are cut the same way over Ie (the router is whole on every rank, so all ranks pick the same
+experts), with one all_reduce after the expert sum; the embedding is cut over the vocabulary. So a
+layer costs two all_reduce calls, the only places ranks talk; at tp_size 1 every all_reduce is
+skipped: the plain model.
+
+`Kernels` names the functions the layers call for their elementwise math and how their matmuls run.
+The plain ones of this file are the reference; an engine builds the model with faster versions of
+the same functions (nanoqwen/worker/kernel_selection.py), its own choice.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoqwen.config import Qwen3Config
-from nanoqwen.distributed import all_reduce, check_tensor_parallel_size, gather
-from nanoqwen.ops.attention import attend
-
-if TYPE_CHECKING:
-    from nanoqwen.engine.attention_metadata import AttentionMetadata
-    from nanoqwen.engine.kv_cache import KVCache
+from nanoqwen.attention.attend import attend
+from nanoqwen.attention.kv_cache import KVCache
+from nanoqwen.attention.metadata import AttentionMetadata
+from nanoqwen.config.model import Qwen3Config, check_tensor_parallel_size
+from nanoqwen.distributed import all_reduce, gather
+from nanoqwen.layers.embedding import VocabParallelEmbedding
+from nanoqwen.layers.experts import Experts
+from nanoqwen.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from nanoqwen.ops.cpu.matmul import TORCH_MATMUL, MatmulPath
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,70 +59,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(dtype)
 
 
-class Linear(nn.Module):
-    """y = x @ weight.T + bias; weight [out, in], filled by the loader. Whole on every rank (tp_dims
-    empty).
-
-    `matmul` is the one place that reads the weight: weight-only int8 and int4
-    (nanoqwen/quantization/: base.py's QuantizedLinear) override it.
-    """
-
-    # parameter -> the dimension tensor parallelism cuts (the loader reads it)
-    tp_dims: dict[str, int] = {}
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernels.linear(x, self.weight, bias)  # F.linear (see Kernels below)
-
-
-class ColumnParallelLinear(Linear):
-    """A Linear whose output rows are cut over the ranks: each holds 1/tp of every part of
-    `output_sizes` (qkv_proj: [q; k; v], gate_up_proj: [gate; up]), stacked [part_0 of this rank;
-    part_1 of this rank; ...]. Nothing to add up: each rank's outputs are its own heads or
-    columns."""
-
-    tp_dims = {"weight": 0, "bias": 0}
-
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 tp_size: int = 1) -> None:
-        self.output_sizes = [size // tp_size for size in output_sizes]  # this rank's part of each
-        super().__init__(in_features, sum(self.output_sizes), bias)
-
-
-class RowParallelLinear(Linear):
-    """A Linear whose input columns are cut over the ranks (the ones a ColumnParallelLinear before
-    it left on this rank): its output is this rank's part of a sum, and all_reduce adds the parts.
-    The bias must be added once, so only rank 0 has one (as in vLLM)."""
-
-    tp_dims = {"weight": 1}
-    # parameters the other ranks do not have (the loader skips them there)
-    tp_rank0_only = ("bias",)
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
-        super().__init__(in_features // tp_size, out_features, bias and tp_rank == 0)
-        self.tp_size = tp_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias)  # [N, out]: this rank's part of the sum
-        return all_reduce(y) if self.tp_size > 1 else y
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: Kernels) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.eps = eps
+        self.eps, self.kernels = eps, kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: Qwen3Config) -> tuple[torch.Tensor, float]:
@@ -176,19 +127,22 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@dataclass(frozen=True)
 class Kernels:
-    """The functions the layers call for their elementwise math and their matmuls. An engine may
-    swap in faster versions of the same functions (nanoqwen/compilation.py): torch.compile'd
-    elementwise kernels (one fused kernel each), and on CPUs without fast bf16 a matmul computed in
-    float32 (nanoqwen/ops/cpu.py). These plain ones stay the reference."""
+    """The functions the layers call for their elementwise math, and how their matmuls run (`matmul`:
+    nanoqwen/ops/cpu/matmul.py, read by every linear layer, the int8 and int4 ones and prompt attention).
+    The defaults, the plain functions above and torch's own matmuls, are the reference. An engine builds
+    its model with faster versions of the same functions (nanoqwen/worker/kernel_selection.py:
+    torch.compile'd elementwise kernels, nanoqwen's C++ ones, the CPU's measured matmul path), so two
+    engines in one process each compute with their own."""
 
-    rms_norm = staticmethod(rms_norm)
-    apply_rope = staticmethod(apply_rope)
-    swiglu = staticmethod(swiglu)
-    linear = staticmethod(F.linear)
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
+    apply_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rope
+    swiglu: Callable[[torch.Tensor], torch.Tensor] = swiglu
+    matmul: MatmulPath = TORCH_MATMUL
 
 
-kernels = Kernels()
+PLAIN_KERNELS = Kernels()
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -213,21 +167,21 @@ class Attention(nn.Module):
     """QK-norm grouped-query attention. With tp_size > 1 this rank's heads: whole GQA groups, so
     each query head finds its key/value head on the same rank."""
 
-    def __init__(self, config: Qwen3Config, layer_idx: int, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+    def __init__(self, config: Qwen3Config, layer_idx: int, tp_rank: int = 0, tp_size: int = 1,
+                 kernels: Kernels = PLAIN_KERNELS) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx, self.kernels = layer_idx, kernels
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
         q_size = config.num_attention_heads * self.head_dim
         kv_size = config.num_key_value_heads * self.head_dim
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size],
-                                             config.attention_bias, tp_size)
+                                             config.attention_bias, tp_size, kernels.matmul)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, config.attention_bias,
-                                        tp_rank, tp_size)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # per head, before RoPE
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+                                        tp_rank, tp_size, kernels.matmul)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)  # per head, before RoPE
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -236,8 +190,9 @@ class Attention(nn.Module):
         q = self.q_norm(q.view(n, self.num_heads, self.head_dim))  # [N, Hq, D]
         k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
-        q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
-        out = attend(q, k, v, kv_cache, self.layer_idx, meta)  # [N, Hq, D]: ops/attention.py
+        q, k = self.kernels.apply_rope(q, cos, sin), self.kernels.apply_rope(k, cos, sin)
+        # [N, Hq, D]: nanoqwen/attention/attend.py
+        out = attend(q, k, v, kv_cache, self.layer_idx, meta, self.kernels.matmul)
         return self.o_proj(out.view(n, -1))  # [N, H]
 
 
@@ -248,15 +203,19 @@ class MLP(nn.Module):
     down_proj columns.
     """
 
-    def __init__(self, config: Qwen3Config, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, config: Qwen3Config, tp_rank: int = 0, tp_size: int = 1,
+                 kernels: Kernels = PLAIN_KERNELS) -> None:
         super().__init__()
         i = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [i, i], tp_size=tp_size)
-        self.down_proj = RowParallelLinear(i, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.kernels = kernels
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [i, i], tp_size=tp_size,
+                                                 matmul=kernels.matmul)
+        self.down_proj = RowParallelLinear(i, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size,
+                                           matmul=kernels.matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [N, 2I/tp] -> [N, I/tp] -> [N, H]
-        return self.down_proj(kernels.swiglu(self.gate_up_proj(x)))
+        return self.down_proj(self.kernels.swiglu(self.gate_up_proj(x)))
 
 
 # ---- Qwen3-MoE: a router picks K of E SwiGLU experts per token
@@ -278,66 +237,16 @@ def experts_reference(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: to
     return (out * weights[..., None]).sum(1)
 
 
-class Experts(nn.Module):
-    """E SwiGLU MLPs, stacked: gate_up_proj [E, 2Ie, H] (each expert's gate rows, then its up rows),
-    down_proj [E, H, Ie]. Tensor parallelism splits every expert over Ie, like the dense MLP over I:
-    a rank holds Ie/tp of each expert's columns ([gate_r; up_r] rows, the matching down_proj
-    columns)."""
-
-    tp_dims = {"gate_up_proj": 1, "down_proj": 2}
-    # A checkpoint tensor that fills all of gate_up_proj (transformers 5's fused experts) holds the
-    # gate rows, then the up rows, along the cut dimension: the loader cuts each of the 2 parts on
-    # its own.
-    tp_fused_parts = {"gate_up_proj": 2}
-
-    def __init__(self, config: Qwen3Config, tp_size: int = 1) -> None:
-        super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size // tp_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
-        """experts_reference, grouped by expert: x [N, H]; expert_ids, weights [N, K] -> [N, H].
-
-        The N*K (token, expert) assignments are sorted by expert, so each expert that got tokens
-        runs one matmul pair over all of its tokens; results are weighted and added back to their
-        tokens.
-        """
-        k = expert_ids.shape[1]
-        order = expert_ids.flatten().argsort(stable=True)  # [N*K] assignments, grouped by expert
-        tokens = order // k  # [N*K] the token of each sorted assignment
-        xs, ws = x[tokens], weights.flatten()[order, None]  # [N*K, H], [N*K, 1]
-        counts = torch.bincount(expert_ids.flatten(), minlength=len(self.gate_up_proj)).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            start += count
-            # [count, Ie] each
-            gate, up = self.expert_linear(xs[rows], "gate_up_proj", e).chunk(2, dim=-1)
-            y = self.expert_linear(F.silu(gate) * up, "down_proj", e)  # [count, H]
-            out.index_add_(0, tokens[rows], y * ws[rows])
-        return out
-
-    def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
-        """x [n, in] through expert e's matrix `name` (gate_up_proj or down_proj) -> [n, out]. The
-        one place that reads the matrices: int8 and int4 experts (quantization/int8.py, int4.py) override it."""
-        return kernels.linear(x, getattr(self, name)[e])
-
-
 class SparseMoeBlock(nn.Module):
     """Route each token to its top-K of E experts and sum their outputs, weighted by the router."""
 
-    def __init__(self, config: Qwen3Config, tp_size: int = 1) -> None:
+    def __init__(self, config: Qwen3Config, tp_size: int = 1, kernels: Kernels = PLAIN_KERNELS) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.tp_size = tp_size
         # the router, whole on every rank
-        self.gate = Linear(config.hidden_size, config.num_experts)
-        self.experts = Experts(config, tp_size)
+        self.gate = Linear(config.hidden_size, config.num_experts, matmul=kernels.matmul)
+        self.experts = Experts(config, tp_size, kernels.matmul)  # grouped by expert: experts_reference
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (expert ids [N, K], weights [N, K] in x's dtype), computed as transformers
@@ -355,14 +264,15 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, layer_idx: int, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+    def __init__(self, config: Qwen3Config, layer_idx: int, tp_rank: int = 0, tp_size: int = 1,
+                 kernels: Kernels = PLAIN_KERNELS) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx, tp_rank, tp_size)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.self_attn = Attention(config, layer_idx, tp_rank, tp_size, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         moe = config.is_moe_layer(layer_idx)
-        self.mlp = SparseMoeBlock(config, tp_size) if moe else MLP(config, tp_rank, tp_size)
+        self.mlp = (SparseMoeBlock(config, tp_size, kernels) if moe
+                    else MLP(config, tp_rank, tp_size, kernels))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -370,51 +280,28 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class VocabParallelEmbedding(nn.Module):
-    """The embedding table; with tp_size > 1 only rows [vocab_start, vocab_end) of it, on this
-    rank."""
-
-    tp_dims = {"weight": 0}
-
-    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
-        super().__init__()
-        rows = vocab_size // tp_size
-        self.tp_size = tp_size
-        self.vocab_start, self.vocab_end = tp_rank * rows, (tp_rank + 1) * rows
-        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
-        # Each rank looks up the ids in its range and gives zeros for the others: the sum is every
-        # id's row.
-        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        x = F.embedding(torch.where(mine, input_ids - self.vocab_start, 0), self.weight)
-        return all_reduce(x.masked_fill_(~mine[:, None], 0))
-
-
 class Qwen3ForCausalLM(nn.Module):
     """Embedding -> decoder layers -> final norm; `compute_logits` applies the LM head.
 
     tp_rank/tp_size: build only this rank's shard of every weight (see the module docstring).
     lm_head=False: no LM head (an embedding model reads the final hidden states only).
+    kernels: the functions the layers compute with (the plain ones of this file by default).
     """
 
     def __init__(self, config: Qwen3Config, max_model_len: int | None = None, tp_rank: int = 0,
-                 tp_size: int = 1, lm_head: bool = True) -> None:
+                 tp_size: int = 1, lm_head: bool = True, kernels: Kernels = PLAIN_KERNELS) -> None:
         super().__init__()
         check_tensor_parallel_size(config, tp_size)
-        self.config, self.tp_rank, self.tp_size = config, tp_rank, tp_size
+        self.config, self.tp_rank, self.tp_size, self.kernels = config, tp_rank, tp_size, kernels
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    tp_rank, tp_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp_rank, tp_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp_rank, tp_size, kernels)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head: Linear | None = None
         if lm_head:
             self.lm_head = ColumnParallelLinear(config.hidden_size, [config.vocab_size],
-                                                tp_size=tp_size)  # [V/tp, H]
+                                                tp_size=tp_size, matmul=kernels.matmul)  # [V/tp, H]
         if lm_head and config.tie_word_embeddings:
             # a tied head is the embedding matrix itself: one tensor, not a copy
             self.lm_head.weight = self.embed_tokens.weight

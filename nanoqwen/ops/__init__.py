@@ -1,2 +1,2 @@
-"""Kernels behind the model's plain-PyTorch code: paged decode attention for GPUs (with its
-reference)."""
+"""Tensor functions below the layers, no modules and no state: weight quantisation formats (quantize.py)
+and nanoqwen's CPU kernels with their plain references (cpu/)."""

@@ -18,83 +18,24 @@ the two share (`QuantizedLinear`, the row blocks of the dequantise paths).
 
 from __future__ import annotations
 
-import ctypes
-import sys
-
 from torch import nn
 
-from nanoqwen.errors import ConfigError
-from nanoqwen.models.qwen3 import Experts, Linear
+from nanoqwen.config.quantization import QUANTIZATION_METHODS, check_quantization
+from nanoqwen.layers.experts import Experts
+from nanoqwen.layers.linear import Linear
+from nanoqwen.ops.cpu.memory import release_freed_memory
+from nanoqwen.ops.quantize import int4_group_size
 from nanoqwen.quantization.base import QuantizedLinear
-from nanoqwen.quantization.int4 import (
-    Int4Experts,
-    Int4Linear,
-    dequantize_int4,
-    int4_dequantized_linear,
-    int4_group_size,
-    int4_kernels,
-    int4_lanes_to_rows,
-    quantize_int4,
-)
-from nanoqwen.quantization.int8 import (
-    INT8_VERSIONS,
-    INT8PACK_MAX_ROWS,
-    Int8Experts,
-    Int8Linear,
-    dequantize_weight,
-    dequantized_linear,
-    int8pack_linear,
-    pick_kernel,
-    quantize_weight,
-)
+from nanoqwen.quantization.int4 import Int4Experts, Int4Linear
+from nanoqwen.quantization.int8 import INT8_VERSIONS, Int8Experts, Int8Linear
 
 __all__ = [
-    # defined here: the model-level functions
-    "EXPERTS",
-    "KEEP_UNQUANTIZED",
-    "LINEARS",
-    "QUANTIZABLE_LINEARS",
-    "QUANTIZATION_METHODS",
-    "check_quantization",
-    "quantize_model",
-    "quantize_module",
-    "release_freed_memory",
-    "weight_bytes",
-    # base.py
-    "QuantizedLinear",
-    # int8.py
-    "INT8PACK_MAX_ROWS",
-    "INT8_VERSIONS",
-    "Int8Experts",
-    "Int8Linear",
-    "dequantize_weight",
-    "dequantized_linear",
-    "int8pack_linear",
-    "pick_kernel",
-    "quantize_weight",
-    # int4.py
-    "Int4Experts",
-    "Int4Linear",
-    "dequantize_int4",
-    "int4_dequantized_linear",
-    "int4_group_size",
-    "int4_kernels",
-    "int4_lanes_to_rows",
-    "quantize_int4",
+    "EXPERTS", "KEEP_UNQUANTIZED", "LINEARS", "QUANTIZABLE_LINEARS", "QUANTIZATION_METHODS", "Int4Experts",
+    "Int4Linear", "Int8Experts", "Int8Linear", "QuantizedLinear", "check_quantization", "quantize_model",
+    "quantize_module", "weight_bytes",
 ]
 
-QUANTIZATION_METHODS = ("int8", "int4")
 KEEP_UNQUANTIZED = ("gate",)  # Linears left as they are, by attribute name: Qwen3-MoE's router
-
-
-def check_quantization(method: str | None) -> str | None:
-    """The method if it is supported (None: no quantisation), else a ConfigError naming the
-    choices."""
-    if method is None or method in QUANTIZATION_METHODS:
-        return method
-    raise ConfigError(f"quantization={method!r} is not supported; use one of: "
-                      f"{', '.join(QUANTIZATION_METHODS)} "
-                      "(or None for the checkpoint's own weights)")
 
 
 def quantize_model(model: nn.Module, method: str | None = "int8") -> nn.Module:
@@ -141,22 +82,7 @@ def quantize_module(model: nn.Module, name: str, method: str = "int8") -> None:
     setattr(parent, attr, quantized)
     del module  # the model-dtype matrices' last reference
     if next(quantized.buffers()).device.type == "cpu":
-        release_freed_memory()  # every time (~10 us): see there
-
-
-def release_freed_memory() -> None:
-    """Return the freed heap pages to the OS (glibc's malloc_trim; a no-op elsewhere).
-
-    glibc keeps freed memory for reuse: the model-dtype matrices' pages would stay in the process's
-    RSS, and a matrix allocated above glibc's mmap threshold (the LM head's, 0.16 GB for Qwen3-0.6B)
-    would take new pages on top of them.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        pass
+        release_freed_memory()  # every time (a cheap call): see there
 
 
 def weight_bytes(model: nn.Module) -> int:

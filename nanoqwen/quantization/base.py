@@ -1,23 +1,22 @@
-"""What the int8 and int4 formats share: `QuantizedLinear` (a Linear whose matrix is stored quantised),
-the row-block sizes of quantising and dequantising, and `block_rows`. The formats: int8.py, int4.py; the
-model-level functions: __init__.py."""
+"""What the int8 and int4 layers share: `QuantizedLinear` (a Linear whose matrix is stored quantised),
+the row-block sizes of dequantising, and `block_rows`. The layers: int8.py, int4.py; the formats' tensor
+functions: nanoqwen/ops/quantize.py; the model-level functions: __init__.py."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from nanoqwen.models.qwen3 import Linear
-from nanoqwen.ops import cpu
+from nanoqwen.layers.linear import Linear
+from nanoqwen.ops.cpu.matmul import UPCAST_BLOCK_BYTES
 
 # the largest model-dtype copy of a weight block the dequantise path makes on a GPU (on a CPU, BF16_BLOCK_BYTES
-# below, or for float32 compute ops/cpu.py's UPCAST_BLOCK_BYTES)
+# below, or for float32 compute nanoqwen/ops/cpu/matmul.py's UPCAST_BLOCK_BYTES)
 DEQUANT_BLOCK_BYTES = 16 << 20
-QUANTIZE_BLOCK_ELEMENTS = 1 << 18  # rows quantised at a time: float32 temporaries of 1 MiB
 # On a CPU whose bf16 matmuls are fast (native bf16, AMX), the int8 and int4 layers' bf16 copy of a block of weight
-# rows for torch's matmul over many rows is at most this big: whole matrices of the smaller models. A matmul per
-# 4 MiB block (UPCAST_BLOCK_BYTES, which the float32 path keeps small to stay in the cache) made a Qwen3-0.6B layer's
-# four products at 512 rows 1.3x slower than one matmul each, in int8 and int4 alike (BENCHMARKS.md).
+# rows for torch's matmul over many rows is at most this big: whole matrices of the smaller models, one matmul
+# each (a matmul per 4 MiB block, the UPCAST_BLOCK_BYTES the float32 path keeps small to stay in the cache, was
+# slower for prompts: bench/bench_model.py measures int8 and int4 prefill).
 BF16_BLOCK_BYTES = 64 << 20
 
 
@@ -47,6 +46,7 @@ class QuantizedLinear(Linear):
         left as it is."""
         version = cls.VERSIONS[type(linear)]
         quantized = version(*version.quantize(linear.weight), bias=linear.bias)
+        quantized.matmul_path = linear.matmul_path
         for name in ("output_sizes", "tp_size"):  # a tensor-parallel linear's own attributes
             if hasattr(linear, name):
                 setattr(quantized, name, getattr(linear, name))
@@ -65,17 +65,10 @@ class QuantizedLinear(Linear):
                 f"bias={self.bias is not None}")
 
 
-def scale_rounded_up(s32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 scales stored in the model dtype, rounded up where rounding to nearest went down (one step of that
-    dtype at most), so that the largest weight divided by its stored scale stays within the grid: no clipping."""
-    s = s32.to(dtype)
-    return torch.where(s.float() < s32, torch.nextafter(s, torch.tensor(float("inf"), dtype=dtype, device=s.device)), s)
-
-
 def block_rows(xc: torch.Tensor, in_features: int) -> int:
     """How many weight rows the dequantise paths convert at a time, for activations xc in the compute dtype."""
     if xc.device.type != "cpu":
         block_bytes = DEQUANT_BLOCK_BYTES
     else:  # float32 compute (a CPU without fast bf16, or a float32 model): cache-sized blocks
-        block_bytes = cpu.UPCAST_BLOCK_BYTES if xc.dtype == torch.float32 else BF16_BLOCK_BYTES
+        block_bytes = UPCAST_BLOCK_BYTES if xc.dtype == torch.float32 else BF16_BLOCK_BYTES
     return max(1, block_bytes // (max(in_features, 1) * xc.element_size()))

@@ -27,12 +27,12 @@ Numerics (symmetric, one scale per output row, no zero point), for W [out, in]:
                                           inside the kernels; the output is rounded to the
                                           activation dtype once (int8pack kernel) or twice (matmul
                                           output, then the scaling: dequantise path; once where it
-                                          computes in float32, see ops/cpu.py)
+                                          computes in float32, see ops/cpu/matmul.py)
 
 Kernels, chosen per call:
-- CPU where nanoqwen's gemv kernels are on (ops/cpu.py: measured against torch's), up to 16 bf16
+- CPU where nanoqwen's gemv kernels are on (ops/cpu/matmul.py: measured against torch's), up to 16 bf16
   rows (int8pack was slower at each row count), or up to the bf16 kernel's measured row count where
-  that is higher: nanoqwen's own AVX2 kernel (ops/cpu_gemv.py `int8_gemv`), which streams the int8
+  that is higher: nanoqwen's own AVX2 kernel (ops/cpu/kernels.py `int8_gemv`), which streams the int8
   rows once for all the rows of x. It multiplies in integers: x rounded to int16 in blocks of 64
   (one float32 scale each: an error of at most 2^-16 of the block's largest value), int16 products summed
   in int32.
@@ -44,11 +44,11 @@ Kernels, chosen per call:
   the process in torch 2.13: they take the dequantise path). Its float32 path is much slower than
   its bf16 one, and slower than a float32 matmul: float32 models always dequantise (about the
   float32 model's speed, with a quarter of the weight bytes).
-- CPU, more bf16 rows on the float32 path where nanoqwen's GEMM was chosen (ops/cpu.py): its int8
-  version (ops/cpu_gemv.py `int8_gemm`), which converts the int8 weights to float32 while packing
+- CPU, more bf16 rows on the float32 path where nanoqwen's GEMM was chosen (ops/cpu/matmul.py): its int8
+  version (ops/cpu/kernels.py `int8_gemm`), which converts the int8 weights to float32 while packing
   them, computes what the float32 dequantise path below computes (rounded once), and is faster.
 - CPU, otherwise (prefill, float32): dequantise block by block,
-  `F.linear(x, Wq[rows].to(x.dtype)) * scale[rows]`, with blocks of at most ops/cpu.py's
+  `F.linear(x, Wq[rows].to(x.dtype)) * scale[rows]`, with blocks of at most ops/cpu/matmul.py's
   UPCAST_BLOCK_BYTES so a big matrix (the LM head) never has a model-dtype copy in memory.
 - CUDA and other devices: the same dequantise path (nothing compiles it into one kernel there). Run
   eagerly it converts each matrix on every call: memory is saved, speed is not gained (untested on a
@@ -67,40 +67,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoqwen.models.qwen3 import ColumnParallelLinear, Experts, Linear, RowParallelLinear
-from nanoqwen.ops import cpu
-from nanoqwen.quantization.base import QUANTIZE_BLOCK_ELEMENTS, QuantizedLinear, block_rows, scale_rounded_up
+from nanoqwen.layers.experts import Experts
+from nanoqwen.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from nanoqwen.ops.cpu import kernels as cpu_kernels
+from nanoqwen.ops.cpu.matmul import MatmulPath, linear_in_row_blocks
+from nanoqwen.ops.quantize import quantize_weight
+from nanoqwen.quantization.base import QuantizedLinear, block_rows
 
 # int8pack's cost grows every 4 rows while a bf16 matmul's barely does, so above this many rows
-# (tokens) the dequantise path is faster on CPU (measured, see BENCHMARKS.md).
+# (tokens) the dequantise path is faster on CPU (bench/bench_gemv.py measures both).
 INT8PACK_MAX_ROWS = 16
-
-
-@torch.no_grad()
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] -> (int8 Wq [out, in], scale [out] in W's dtype); see the module docstring."""
-    out_features, in_features = weight.shape
-    dtype = weight.dtype
-    q = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
-    scale = torch.empty(out_features, dtype=dtype, device=weight.device)
-    step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(in_features, 1))
-    # in row blocks that fit a cache: several times faster
-    for start in range(0, out_features, step):
-        w = weight[start: start + step]
-        amax = w.abs().amax(dim=1).float()  # exact in any dtype: a max does not round
-        s32 = torch.where(amax > 0, amax / 127, 1.0)
-        s = scale_rounded_up(s32, dtype)  # |w / s| <= 127, no clipping
-        # float32 division (out of place: a float32 weight's .float() is the weight itself).
-        # Converting first is faster than dividing the bf16 block by a float32 column, which torch
-        # does far slower.
-        q[start: start + step] = torch.div(w.float(), s.float()[:, None]).round_().clamp_(-127, 127)
-        scale[start: start + step] = s
-    return q, scale
-
-
-def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Wq * scale in float32 [out, in]: the weight an Int8Linear computes with."""
-    return q.float() * scale.float()[:, None]
 
 
 class Int8Linear(QuantizedLinear):
@@ -119,7 +95,7 @@ class Int8Linear(QuantizedLinear):
         return self.weight.shape[1]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kernel = pick_kernel(x, self.in_features)
+        kernel = pick_kernel(x, self.in_features, self.matmul_path)
         y = kernel(x, self.weight, self.scale.to(x.dtype))
         return y if bias is None else y + bias
 
@@ -155,10 +131,11 @@ class Int8Experts(Experts):
             q, scale = quantize_weight(w.reshape(-1, w.shape[-1]))
             self.register_buffer(name, q.view(w.shape))
             self.register_buffer(f"{name}_scale", scale.view(w.shape[:2]))
+        self.matmul_path = experts.matmul_path
 
     def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         q, scale = getattr(self, name)[e], getattr(self, f"{name}_scale")[e]
-        return pick_kernel(x, q.shape[1])(x, q, scale.to(x.dtype))
+        return pick_kernel(x, q.shape[1], self.matmul_path)(x, q, scale.to(x.dtype))
 
 
 def int8pack_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -176,33 +153,36 @@ def int8pack_supported(dtype: torch.dtype, in_features: int) -> bool:
     return dtype in (torch.bfloat16, torch.float16) and in_features > 0 and in_features % 16 == 0
 
 
-def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(x @ q.T) * scale with q converted to x's dtype in row blocks (block_rows)
-    (to float32 on a CPU whose bf16 matmuls are slow, nanoqwen/ops/cpu.py: the product then rounds
-    once, not twice)."""
+def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                       compute: torch.dtype | None = None) -> torch.Tensor:
+    """(x @ q.T) * scale with q converted to the compute dtype (x's by default) in row blocks (block_rows)."""
     out_features, in_features = q.shape
-    compute = torch.float32 if cpu.upcast_16bit(x) else x.dtype
-    xc = x.to(compute)
+    xc = x.to(compute or x.dtype)
 
     def product(start: int, end: int) -> torch.Tensor:
-        return F.linear(xc, q[start:end].to(compute)) * scale[start:end].to(compute)
+        return F.linear(xc, q[start:end].to(xc.dtype)) * scale[start:end].to(xc.dtype)
 
-    return cpu.linear_in_row_blocks(x, out_features, block_rows(xc, in_features), product)
+    return linear_in_row_blocks(x, out_features, block_rows(xc, in_features), product)
 
 
-def pick_kernel(x: torch.Tensor, in_features: int
+def dequantized_linear_float32(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """dequantized_linear computed in float32 and rounded to x's dtype once (a CPU whose bf16 matmuls are slow:
+    MatmulPath.upcast_16bit)."""
+    return dequantized_linear(x, q, scale, torch.float32)
+
+
+def pick_kernel(x: torch.Tensor, in_features: int, path: MatmulPath
                 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The kernel for this input: int8pack for few rows on CPU, dequantise otherwise (module
-    docstring)."""
+    """The kernel for this input on this matmul path: nanoqwen's int8 kernels where the path gives them the
+    rows, int8pack for few rows on CPU, dequantise otherwise (module docstring)."""
+    dequantized = dequantized_linear_float32 if path.upcast_16bit(x) else dequantized_linear
     if x.device.type != "cpu":
-        return dequantized_linear
-    if cpu.int8_gemv_rows(x):
-        # where nanoqwen's gemv kernels are on: its own kernel (ops/cpu_gemv.py) reads the int8 rows
-        return cpu.int8_gemv
-    if cpu.own_gemm(x):  # more rows, where nanoqwen's GEMM was chosen: its int8 version
-        return cpu.int8_gemm
+        return dequantized
+    if path.int8_gemv_rows(x):  # where nanoqwen's gemv kernels are on: its own kernel reads the int8 rows
+        return cpu_kernels.int8_gemv
+    if path.own_gemm(x):  # more rows, where nanoqwen's GEMM was chosen: its int8 version
+        return cpu_kernels.int8_gemm
     rows = x.numel() // in_features if in_features else 0
     if rows <= INT8PACK_MAX_ROWS and int8pack_supported(x.dtype, in_features):
         return int8pack_linear
-    return dequantized_linear
-
+    return dequantized

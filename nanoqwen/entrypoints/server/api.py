@@ -1,0 +1,255 @@
+"""The FastAPI app: OpenAI-compatible endpoints over one AsyncEngine (chat and completions for a
+generative model; embeddings, or rerank and score, for an embedding or reranker model), with API-key
+checks, body limits, OpenAI-shaped errors, Prometheus metrics and one log line per request."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from nanoqwen.entrypoints.server.async_engine import AsyncEngine
+from nanoqwen.entrypoints.server.chat import create_chat_completion
+from nanoqwen.entrypoints.server.completions import create_completion
+from nanoqwen.entrypoints.server.metrics import ServerMetrics
+from nanoqwen.entrypoints.server.openapi import ApiDoc
+from nanoqwen.entrypoints.server.pooling import create_embedding, create_rerank, create_score, require_task, served_task
+from nanoqwen.entrypoints.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
+from nanoqwen.entrypoints.server.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    EmbeddingResponse,
+    HealthResponse,
+    ModelList,
+    RerankResponse,
+    ScoreResponse,
+)
+from nanoqwen.entrypoints.server.serving import ServerState
+from nanoqwen.errors import InvalidRequestError
+
+logger = logging.getLogger("nanoqwen.server")
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+# what a POST endpoint may answer besides 200 (and 401 with an API key, 500 if the engine fails)
+POST_ERRORS = (400, 404, 413, 503)
+M = TypeVar("M", bound=BaseModel)
+
+
+def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
+              max_waiting: int | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An app serving `engine` (an LLMEngine, or anything with its interface) as
+    `served_model_name`.
+
+    The engine loop thread starts and stops with the app's lifespan. /openapi.json and /docs
+    describe every endpoint and stay public, as in vLLM, when there is an API key.
+    """
+    state = ServerState(engine, AsyncEngine(engine, max_waiting), ServerMetrics(),
+                        served_model_name, api_key, max_body_bytes, int(time.time()))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.async_engine.start()
+        yield
+        await state.async_engine.stop()
+
+    app = FastAPI(title="nanoqwen", summary="OpenAI-compatible API of a nanoqwen engine",
+                  lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+    doc = ApiDoc(secured=api_key is not None)
+    task = served_task(state)
+
+    def serves(needed: str, what: str) -> str:
+        """An endpoint's description, noting when this model's task does not serve it."""
+        if task == needed:
+            return what
+        return f"{what}\n\nThis server's model (task {task}) does not serve it: it answers 400."
+
+    app.state.server = state
+    app.add_middleware(AccessLog, metrics=state.metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if e.status_code == 404 else None
+        body = APIError(e.status_code, str(e.detail), code=code).body()
+        return JSONResponse(body, status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, e: InvalidRequestError) -> JSONResponse:
+        # user input the engine rejected
+        return JSONResponse(APIError(400, str(e)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        error = APIError(500, f"internal server error: {type(e).__name__}", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.get("/health", **doc.route(HealthResponse, errors=[503], auth=False))
+    async def health() -> Response:
+        """Whether the engine loop runs."""
+        if not state.async_engine.alive:
+            reason = f": {state.async_engine.dead}" if state.async_engine.dead else ""
+            raise APIError(503, f"the engine loop is not running{reason}", type="server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format"}})
+    async def metrics() -> Response:
+        """Prometheus metrics: requests, tokens, latencies, queue and KV-cache use."""
+        a = state.async_engine
+        body = state.metrics.render(a.num_running, a.num_waiting, a.stats)
+        return Response(body, media_type=state.metrics.content_type)
+
+    @app.get("/v1/models", **doc.route(ModelList))
+    async def models(request: Request) -> Response:
+        """The one model this server serves."""
+        _check_api_key(state, request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": state.created,
+            "owned_by": "nanoqwen", "max_model_len": engine.max_model_len,
+            "task": served_task(state)}]})  # task: nanoqwen's (generate, embed or score)
+
+    @app.post("/v1/chat/completions", **doc.route(
+        ChatCompletionResponse, ChatCompletionRequest, ChatCompletionChunk, POST_ERRORS,
+        description=serves("generate", "OpenAI's chat completions, with reasoning_content and "
+                                       "tool calls parsed out.")))
+    async def chat_completions(request: Request) -> Any:
+        req = await _parse(state, request, ChatCompletionRequest, "generate")
+        return await create_chat_completion(state, request, req)
+
+    @app.post("/v1/completions", **doc.route(
+        CompletionResponse, CompletionRequest, CompletionChunk, POST_ERRORS,
+        description=serves("generate", "OpenAI's (legacy) completions of one raw prompt.")))
+    async def completions(request: Request) -> Any:
+        req = await _parse(state, request, CompletionRequest, "generate")
+        return await create_completion(state, request, req)
+
+    @app.post("/v1/embeddings", **doc.route(
+        EmbeddingResponse, EmbeddingRequest, errors=POST_ERRORS,
+        description=serves("embed", "OpenAI's embeddings of texts or token-id lists.")))
+    async def embeddings(request: Request) -> Any:
+        req = await _parse(state, request, EmbeddingRequest, "embed")
+        return await create_embedding(state, request, req)
+
+    # vLLM serves the rerank API under all three paths
+    rerank_doc = doc.route(RerankResponse, RerankRequest, errors=POST_ERRORS, description=serves(
+        "score", "vLLM's rerank (Jina's and Cohere's shape): the documents by relevance to the "
+                 "query."))
+
+    @app.post("/v1/rerank", **rerank_doc)
+    @app.post("/v2/rerank", **rerank_doc)
+    @app.post("/rerank", **rerank_doc)
+    async def rerank(request: Request) -> Any:
+        req = await _parse(state, request, RerankRequest, "score")
+        return await create_rerank(state, request, req)
+
+    score_doc = doc.route(ScoreResponse, ScoreRequest, errors=POST_ERRORS,
+                          description=serves("score", "vLLM's score: each (text_1, text_2) "
+                                                      "pair's relevance."))
+
+    @app.post("/score", **score_doc)
+    @app.post("/v1/score", **score_doc)
+    async def score(request: Request) -> Any:
+        req = await _parse(state, request, ScoreRequest, "score")
+        return await create_score(state, request, req)
+
+    doc.install(app)
+    return app
+
+
+def _check_api_key(state: ServerState, request: Request) -> None:
+    if state.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             state.api_key.encode()):
+        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                       type="authentication_error", code="invalid_api_key")
+
+
+async def _parse(state: ServerState, request: Request, model: type[M], task: str) -> M:
+    """Auth, then the task the endpoint needs (a 400 that names the right endpoint), then the body
+    (size-capped while it streams in), then the model name."""
+    _check_api_key(state, request)
+    require_task(state, task)
+    limit = state.max_body_bytes
+    too_big = APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise too_big
+    try:
+        req = model.model_validate_json(bytes(body))
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    if req.model is not None and req.model != state.served_model_name:
+        raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
+                            f"`{state.served_model_name}`", param="model", code="model_not_found")
+    return req
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {err['msg']}", code="invalid_json")
+    if not err["loc"]:
+        return APIError(400, f"request body must be a JSON object: {err['msg']}")
+    # e.g. messages.0.role (a union adds its member: stop.str)
+    where = ".".join(str(p) for p in err["loc"])
+    return APIError(400, f"{where}: {err['msg']} (got {err.get('input')!r:.100})",
+                    param=str(err["loc"][0]))
+
+
+class AccessLog:
+    """Pure ASGI middleware (streams pass straight through): counts each response and logs
+    one line."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 500
+        scope.setdefault("state", {})["arrival"] = start
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"]
+            self.metrics.count_http(path, status)
+            client = ":".join(map(str, scope["client"])) if scope.get("client") else "-"
+            extra = scope.get("state", {}).get("log", "")
+            logger.info('%s "%s %s" %d %.0fms %s', client, scope["method"], path, status,
+                        (time.perf_counter() - start) * 1000, extra)

@@ -1,0 +1,316 @@
+// Shared by nanoqwen's CPU kernels (nanoqwen/ops/cpu/kernels.py builds the files beside this one into one
+// extension): the CPU features they are compiled for, bf16 conversions and AVX2 helpers, how a product's rows
+// are shared among threads, and the kernels' entry points, one file each:
+//
+//   gemv.cpp        bf16_gemv, int8_gemv: y = x @ w.T for few rows of x, streaming the weights once
+//   gemm.cpp        bf16_gemm, int8_gemm: y = x @ w.T for many rows of x in float32 from bf16 / int8 weights;
+//                   prefill_attention: a prompt chunk's attention, its two products through the same kernel
+//   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill);
+//                   int4_unpack: the weights as bf16, for a fast bf16 matmul to take (prefill with AMX)
+//   decode_ops.cpp  rms_norm, add_rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a
+//                   decode step's rest; argmax: the sampler's greedy choice
+//   module.cpp      decode_model (a decode step's whole forward in one call) and the Python bindings
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define NANOQWEN_AVX2 1
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define NANOQWEN_BF16_DOT 1  // vdpbf16ps: 16 bf16 products summed into 8 float32 lanes, one instruction
+#endif
+#endif
+
+namespace nanoqwen {
+
+constexpr int64_t kTaskBytes = 256 << 10;    // weight bytes a parallel task reads at least
+// int4: how far ahead of the current weight line to prefetch. Tuned: on an Intel Xeon, int4 decode faster at
+// 2 KB than at 4 KB, 1 KB as 2 KB; on the AMD EPYC, int4_gemv alone read level or slower at 2 KB than at 4 KB
+// (bench/ab_kernels.py measures it)
+constexpr int kPrefetchBytes = 2048;
+// gemv.cpp's bf16/int8 kernels read R weight rows side by side, R streams a thread: each row prefetched this far
+// ahead (tuned: bench/ab_kernels.py)
+constexpr int kRowPrefetchBytes = 1024;
+constexpr int kOwnSharePercent = 85;         // of a product's rows, split evenly over threads (parallel_rows below)
+constexpr int kChunksPerThread = 4;          // the other rows: this many chunks per thread
+constexpr int64_t kClaimBytes = 16 << 10;    // weight bytes a claim takes at least (parallel_rows_stealing)
+
+// bf16 -> float32: a bf16 is the upper 16 bits of a float32.
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline uint16_t float_to_bf16(float f) { return at::BFloat16(f).x; }  // round to nearest even
+inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+#ifdef NANOQWEN_AVX2
+// 8 bf16 -> 8 float32: zero-extend each 16-bit value to 32 bits, shift it into the upper half.
+inline __m256 load8_bf16(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 int8 -> 8 float32: sign-extend to int32, convert (exact: |q| <= 128).
+inline __m256 load8_int8(const int8_t* p) {
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+inline __m256 load8(const uint16_t* p) { return load8_bf16(p); }
+inline __m256 load8(const int8_t* p) { return load8_int8(p); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// float32 -> bf16 bits (round to nearest even) in the low half of each int32 lane, as at::BFloat16 rounds
+// finite values.
+inline __m256i bf16_bits(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+}
+inline __m256 round_bf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+inline void store8_bf16(uint16_t* p, __m256 v) {
+  const __m256i r = bf16_bits(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+// e^x for 8 floats (Cephes' expf: a degree-5 polynomial after range reduction, within 2 float32 ulps).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// The sum of the 8 lanes of v.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // 4 lanes
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                           // 2 lanes
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));                                            // 1 lane
+  return _mm_cvtss_f32(s);
+}
+
+// The largest of the 8 lanes of v.
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The sum of the 8 int32 lanes of v.
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));  // swap 64-bit halves
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));  // swap 32-bit pairs
+}
+#endif
+
+inline float to_float(uint16_t v) { return bf16_to_float(v); }
+inline float to_float(int8_t v) { return static_cast<float>(v); }
+
+// max |x[i]| for i < n (bf16 x): the scale of a block of x quantised to integers (int4_gemv, int8_gemv).
+inline float absmax_bf16(const uint16_t* x, int64_t n) {
+  int64_t i = 0;
+  float amax = 0.0f;
+#ifdef NANOQWEN_AVX2
+  __m256 vmax = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, load8_bf16(x + i)));  // |x|
+  amax = hmax(vmax);
+#endif
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(bf16_to_float(x[i])));
+  return amax;
+}
+
+// s[j] = e^(s[j] - mx) for j < n, in place; returns their sum (a softmax's numerators and its denominator).
+inline float exp_minus_max(float* s, int64_t n, float mx) {
+  int64_t j = 0;
+  float sum = 0.0f;
+#ifdef NANOQWEN_AVX2
+  __m256 total = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(s + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  sum = hsum(total);
+#endif
+  for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - mx));
+  return sum;
+}
+
+// body(begin, end) over the rows [0, N) on torch's threads: the work of at::parallel_for(0, N, grain, body),
+// shared out so that a thread that streams its weights more slowly in this call does fewer rows. Each thread
+// first takes its own contiguous share of the first kOwnSharePercent of the rows (one sequential stream per
+// thread, no coordination), then the rest in chunks from a shared counter until none is left. Equal static
+// shares make the first thread to finish wait for the other in every product (at batch 1 the two threads'
+// read speeds drift apart; bench/ab_kernels.py measures it); all-dynamic small chunks cost more in broken
+// streams than they save. A row's result depends only on where the chunks are cut (fixed for a given
+// N and thread count), not on which thread runs it, so the output is the same from call to call.
+template <typename F>
+inline void parallel_rows(int64_t N, int64_t grain, const F& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), N / grain);
+  if (threads <= 1) return at::parallel_for(0, N, grain, body);
+  const int64_t own = N * kOwnSharePercent / 100;  // rows [0, own) in equal shares, one per thread
+  const int64_t chunk = std::max<int64_t>(1, (N - own) / (threads * kChunksPerThread));
+  std::atomic<int64_t> next{own};
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {  // one thread each (inline: all of them)
+    for (int64_t t = first; t < last; ++t) body(own * t / threads, own * (t + 1) / threads);
+    for (int64_t b; (b = next.fetch_add(chunk, std::memory_order_relaxed)) < N;) body(b, std::min(N, b + chunk));
+  });
+}
+
+// body(begin, end) over the rows [0, N) on torch's threads, shared out by work stealing: each thread streams its
+// own equal share, taking `claim` rows at a time; a thread whose share is done takes the back half of what is
+// left of the fullest other share, which becomes its own. Each thread reads one long sequential stream, then a
+// few shorter ones, and the threads end within a claim of each other. Used where body reads each claim as one
+// stream (int4_gemv), where it decodes faster than parallel_rows, whose tail is many small chunks
+// (bench/ab_kernels.py measures it). bf16 and int8 keep parallel_rows: their body cuts its range into three
+// streams, which needs long ranges. Where the ranges are cut changes from call to call, so a row's result must
+// not depend on it (int4: blocks of 16 rows, each computed alone).
+//
+// A share [begin, end) is one 64-bit word (begin << 32 | end), so that its owner's claim from the front and a
+// thief's cut of the back are each one compare-and-swap and never both take a row.
+template <typename F>
+inline void parallel_rows_stealing(int64_t N, int64_t grain, int64_t claim, const F& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), N / grain);
+  if (threads <= 1) return at::parallel_for(0, N, grain, body);
+  TORCH_CHECK(N < (int64_t(1) << 32), "parallel_rows_stealing: ", N, " rows do not fit its 32-bit ranges");
+  struct alignas(64) Share { std::atomic<uint64_t> range; };  // a cache line each: claims stay on their core
+  const std::unique_ptr<Share[]> shares(new Share[threads]);
+  auto pack = [](int64_t begin, int64_t end) { return uint64_t(begin) << 32 | uint64_t(end); };
+  auto begin_of = [](uint64_t range) { return int64_t(range >> 32); };
+  auto end_of = [](uint64_t range) { return int64_t(range & 0xffffffffu); };
+  for (int64_t t = 0; t < threads; ++t) shares[t].range.store(pack(N * t / threads, N * (t + 1) / threads));
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {  // one thread each (inline: all of them)
+    for (int64_t t = first; t < last; ++t) {
+      std::atomic<uint64_t>& mine = shares[t].range;
+      while (true) {
+        uint64_t r = mine.load(std::memory_order_relaxed);
+        if (begin_of(r) < end_of(r)) {  // claim the next rows of my share
+          const int64_t begin = begin_of(r), end = std::min(end_of(r), begin + claim);
+          if (mine.compare_exchange_weak(r, pack(end, end_of(r)), std::memory_order_acq_rel)) body(begin, end);
+          continue;
+        }
+        int64_t victim = -1, most = claim;  // a share of one claim or less left: its owner finishes it
+        for (int64_t u = 0; u < threads; ++u) {
+          const uint64_t x = shares[u].range.load(std::memory_order_relaxed);
+          if (u != t && end_of(x) - begin_of(x) > most) {
+            most = end_of(x) - begin_of(x);
+            victim = u;
+          }
+        }
+        if (victim < 0) break;  // (not return: run inline, the next shares are still to do)
+        uint64_t x = shares[victim].range.load(std::memory_order_relaxed);
+        const int64_t begin = begin_of(x), end = end_of(x), middle = begin + (end - begin + 1) / 2;
+        if (end - begin > claim &&  // the owner keeps [begin, middle), the back half becomes mine
+            shares[victim].range.compare_exchange_strong(x, pack(begin, middle), std::memory_order_acq_rel))
+          mine.store(pack(middle, end), std::memory_order_relaxed);
+      }
+    }
+  });
+}
+
+// ---- A decode step's outputs, recycled from step to step.
+//
+// decode_model calls some ten kernels a layer, and each allocates its output: at::empty in a decode step (its
+// data cold after the weights streamed through the caches) costs as much as a small kernel's work.
+// While a RecycledOutputs is alive on a thread (decode_model makes one), new_output hands out a tensor of this
+// thread's pool that has the shape and dtype asked for and that nothing else holds any more (neither the tensor
+// nor its storage is referenced outside the pool), and adds a new one to the pool when none is free; elsewhere it
+// is at::empty (bench/ab_kernels.py measures what the pool buys). The pool holds one batch size's buffers, the last
+// step's (a step of another size empties it first: a pool of every size would hold an LM head's output of each),
+// until its thread ends.
+struct OutputPool {
+  int64_t rows = -1;  // the batch size its buffers are for
+  std::vector<at::Tensor> buffers;
+};
+inline thread_local OutputPool* t_output_pool = nullptr;
+
+class RecycledOutputs {
+ public:
+  explicit RecycledOutputs(int64_t rows) : previous_(t_output_pool) {
+    OutputPool& p = pool();
+    if (p.rows != rows) p.buffers.clear();
+    p.rows = rows;
+    t_output_pool = &p;
+  }
+  ~RecycledOutputs() { t_output_pool = previous_; }
+  RecycledOutputs(const RecycledOutputs&) = delete;
+  RecycledOutputs& operator=(const RecycledOutputs&) = delete;
+
+ private:
+  static OutputPool& pool() {
+    static thread_local OutputPool this_thread;
+    return this_thread;
+  }
+  OutputPool* previous_;
+};
+
+inline at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (t_output_pool == nullptr) return at::empty(sizes, options);
+  for (const at::Tensor& t : t_output_pool->buffers)
+    if (t.use_count() == 1 && t.storage().use_count() == 1 && t.sizes() == sizes && t.dtype() == options.dtype())
+      return t;
+  return t_output_pool->buffers.emplace_back(at::empty(sizes, options));
+}
+
+inline void check_vector(const at::Tensor& t, const char* name, int64_t N) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == N, name, " must have shape [", N, "], got ", t.sizes());
+}
+
+// ---- The entry points (shapes and what each computes: beside its definition).
+
+// gemv.cpp
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
+// gemm.cpp
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w);
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_cached,
+                             double scale, int64_t block);
+// int4_gemv.cpp
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                     const at::Tensor& offset);
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                     const at::Tensor& offset);
+at::Tensor int4_unpack(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset);
+// decode_ops.cpp
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,
+                                                double eps);
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor swiglu(const at::Tensor& gate_up);
+at::Tensor argmax(const at::Tensor& values);
+at::Tensor attention_inputs(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                            double eps, int64_t num_heads, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slot_mapping);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale);
+
+}  // namespace nanoqwen

@@ -1,0 +1,244 @@
+// The extension's Python module: the kernels of the files beside this one (cpu_kernels.h lists them), and a
+// decode step's whole forward in one call (nanoqwen/worker/fused_decoder.py drives it).
+
+#include <torch/extension.h>
+
+#include "cpu_kernels.h"
+
+namespace nanoqwen {
+
+// A decoder layer's weights as decode_model takes them, gathered once (worker/fused_decoder.py makes one a layer). Each
+// linear is given as its tensors: (w) bf16, (q, scale) int8, (packed, scale, offset) int4.
+struct DecoderLayerWeights {
+  at::Tensor input_norm, post_norm;
+  double eps;
+  std::vector<at::Tensor> qkv_proj;
+  at::Tensor q_norm, k_norm;
+  std::vector<at::Tensor> o_proj, gate_up_proj, down_proj;
+  int64_t num_heads;
+};
+
+// The whole model as decode_model takes it: the embedding table, RotaryEmbedding's cos and sin tables (float32,
+// [max_len, D]), the decoder layers, the final norm and the LM head (a linear's tensors, as above).
+struct DecoderModelWeights {
+  at::Tensor embed, cos, sin;
+  std::vector<DecoderLayerWeights> layers;
+  at::Tensor norm;
+  double eps;
+  std::vector<at::Tensor> lm_head;
+};
+
+namespace {
+
+at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& t) {
+  switch (t.size()) {
+    case 1: return bf16_gemv(x, t[0], std::nullopt);
+    case 2: return int8_gemv(x, t[0], t[1]);
+    case 3: return int4_gemv(x, t[0], t[1], t[2]);
+    default: TORCH_CHECK(false, "a linear is 1 (bf16), 2 (int8) or 3 (int4) tensors, got ", t.size());
+  }
+}
+
+// One layer of a decode step, as DecoderLayer.forward computes it on this path (the same kernels in the same order,
+// so the same bits) without a return to Python: x + attention(norm(x)), then h + mlp(norm(h)). Takes the layer's
+// input x and input_norm(x) (x_normed) and returns the layer's output and next_norm of it (the next layer's input
+// norm, or the model's final norm): each residual add and the norm after it are one call (add_rms_norm).
+std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const at::Tensor& x_normed,
+                                                const DecoderLayerWeights& w, const at::Tensor& next_norm,
+                                                double next_eps, const at::Tensor& cos, const at::Tensor& sin,
+                                                const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                                const at::Tensor& context_lens) {
+  const int64_t M = x.size(0), D = k_cache.size(3), q_size = w.num_heads * D;
+  at::Tensor qkv = linear(x_normed, w.qkv_proj);  // [M, (Hq + 2 Hkv) D]
+  at::Tensor q = attention_inputs(qkv, w.q_norm, w.k_norm, w.eps, w.num_heads, cos, sin, k_cache, v_cache, slot_mapping);
+  at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0 / std::sqrt(double(D)));
+  const auto [h, h_normed] = add_rms_norm(x, linear(attn.view({M, q_size}), w.o_proj), w.post_norm, w.eps);
+  return add_rms_norm(h, linear(swiglu(linear(h_normed, w.gate_up_proj)), w.down_proj), next_norm, next_eps);
+}
+
+// A decode step's forward to the LM head's bf16 output [M, V] (decode_model below says what it takes).
+at::Tensor decode_logits(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& positions,
+                         const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  const auto& layers = model.layers;
+  TORCH_CHECK(k_caches.dim() == 5 && k_caches.size(0) == int64_t(layers.size()) && v_caches.sizes() == k_caches.sizes(),
+              "k_caches and v_caches must be [", layers.size(), ", blocks, block_size, Hkv, D], got ", k_caches.sizes(),
+              " and ", v_caches.sizes());
+  TORCH_CHECK(!layers.empty(), "a model without decoder layers");
+  const RecycledOutputs recycled(input_ids.numel());  // the kernels' outputs: the last step's (cpu_kernels.h)
+  at::Tensor x = model.embed.index_select(0, input_ids);  // [M, H]
+  at::Tensor x_normed = rms_norm(x, layers[0].input_norm, layers[0].eps);
+  const at::Tensor cos = model.cos.index_select(0, positions).to(at::kBFloat16);  // [M, D]
+  const at::Tensor sin = model.sin.index_select(0, positions).to(at::kBFloat16);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const bool last = i + 1 == layers.size();
+    std::tie(x, x_normed) = decode_layer(x, x_normed, layers[i], last ? model.norm : layers[i + 1].input_norm,
+                                         last ? model.eps : layers[i + 1].eps, cos, sin, k_caches[i], v_caches[i],
+                                         slot_mapping, block_tables, context_lens);
+  }
+  return linear(x_normed, model.lm_head);  // [M, V]: the final norm's output through the LM head
+}
+
+}  // namespace
+
+// A decode step's forward, one call a step: input_ids [M] (one token per row) at positions [M] -> float32 logits
+// [M, V], as Qwen3ForCausalLM's forward and compute_logits give them on this path (the embedding's rows, cos and
+// sin cast to bf16 as RotaryEmbedding casts them, the layers, the final norm, the LM head). Layer i uses the
+// caches k_caches[i], v_caches[i] ([layers, blocks, block_size, Hkv, D]); the rest is shared by all layers.
+at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& positions,
+                        const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  return decode_logits(model, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables, context_lens)
+      .to(at::kFloat);
+}
+
+// Greedy decode steps, several in one call (ModelRunner's greedy multi-step decode: num_scheduler_steps): step s
+// feeds each row's token from step s - 1 (input_ids [M] at step 0) at position context_lens[m] - 1 + s, stores its
+// keys and values there and takes the argmax of its logits as the row's next token: what decode_model and the
+// sampler's greedy choice give step after step, without a return to Python. block_tables [M, W] int32 must cover
+// every step's position; context_lens [M] int32 are step 0's (each step adds one; a decode row's position is its
+// context length - 1). Stops after the step where every row has produced one of its stop_token_ids [M, S] (-1 pads
+// a row's list): their sequences are finished. Returns the tokens [steps run, M] int64.
+at::Tensor decode_steps(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& k_caches,
+                        const at::Tensor& v_caches, const at::Tensor& block_tables_in,
+                        const at::Tensor& context_lens_in, const at::Tensor& stop_token_ids_in, int64_t num_steps) {
+  const int64_t M = input_ids.numel(), block_size = k_caches.size(2);
+  const at::Tensor block_tables = block_tables_in.contiguous(), stops = stop_token_ids_in.contiguous();
+  TORCH_CHECK(num_steps >= 1, "num_steps must be >= 1, got ", num_steps);
+  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong, "input_ids must be int64 [M]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == M && block_tables.scalar_type() == at::kInt,
+              "block_tables must be int32 [", M, ", W]");
+  TORCH_CHECK(context_lens_in.sizes() == input_ids.sizes() && context_lens_in.scalar_type() == at::kInt,
+              "context_lens must be int32 [", M, "]");
+  TORCH_CHECK(stops.dim() == 2 && stops.size(0) == M && stops.scalar_type() == at::kLong,
+              "stop_token_ids must be int64 [", M, ", S]");
+  at::Tensor context_lens = context_lens_in.clone();
+  at::Tensor positions = context_lens.to(at::kLong) - 1, slot_mapping = at::empty({M}, positions.options());
+  int64_t* pos = positions.data_ptr<int64_t>();
+  int32_t* lens = context_lens.data_ptr<int32_t>();
+  int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* stop = stops.data_ptr<int64_t>();
+  const int64_t W = block_tables.size(1), S = stops.size(1);
+  for (int64_t m = 0; m < M; ++m)  // (checked before any step writes the cache)
+    TORCH_CHECK((pos[m] + num_steps - 1) / block_size < W, "block_tables cover ", W, " blocks, too few for position ",
+                pos[m] + num_steps - 1, " of row ", m);
+  std::vector<bool> stopped(M, false);
+  std::vector<at::Tensor> tokens;
+  at::Tensor ids = input_ids;
+  for (int64_t s = 0; s < num_steps; ++s) {
+    for (int64_t m = 0; m < M; ++m) {  // the step's position of each row, and its cache slot
+      if (s > 0) ++pos[m], ++lens[m];
+      slots[m] = int64_t(tables[m * W + pos[m] / block_size]) * block_size + pos[m] % block_size;
+    }
+    const at::Tensor logits = decode_logits(model, ids, positions, k_caches, v_caches, slot_mapping, block_tables,
+                                            context_lens);  // [M, V] bf16
+    ids = nanoqwen::argmax(logits);  // [M]: each row's next token
+    tokens.push_back(ids);
+    const int64_t* next = ids.data_ptr<int64_t>();
+    bool all_stopped = true;
+    for (int64_t m = 0; m < M; ++m) {
+      stopped[m] = stopped[m] || std::find(stop + m * S, stop + (m + 1) * S, next[m]) != stop + (m + 1) * S;
+      all_stopped = all_stopped && stopped[m];
+    }
+    if (all_stopped) break;
+  }
+  return at::stack(tokens);  // [steps run, M]
+}
+
+bool has_avx2() {
+#ifdef NANOQWEN_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool has_bf16_dot() {
+#ifdef NANOQWEN_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool has_vnni() {
+#if defined(NANOQWEN_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace nanoqwen
+
+// The GIL is released while a kernel runs (it touches no Python objects), as torch's own ops do.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace nanoqwen;
+  m.def("bf16_gemv", &bf16_gemv, "y = x @ w.T + bias for few rows of x (bf16, float32 accumulation)",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemv", &int8_gemv, "y = (x @ q.T) * scale for few rows of x (int8 weights, float32 accumulation)",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_gemm", &bf16_gemm, "y = x @ w.T for many rows of x, in float32 from bf16 weights (packed panels)",
+        py::arg("x"), py::arg("w"), py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemm", &int8_gemm, "y = (x @ q.T) * scale for many rows of x, in float32 from int8 weights",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention", &prefill_attention, "a prompt chunk's causal attention in float32 from bf16 q, k, v "
+        "(attention/attend.py prefill_attention_blocked's function)", py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("num_cached"), py::arg("scale"), py::arg("block"), py::call_guard<py::gil_scoped_release>());
+  m.def("int4_gemv", &int4_gemv, "y = x @ (offset + scale * q).T for few rows of x (group-wise int4 weights)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
+  m.def("int4_gemm", &int4_gemm, "int4_gemv's product for many rows of x: packed panels, a small GEMM",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
+  m.def("int4_unpack", &int4_unpack, "int4 weights as bf16 [N, K]: offset + scale * q, rounded to bf16",
+        py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "models.qwen3.rms_norm for bf16 rows", py::arg("x"), py::arg("weight"),
+        py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("apply_rope", &apply_rope, "models.qwen3.apply_rope for bf16 x [N, H, D]", py::arg("x"), py::arg("cos"),
+        py::arg("sin"), py::call_guard<py::gil_scoped_release>());
+  m.def("swiglu", &swiglu, "models.qwen3.swiglu for bf16 gate_up [N, 2I]", py::arg("gate_up"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("argmax", &argmax, "torch.argmax(values, dim=-1) for float32 or bf16 values [B, V]", py::arg("values"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "h = x + y (bf16) and rms_norm(h): a residual add and the norm after it",
+        py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("attention_inputs", &attention_inputs, "q, k normed and rotated, k and v stored: decode_layer's step "
+        "between qkv_proj and attention", py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
+        py::arg("num_heads"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention reading the paged KV cache in place",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  // (module_local: two builds of this extension in one process each keep their own)
+  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", "a decoder layer's weights as decode_model takes them",
+                                  py::module_local())
+      .def(py::init([](at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<at::Tensor> qkv_proj,
+                       at::Tensor q_norm, at::Tensor k_norm, std::vector<at::Tensor> o_proj,
+                       std::vector<at::Tensor> gate_up_proj, std::vector<at::Tensor> down_proj, int64_t num_heads) {
+             return DecoderLayerWeights{input_norm, post_norm, eps, qkv_proj, q_norm, k_norm, o_proj, gate_up_proj,
+                                        down_proj, num_heads};
+           }),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("eps"), py::arg("qkv_proj"), py::arg("q_norm"),
+           py::arg("k_norm"), py::arg("o_proj"), py::arg("gate_up_proj"), py::arg("down_proj"), py::arg("num_heads"));
+  py::class_<DecoderModelWeights>(m, "DecoderModelWeights", "a model's weights as decode_model takes them",
+                                  py::module_local())
+      .def(py::init([](at::Tensor embed, at::Tensor cos, at::Tensor sin, std::vector<DecoderLayerWeights> layers,
+                       at::Tensor norm, double eps, std::vector<at::Tensor> lm_head) {
+             return DecoderModelWeights{embed, cos, sin, std::move(layers), norm, eps, lm_head};
+           }),
+           py::arg("embed"), py::arg("cos"), py::arg("sin"), py::arg("layers"), py::arg("norm"), py::arg("eps"),
+           py::arg("lm_head"));
+  m.def("decode_model", &decode_model, "a decode step's forward, input ids to float32 logits, one call a step "
+        "(see worker/fused_decoder.py)", py::arg("model"), py::arg("input_ids"), py::arg("positions"), py::arg("k_caches"),
+        py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_steps", &decode_steps, "greedy decode steps, several in one call: the tokens [steps run, M] "
+        "(see worker/fused_decoder.py)", py::arg("model"), py::arg("input_ids"), py::arg("k_caches"), py::arg("v_caches"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("stop_token_ids"),
+        py::arg("num_steps"), py::call_guard<py::gil_scoped_release>());
+  m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
+  m.def("has_vnni", &has_vnni, "whether int4_gemv's integer dot products use AVX-512 VNNI (else AVX2)");
+  m.def("has_bf16_dot", &has_bf16_dot,
+        "whether bf16_gemv and int8_gemv multiply with AVX-512 BF16 dot products (else widened FMAs)");
+}

@@ -1,0 +1,158 @@
+"""How a model's matmuls run on a CPU: `MatmulPath`, the choice an engine makes once per CPU
+(nanoqwen/ops/cpu/selection.py measures it) and hands to every layer that multiplies.
+
+CPUs with native bf16 matrix instructions (AVX-512-BF16, AMX) multiply bf16 matrices as fast as
+float32 ones or faster. On the others (AVX2-only: AMD Zen 2/3, most Intel client chips) torch's bf16
+matrix-matrix product is many times slower than its float32 one, because every element is converted
+in the inner loop. There, the weights stay 16-bit in memory (half the bytes; a matrix-vector
+product, one decode row, reads them directly and stays fast) and products over many rows (prompt
+chunks, large batches) convert the weights to float32 block by block and multiply in float32:
+`upcast_linear` (the "float32" path). Prompt attention does the same (nanoqwen/attention/).
+
+Either path computes the same function: bf16 inputs, products accumulated in float32, the output
+rounded to bf16 once. Only the order of the float32 additions differs, so greedy tokens agree within
+bf16's tolerance.
+
+Beside the path, the choice says which rows nanoqwen's own kernels take (nanoqwen/ops/cpu/kernels.py):
+up to `gemv_max_rows` rows its gemv kernels (decode steps), on the float32 path more rows its GEMM where
+it was measured faster (`gemm`), and on the bf16 path from how many rows int4 products unpack the
+weights to bf16 for torch's matmul (`int4_unpack_min_rows`). `TORCH_MATMUL`, the default, is torch's
+own kernels for everything: the reference, and what GPUs use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanoqwen.ops.cpu import kernels as cpu_kernels
+
+PATHS = ("bf16", "float32")
+# fewer rows read the 16-bit weights directly (a matrix-vector product is memory-bound)
+UPCAST_MIN_ROWS = 16
+# up to this many rows, nanoqwen's own kernels (ops/cpu/kernels.py) where they are on and measured faster
+GEMV_MAX_ROWS = 64
+# int8 rows go through nanoqwen's int8 kernel up to this many, or up to the bf16 kernel's count if more
+INT8_GEMV_MIN_ROWS = 16
+# The largest float32 copy of a weight block that a product over many rows makes at a time on a CPU (upcast_linear,
+# and the int8/int4 layers' unpacking): small enough that the copy is still in the L3 cache when the matmul reads
+# it, so that the weights come from memory once, as 16-bit (or 8- or 4-bit) values.
+UPCAST_BLOCK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class MatmulPath:
+    """How 16-bit matmuls run on this CPU, and which rows nanoqwen's own kernels take.
+
+    path: "bf16" (torch's own kernel) or "float32" (16-bit operands computed in float32 over many rows).
+    The methods say, for one product's activations x, which kernel computes it; every layer that multiplies
+    asks them (nanoqwen/layers/linear.py, nanoqwen/quantization/, nanoqwen/attention/).
+    """
+
+    path: str = "bf16"
+    reason: str = "torch's kernels"  # why, for the log line and `nanoqwen bench`
+    bf16_gflops: float | None = None
+    float32_gflops: float | None = None
+    gemv_max_rows: int = 0  # few rows (decode), up to this many, through nanoqwen's gemv kernels
+    gemv_reason: str = ""  # why
+    gemm: bool = False  # on the float32 path, more rows through nanoqwen's bf16_gemm, not upcast_linear
+    gemm_reason: str = ""  # why
+    # on the bf16 path, int4 products over this many rows or more unpack the weights to bf16 for torch's matmul
+    # rather than run nanoqwen's int4 kernel (0: never)
+    int4_unpack_min_rows: int = 0
+    int4_unpack_reason: str = ""  # why
+
+    @property
+    def gemv(self) -> bool:
+        """Whether nanoqwen's gemv kernels take any rows."""
+        return self.gemv_max_rows > 0
+
+    def describe(self) -> str:
+        few = f"<= {self.gemv_max_rows} rows: nanoqwen's gemv kernels ({self.gemv_reason}); " if self.gemv else ""
+        if self.path == "bf16":
+            return f"{few}bf16 matmuls ({self.reason})"
+        more = max(UPCAST_MIN_ROWS, self.gemv_max_rows + 1)  # (the rows the gemv kernels leave)
+        how = f"nanoqwen's bf16_gemm, {self.gemm_reason}; " if self.gemm else ""
+        return f"{few}>= {more} rows: float32 compute from 16-bit weights ({how}{self.reason})"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear for x [N, in] on this path: a few bf16 rows through the gemv kernel (when on), many
+        16-bit rows computed in float32 (on the float32 path: nanoqwen's bf16_gemm where chosen, else
+        upcast_linear), everything else torch's own F.linear (tensors off the CPU included)."""
+        if self.path == "bf16" and not self.gemv:
+            return F.linear(x, weight, bias)
+        rows = x.shape[0]
+        bf16 = x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+        if bf16 and rows <= self.gemv_max_rows:
+            return cpu_kernels.bf16_gemv(x, weight, bias)
+        if rows >= UPCAST_MIN_ROWS and self.upcast_16bit(x):
+            if self.own_gemm(x) and bf16 and bias is None:
+                return cpu_kernels.bf16_gemm(x, weight)
+            return upcast_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def int8_gemv_rows(self, x: torch.Tensor) -> bool:
+        """Whether an int8 product over x's rows goes through nanoqwen's int8 kernel: the gemv kernels on,
+        bf16 x, up to INT8_GEMV_MIN_ROWS rows whatever the bf16 limit, because its alternative for few rows,
+        torch's int8pack, was slower at every row count up to 16 (bench/bench_gemv.py); up to the bf16
+        kernel's row count where that is higher, because above 16 rows the alternative is to dequantise and
+        multiply as bf16 rows are multiplied, which the bf16 kernel was measured against."""
+        most = max(INT8_GEMV_MIN_ROWS, self.gemv_max_rows)
+        return (self.gemv and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and x.numel() <= most * x.shape[-1])
+
+    def own_gemm(self, x: torch.Tensor) -> bool:
+        """Whether work over bf16 x's many rows goes through nanoqwen's GEMM kernel: the products (bf16_gemm,
+        and int8_gemm for the int8 rows int8_gemv_rows leaves: measured faster than dequantising to float32
+        blocks) and a prompt chunk's attention (cpu_kernels.prefill_attention, its two products). Where the
+        GEMM was chosen, on the float32 path."""
+        return self.gemm and x.dtype == torch.bfloat16 and self.upcast_16bit(x)
+
+    def int4_unpacked(self, x: torch.Tensor) -> bool:
+        """Whether an int4 product over bf16 x's rows unpacks the weights to bf16 for torch's matmul
+        (nanoqwen/quantization/int4.py), rather than nanoqwen's int4 kernel: from the row count where that
+        was measured faster (nanoqwen/ops/cpu/selection.py)."""
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        return (0 < self.int4_unpack_min_rows <= rows and x.device.type == "cpu"
+                and x.dtype == torch.bfloat16)
+
+    def upcast_16bit(self, x: torch.Tensor) -> bool:
+        """Whether a product over x's rows computes in float32 from 16-bit operands (CPU without fast
+        bf16)."""
+        return (self.path == "float32" and x.device.type == "cpu"
+                and x.dtype in (torch.bfloat16, torch.float16))
+
+
+TORCH_MATMUL = MatmulPath()
+
+
+def linear_in_row_blocks(x: torch.Tensor, out_features: int, block_rows: int,
+                         product: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """x @ W.T of x's dtype, W taken in blocks of at most block_rows output rows: product(start, end) gives
+    x @ W[start:end].T in whatever dtype it computes in (so only one block of a converted weight exists at
+    a time). One block: its product is the output, converted once, with no copy into a preallocated one.
+    Any device (the int8 and int4 layers use it on GPUs too)."""
+    if out_features <= block_rows:
+        return product(0, out_features).to(x.dtype)
+    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+    for start in range(0, out_features, block_rows):
+        end = min(start + block_rows, out_features)
+        out[..., start:end] = product(start, end)
+    return out
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for 16-bit x and weight, computed in float32: the weight converted
+    in row blocks of at most UPCAST_BLOCK_BYTES (an LM head never has a float32 copy in memory), the
+    output rounded to x's dtype once."""
+    out_features, in_features = weight.shape
+    x32 = x.float()
+
+    def product(start: int, end: int) -> torch.Tensor:
+        return F.linear(x32, weight[start:end].float(), None if bias is None else bias[start:end].float())
+
+    return linear_in_row_blocks(x, out_features, max(1, UPCAST_BLOCK_BYTES // (4 * max(in_features, 1))), product)

@@ -1,0 +1,156 @@
+"""The measurements nanoqwen/ops/cpu/selection.py chooses a CPU's matmul path by, and their cache.
+
+Each probe times two ways of computing the same product on this machine, the two alternating so that both see
+the same machine (a shared machine's speed drifts within seconds), and returns plain numbers; selection.py
+decides from them. Each result is measured once per CPU model, CPU flags, torch CPU capability, torch version
+and thread count (and, for the kernels' probes, per build of nanoqwen's kernels) and kept in
+~/.cache/nanoqwen/cpu-matmul.json (`cached`):
+
+- matmul_gflops: torch's bf16 and float32 matmul on PROBE_SHAPE (which path);
+- gemv_probe: nanoqwen's bf16 gemv kernel against what the rows take without it, by row count (how many rows
+  the gemv kernels take);
+- gemm_probe: nanoqwen's bf16_gemm against upcast_linear (float32 path: whether the GEMM takes many rows);
+- int4_unpack_probe: int4_gemm against the weights unpacked to bf16 for torch's matmul, by row count (bf16
+  path: from how many rows int4 prompts unpack).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nanoqwen.ops.cpu import kernels as cpu_kernels
+from nanoqwen.ops.cpu.cpu_info import cpu_name_and_flags, isa_summary
+from nanoqwen.ops.cpu.matmul import UPCAST_MIN_ROWS, upcast_linear
+from nanoqwen.ops.quantize import quantize_int4
+
+# rows, in, out: a prompt chunk through a Qwen3-0.6B-sized projection
+PROBE_SHAPE = (256, 1024, 1024)
+# out, in, copies: a Qwen3-0.6B qkv_proj, 8 copies (64 MiB) so that they come from memory
+GEMV_PROBE_SHAPE = (4096, 1024, 8)
+GEMV_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# rows of x at which int4_unpack_probe times an int4 product of a 1024 x 1024 weight both ways (bf16 path)
+INT4_UNPACK_PROBE_ROWS = (16, 32, 64, 128, 256)
+
+
+def cached(cache_dir: Path | None, what: str, measure: Callable[[], dict]) -> dict:
+    """measure()'s result, cached per CPU model, CPU flags, torch version and thread count in
+    cpu-matmul.json (measured now where the cache has none)."""
+    name, flags = cpu_name_and_flags()
+    capability = torch.backends.cpu.get_cpu_capability()
+    key = f"{name} | {isa_summary(flags)} | {capability} | torch {torch.__version__}" \
+          f" | {torch.get_num_threads()} threads"
+    key += "" if what == "matmul" else f" | {what}"
+    cache = (cache_dir or _cache_dir()) / "cpu-matmul.json"
+    known = _read_json(cache)
+    if key in known:
+        return known[key]
+    known[key] = measure()
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(known, indent=1))
+    except OSError:  # a read-only home: measure again next time
+        pass
+    return known[key]
+
+
+def matmul_gflops(dtype: torch.dtype) -> float:
+    """GFLOP/s of F.linear on PROBE_SHAPE in `dtype`, best of three runs after a warm-up."""
+    rows, n_in, n_out = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(rows, n_in, generator=g).to(dtype),
+            torch.randn(n_out, n_in, generator=g).to(dtype))
+    best, = _best_seconds([lambda: F.linear(x, w)], rounds=3)
+    return 2 * rows * n_in * n_out / best / 1e9
+
+
+def int4_unpack_probe() -> dict[int, tuple[float, float]]:
+    """For each row count of INT4_UNPACK_PROBE_ROWS, GFLOP/s of an int4 product (a 1024 x 1024 weight in
+    groups of 64) through nanoqwen's int4_gemm and through the weight unpacked to bf16 (int4_unpack) and torch's
+    bf16 F.linear: the best of five rounds, the two alternating."""
+    _, n_in, n_out = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    packed, scale, offset = quantize_int4(torch.randn(n_out, n_in, generator=g).bfloat16() / n_in**0.5, 64)
+
+    def both_ways(x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
+        return [lambda: cpu_kernels.int4_gemm(x, packed, scale, offset),
+                lambda: F.linear(x, cpu_kernels.int4_unpack(packed, scale, offset))]
+
+    speeds = {}
+    for rows in INT4_UNPACK_PROBE_ROWS:
+        best = _best_seconds(both_ways(torch.randn(rows, n_in, generator=g).bfloat16()), rounds=5)
+        speeds[rows] = tuple(round(2 * rows * n_in * n_out / t / 1e9, 1) for t in best)
+    return speeds
+
+
+def gemm_probe() -> dict[str, float]:
+    """GFLOP/s of nanoqwen's bf16_gemm ("own") and of upcast_linear ("upcast") on bf16 operands of
+    PROBE_SHAPE: the best of seven rounds, the two alternating so that both see the same machine."""
+    rows, n_in, n_out = PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, n_in, generator=g).bfloat16()
+    w = torch.randn(n_out, n_in, generator=g).bfloat16()
+    own, upcast = _best_seconds([lambda: cpu_kernels.bf16_gemm(x, w), lambda: upcast_linear(x, w)], rounds=7)
+    return {name: round(2 * rows * n_in * n_out / t / 1e9, 1) for name, t in (("own", own), ("upcast", upcast))}
+
+
+def _best_seconds(calls: list[Callable[[], object]], rounds: int) -> list[float]:
+    """Each call's best time in seconds over `rounds` rounds after one warm-up call each (oneDNN picks its kernel
+    then), the calls alternating within a round so that all see the same machine."""
+    for call in calls:
+        call()
+    best = [float("inf")] * len(calls)
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
+            start = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def gemv_probe(path: str = "bf16", gemm: bool = False) -> dict[int, tuple[float, float]]:
+    """For each row count of GEMV_PROBE_ROWS, GB/s of weights read by nanoqwen's bf16_gemv and by what
+    those rows take without it on this path (probe_alternative), over copies of a GEMV_PROBE_SHAPE
+    matrix that together exceed the L3 cache (as a decode step reads its weights from memory); best of
+    five rounds, the two alternating."""
+    n, k, copies = GEMV_PROBE_SHAPE
+    weights = [torch.ones(n, k, dtype=torch.bfloat16) for _ in range(copies)]  # written: real pages
+
+    def over_copies(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor
+                    ) -> Callable[[], None]:
+        return lambda: [fn(x, w) for w in weights]
+
+    speeds = {}
+    for rows in GEMV_PROBE_ROWS:
+        x = torch.ones(rows, k, dtype=torch.bfloat16)
+        calls = [over_copies(cpu_kernels.bf16_gemv, x), over_copies(probe_alternative(path, rows, gemm), x)]
+        own, theirs = (round(copies * n * k * 2 / t / 1e9, 1) for t in _best_seconds(calls, rounds=5))
+        speeds[rows] = (own, theirs)
+    return speeds
+
+
+def probe_alternative(path: str, rows: int, gemm: bool = False
+                      ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """What `MatmulPath.linear` runs for this many bf16 rows on this path (with bf16_gemm or not) without the gemv
+    kernels."""
+    if path != "float32" or rows < UPCAST_MIN_ROWS:
+        return F.linear
+    return cpu_kernels.bf16_gemm if gemm else upcast_linear
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanoqwen"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,128 @@
+"""Which matmul path this CPU runs a 16-bit model on, and which rows nanoqwen's own kernels take: measured
+once per machine, not guessed from the CPU's name (nanoqwen/ops/cpu/matmul.py says what each choice means).
+
+`select_matmul_path`: NANOQWEN_CPU_MATMUL=bf16|float32 forces the path; otherwise a probe times a bf16 and a
+float32 matmul of a prompt-sized shape (about a second, once) and the result is cached per CPU model, CPU
+flags, torch version and thread count in ~/.cache/nanoqwen/cpu-matmul.json. A second probe, cached beside
+it, times nanoqwen's bf16 gemv kernel against what those rows would take otherwise (torch's F.linear, or
+upcast_linear) at 1 to 64 rows and sets how many rows (decode steps, short prompt chunks) the gemv kernels
+take, on any CPU (NANOQWEN_CPU_GEMV=0|1 forces them off or on). On the float32 path a third, also cached,
+times nanoqwen's bf16_gemm against upcast_linear on a prompt-sized product: where it is faster, it takes the
+rows past the gemv kernels' (the same arithmetic with the weights converted inside the product). On the bf16
+path a fourth times int4 products over many rows both ways: nanoqwen's int4_gemm (integer dot products)
+against the weights unpacked to bf16 for torch's matmul, which AMX runs several times faster than
+int4_gemm's VNNI instructions; from the row count on which the second wins, int4 prompts take it
+(int4_unpack_min_rows). The probes and their cache are nanoqwen/ops/cpu/probes.py; this module decides from
+what they measure. The engine calls it once and builds its model with the result
+(nanoqwen/worker/kernel_selection.py); nothing here is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+
+import torch
+
+from nanoqwen.ops.cpu import build as cpu_build
+from nanoqwen.ops.cpu import kernels as cpu_kernels
+from nanoqwen.ops.cpu import probes as cpu_probes
+from nanoqwen.ops.cpu.matmul import GEMV_MAX_ROWS, PATHS, MatmulPath
+
+logger = logging.getLogger("nanoqwen")
+# The gemv kernels take a row count while their bf16 product reaches this share of the path's alternative
+# (torch's F.linear; on the float32 path, from UPCAST_MIN_ROWS rows on, upcast_linear): with them come the
+# one-call C++ decode step and the int8 kernel, which gain more than that loses where torch's one-row bf16
+# kernel ties with nanoqwen's (bench/bench_gemv.py and bench/bench_decode_step.py measure both).
+GEMV_MIN_SHARE = 0.8
+SLOW_BF16 = 0.5  # bf16 below half of float32's speed: compute in float32
+
+
+def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
+    """This machine's path for 16-bit matmuls over many rows (forced, cached, or measured now and
+    cached), and up to how many rows nanoqwen's gemv kernels take: NANOQWEN_CPU_GEMV=1|0 forces them
+    on (up to GEMV_MAX_ROWS) or off; otherwise they take every row count of cpu_probes.GEMV_PROBE_ROWS, from 1
+    up, at which they read a weight matrix at least GEMV_MIN_SHARE as fast as torch's bf16 F.linear
+    (measured once per machine, cached beside the path; on the float32 path, from UPCAST_MIN_ROWS rows
+    on, against what those rows would take: bf16_gemm where _select_gemm chose it, else upcast_linear).
+    torch's few-row kernel is far below the read bandwidth on AVX2-only CPUs, and on some native-bf16
+    ones too, where its many-row kernel overtakes nanoqwen's at a few rows; a float32 product
+    overtakes it at some 100 rows."""
+    choice = _select_path(cache_dir)
+    wanted = os.environ.get("NANOQWEN_CPU_GEMV", "auto")
+    if wanted == "0" or not cpu_kernels.available():
+        return choice
+    if choice.path == "float32":
+        choice = _select_gemm(choice, wanted == "1", cache_dir)
+    else:
+        choice = _select_int4_unpack(choice, cache_dir)
+    if wanted == "1":
+        return replace(choice, gemv_max_rows=GEMV_MAX_ROWS,
+                       gemv_reason=f"{cpu_kernels.bf16_dot_instructions()}; NANOQWEN_CPU_GEMV=1")
+    # {rows: [own GB/s, the alternative's GB/s]} (JSON keys are strings)
+    # Keyed by the kernels' build too: a changed kernel is measured again.
+    against = choice.path + (" + gemm" if choice.gemm else "")
+    what = f"gemv rows against the {against} path, kernels {cpu_build.build_digest()}"
+
+    def measure() -> dict:
+        return cpu_probes.gemv_probe(choice.path, choice.gemm)
+
+    speeds = {int(m): v for m, v in cpu_probes.cached(cache_dir, what, measure).items()}
+    gemv_max_rows = 0
+    for rows, (own, theirs) in sorted(speeds.items()):
+        if own < GEMV_MIN_SHARE * theirs:
+            break
+        gemv_max_rows = rows
+    shown = ", ".join(f"{m}: {own:.1f} vs {theirs:.1f}" for m, (own, theirs) in sorted(speeds.items()))
+    return replace(choice, gemv_max_rows=gemv_max_rows, gemv_reason=(
+        f"{cpu_kernels.bf16_dot_instructions()}; measured GB/s by rows, own vs without them: {shown}"))
+
+
+def _select_gemm(choice: MatmulPath, forced: bool, cache_dir: Path | None) -> MatmulPath:
+    """Whether the float32 path's products over many rows go through nanoqwen's bf16_gemm: forced, or
+    measured faster than upcast_linear (once per machine and build of the kernels, cached)."""
+    if forced:
+        return replace(choice, gemm=True, gemm_reason="NANOQWEN_CPU_GEMV=1")
+    what = f"gemm against upcast_linear, kernels {cpu_build.build_digest()}"
+    speeds = cpu_probes.cached(cache_dir, what, cpu_probes.gemm_probe)
+    return replace(choice, gemm=speeds["own"] > speeds["upcast"], gemm_reason=(
+        f"measured {speeds['own']:.0f} vs {speeds['upcast']:.0f} GFLOP/s through upcast_linear"))
+
+
+def _select_int4_unpack(choice: MatmulPath, cache_dir: Path | None) -> MatmulPath:
+    """From how many rows int4 products unpack the weights to bf16 for torch's matmul (bf16 path): the
+    smallest row count of cpu_probes.INT4_UNPACK_PROBE_ROWS from which that was measured faster than int4_gemm
+    at every count probed (once per machine and build of the kernels, cached); 0 where it never was."""
+    what = f"int4 unpacked against int4_gemm, kernels {cpu_build.build_digest()}"
+    speeds = {int(m): v for m, v in cpu_probes.cached(cache_dir, what, cpu_probes.int4_unpack_probe).items()}
+    min_rows = 0
+    for rows, (gemm, unpacked) in sorted(speeds.items(), reverse=True):
+        if unpacked <= gemm:
+            break
+        min_rows = rows
+    shown = ", ".join(f"{m}: {unpacked:.0f} vs {gemm:.0f}" for m, (gemm, unpacked) in sorted(speeds.items()))
+    return replace(choice, int4_unpack_min_rows=min_rows,
+                   int4_unpack_reason=f"measured GFLOP/s by rows, unpacked to bf16 vs int4_gemm: {shown}")
+
+
+def _select_path(cache_dir: Path | None) -> MatmulPath:
+    forced = os.environ.get("NANOQWEN_CPU_MATMUL", "auto")
+    if forced in PATHS:
+        return MatmulPath(forced, "forced by NANOQWEN_CPU_MATMUL")
+    if forced != "auto":
+        logger.warning("NANOQWEN_CPU_MATMUL=%s is not one of auto, %s: measuring instead",
+                       forced, ", ".join(PATHS))
+    found = cpu_probes.cached(cache_dir, "matmul", lambda: asdict(probe()))
+    kept = {f.name for f in fields(MatmulPath)} - {"gemv_max_rows", "gemv_reason", "gemm", "gemm_reason",
+                                                   "int4_unpack_min_rows", "int4_unpack_reason"}
+    return MatmulPath(**{k: v for k, v in found.items() if k in kept})
+
+
+def probe() -> MatmulPath:
+    """Time a bf16 and a float32 matmul of a prompt-sized shape (cpu_probes.PROBE_SHAPE) and choose."""
+    bf16, f32 = cpu_probes.matmul_gflops(torch.bfloat16), cpu_probes.matmul_gflops(torch.float32)
+    path = "bf16" if bf16 >= SLOW_BF16 * f32 else "float32"
+    return MatmulPath(path, f"measured: bf16 {bf16:.1f}, float32 {f32:.1f} GFLOP/s",
+                      round(bf16, 1), round(f32, 1))

@@ -1,0 +1,124 @@
+"""Weight quantisation formats as plain tensor functions: quantise a matrix, and dequantise it back (the
+references the kernels and the quantised layers are tested against). What each format is, and which kernels
+compute with it: nanoqwen/quantization/int8.py and int4.py.
+
+- int8: symmetric, one int8 value a weight and one scale per output row (`quantize_weight`,
+  `dequantize_weight`).
+- int4: asymmetric, two weights a byte with a scale and an offset per group of INT4_GROUP_SIZE inputs of a
+  row, rows stored lane by lane in blocks of INT4_BLOCK_ROWS (`quantize_int4`, `dequantize_int4`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nanoqwen.errors import ConfigError
+
+QUANTIZE_BLOCK_ELEMENTS = 1 << 18  # rows quantised at a time: float32 temporaries of 1 MiB
+INT4_GROUP_SIZE = 64  # inputs per int4 scale and offset (module docstring)
+INT4_BLOCK_ROWS = 16  # int4 rows stored lane by lane, a block at a time (module docstring)
+
+
+def scale_rounded_up(s32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 scales stored in the model dtype, rounded up where rounding to nearest went down (one step of that
+    dtype at most), so that the largest weight divided by its stored scale stays within the grid: no clipping."""
+    s = s32.to(dtype)
+    return torch.where(s.float() < s32, torch.nextafter(s, torch.tensor(float("inf"), dtype=dtype, device=s.device)), s)
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (int8 Wq [out, in], scale [out] in W's dtype); see the module docstring."""
+    out_features, in_features = weight.shape
+    dtype = weight.dtype
+    q = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(out_features, dtype=dtype, device=weight.device)
+    step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(in_features, 1))
+    # in row blocks that fit a cache: several times faster
+    for start in range(0, out_features, step):
+        w = weight[start: start + step]
+        amax = w.abs().amax(dim=1).float()  # exact in any dtype: a max does not round
+        s32 = torch.where(amax > 0, amax / 127, 1.0)
+        s = scale_rounded_up(s32, dtype)  # |w / s| <= 127, no clipping
+        # float32 division (out of place: a float32 weight's .float() is the weight itself).
+        # Converting first is faster than dividing the bf16 block by a float32 column, which torch
+        # does far slower.
+        q[start: start + step] = torch.div(w.float(), s.float()[:, None]).round_().clamp_(-127, 127)
+        scale[start: start + step] = s
+    return q, scale
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Wq * scale in float32 [out, in]: the weight an Int8Linear computes with."""
+    return q.float() * scale.float()[:, None]
+
+
+def int4_group_size(in_features: int, name: str = "a matrix") -> int:
+    """INT4_GROUP_SIZE, or the largest of 32 and 16 that divides in_features; a ConfigError if none
+    does."""
+    group = math.gcd(in_features, INT4_GROUP_SIZE)
+    if group < 16 or group % 16:
+        raise ConfigError(f"quantization='int4' needs in_features divisible by 16; {name} has "
+                          f"{in_features}: use quantization='int8' for this model")
+    return group
+
+
+@torch.no_grad()
+def quantize_int4(weight: torch.Tensor, group_size: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (packed uint8 [out, in/2], scale [out, in/G], offset [out, in/G] in W's
+    dtype), rows in blocks of INT4_BLOCK_ROWS stored lane by lane; see the module docstring."""
+    out_features, in_features = weight.shape
+    g = group_size or int4_group_size(in_features)
+    groups, dtype, device = in_features // g, weight.dtype, weight.device
+    packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device)
+    scale = torch.empty(out_features, groups, dtype=dtype, device=device)
+    offset = torch.empty(out_features, groups, dtype=dtype, device=device)
+    step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(in_features, 1))
+    step = -(-step // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS  # row blocks that fit a cache, whole blocks of lanes
+    for start in range(0, out_features, step):
+        rows = slice(start, start + step)
+        w = weight[rows].float().view(-1, groups, g)  # [r, groups, G]
+        lo, hi = w.amin(-1), w.amax(-1)
+        s32 = torch.where(hi > lo, (hi - lo) / 15, 1.0)
+        s = scale_rounded_up(s32, dtype)  # 15 steps span hi
+        o = lo.to(dtype)
+        q = ((w - o.float()[..., None]) / s.float()[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+        low, high = q.view(-1, groups, 2, g // 2).unbind(2)  # elements j and j + G/2 of each group
+        packed[rows] = int4_rows_to_lanes((low | (high << 4)).view(-1, in_features // 2), 4)
+        scale[rows], offset[rows] = int4_rows_to_lanes(s, 1), int4_rows_to_lanes(o, 1)
+    return packed, scale, offset
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+                    ) -> torch.Tensor:
+    """offset + scale * q in float32 [out, in]: the weight an Int4Linear computes with (plain
+    torch: the reference for the kernels). Any whole blocks of rows (rows [16 i, 16 j), or to the
+    end) dequantise on their own."""
+    packed, scale, offset = int4_lanes_to_rows(packed, 4), int4_lanes_to_rows(scale, 1), int4_lanes_to_rows(offset, 1)
+    out_features, groups = scale.shape
+    q = torch.stack([packed & 15, packed >> 4], dim=1)  # [out, 2, in/2]: low nibbles, high nibbles
+    q = q.view(out_features, 2, groups, -1).transpose(1, 2)  # [out, groups, 2, G/2]
+    w = offset.float()[..., None] + scale.float()[..., None] * q.reshape(out_features, groups, -1)
+    return w.view(out_features, -1)
+
+
+def int4_rows_to_lanes(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows [n, c * width] (c pieces of `width` values each) stored lane by lane in blocks of
+    INT4_BLOCK_ROWS rows (the last block holds what is left): a block of L rows as [c, L, width]."""
+    n, c = t.shape[0], t.shape[1] // width
+    full = n - n % INT4_BLOCK_ROWS
+    lanes = t[:full].view(full // INT4_BLOCK_ROWS, INT4_BLOCK_ROWS, c, width).transpose(1, 2)
+    tail = t[full:].view(n - full, c, width).transpose(0, 1)
+    return torch.cat([lanes.reshape(full, c * width), tail.reshape(n - full, c * width)])
+
+
+def int4_lanes_to_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows stored by int4_rows_to_lanes, back in row order."""
+    n, c = t.shape[0], t.shape[1] // width
+    full = n - n % INT4_BLOCK_ROWS
+    rows = t[:full].view(full // INT4_BLOCK_ROWS, c, INT4_BLOCK_ROWS, width).transpose(1, 2)
+    tail = t[full:].view(c, n - full, width).transpose(0, 1)
+    return torch.cat([rows.reshape(full, c * width), tail.reshape(n - full, c * width)])

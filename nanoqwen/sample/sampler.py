@@ -1,0 +1,256 @@
+"""Turn the last-position logits of a batch into one token per sequence, each with its own params.
+
+Each row goes through these steps, with its own SamplingParams:
+
+0. structured outputs: a constrained row's tokens outside its grammar's bitmask get -inf
+   (nanoqwen/sample/structured_outputs.py); everything below sees only the allowed tokens.
+a. logprobs (rows that ask for them) come from the RAW model logits: log_softmax in float32
+   before any penalty, temperature or filter (vLLM's default "raw_logprobs" mode).
+b. min_tokens: while the row has fewer output tokens than min_tokens, its stop token ids
+   (eos unless ignore_eos, plus params.stop_token_ids, as the engine passes them) get -inf;
+   unless that leaves the row no token at all (its grammar allows nothing but a stop: the
+   answer is complete), where the grammar's end wins.
+c. repetition_penalty over every token seen in the prompt or the output (a logit > 0 is
+   divided by it, one <= 0 multiplied, as in HF/vLLM), then presence_penalty and
+   frequency_penalty over the output tokens
+   (OpenAI: logit -= presence * (count > 0) + frequency * count).
+d. greedy rows (temperature 0) take the argmax of these logits; the others are filtered in
+   transformers' order (temperature, top_k, top_p, min_p) and sampled with the exponential-race
+   trick (argmax of p / Exp(1) noise is a sample from p), which lets a seeded request draw its
+   noise from its own generator: the same seed gives the same tokens whether the request runs
+   alone or in a batch.
+
+Steps b and c cost nothing (no copy, no [B, V] count tensor) when no row of the batch uses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoqwen.ops.cpu import kernels as cpu_kernels
+from nanoqwen.sample.structured_outputs import apply_bitmasks
+from nanoqwen.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability under the raw model logits
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]]  # (token id, logprob), the `logprobs` most likely, best first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64, on the logits' device
+    logprobs: list[TokenLogprobs | None]  # [B]; None where the row did not ask for logprobs
+
+
+ARGMAX_BLOCK = 128  # values per block in argmax's CPU path
+
+
+def argmax(values: torch.Tensor) -> torch.Tensor:
+    """values [B, V] -> [B] int64, each row's index of its largest value: torch.argmax's answer
+    (the first index on ties; a NaN counts as the largest), found faster on CPU.
+
+    torch's CPU argmax walks a row one value at a time, while its amax is vectorised (over Qwen3's
+    151,936 logits that is a noticeable part of a decode step). Where nanoqwen's CPU kernels
+    are loaded, one call of its argmax (ops/cpu/kernels.py: a vectorised max, then its first index).
+    Otherwise, when V is a multiple of the block: the max of each block of 128 values [B, V/128],
+    the first block holding the row's max (a plain argmax over V/128 values), then the first max
+    inside that block. The first block holding the max holds its first index, so the answer is
+    torch.argmax's (tests/sample/test_sampler.py checks ties, NaN and -inf rows on every path).
+    """
+    rows, vocab = values.shape
+    if not values.is_cpu or rows == 0 or vocab == 0:
+        return values.argmax(dim=-1)
+    if values.dtype == torch.float32 and cpu_kernels.loaded():
+        return cpu_kernels.argmax(values)
+    if vocab % ARGMAX_BLOCK:
+        return values.argmax(dim=-1)
+    blocks = values.reshape(rows, vocab // ARGMAX_BLOCK, ARGMAX_BLOCK)  # [B, V/128, 128]
+    block = blocks.amax(dim=-1).argmax(dim=-1)  # [B]
+    inside = blocks[torch.arange(rows), block].argmax(dim=-1)  # [B]
+    return block * ARGMAX_BLOCK + inside
+
+
+def filter_probs(logits: torch.Tensor,
+                 params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities over each row's kept candidates: (probs [B, K], token ids [B, K]).
+
+    K is the vocabulary when no row uses top_k/top_p, else the largest top_k (or the vocabulary)
+    so the sort touches only as many candidates as some row can keep.
+    """
+    b, vocab = logits.shape
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    logits = logits / temperature[:, None]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]  # (any k >= V: all)
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+    if min(top_k) < vocab or (top_p < 1).any():
+        logits, token_ids = logits.topk(min(max(top_k), vocab), dim=-1)  # sorted, largest first
+        rank = torch.arange(logits.shape[1], device=device)[None, :]
+        top_k_t = torch.tensor(top_k, device=device)[:, None]
+        logits = logits.masked_fill(rank >= top_k_t, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        # drop a token once the tokens ranked above it already reach top_p (the first always stays)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)
+    else:
+        token_ids = torch.arange(vocab, device=device).expand(b, vocab)
+        probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+    if (min_p > 0).any():
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+    return probs / probs.sum(-1, keepdim=True), token_ids
+
+
+def token_counts(token_ids: list[list[int]], vocab: int, device: torch.device | str,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """How often each token occurs in each row's list: [R, V], built with one scatter_add for
+    all rows."""
+    width = max((len(t) for t in token_ids), default=0)
+    # pad with `vocab`, an extra column dropped at the end (ids out of range land there too)
+    padded_rows = [[*t, *[vocab] * (width - len(t))] for t in token_ids]
+    padded = torch.tensor(padded_rows, dtype=torch.long).clamp_(0, vocab)
+    padded = padded.view(len(token_ids), width).to(device)  # [R, W]
+    counts = torch.zeros(len(token_ids), vocab + 1, device=device, dtype=dtype)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device, dtype=dtype))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    prompt_token_ids: list[list[int]],
+                    output_token_ids: list[list[int]]) -> torch.Tensor:
+    """logits [B, V] -> a penalised copy (or `logits` itself when no row has a penalty); see
+    step c."""
+    rows = [i for i, p in enumerate(params)
+            if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    rows_t = torch.tensor(rows, device=device)
+    sub = logits.index_select(0, rows_t)  # [R, V]
+    outputs = [output_token_ids[i] for i in rows]
+    output_counts = token_counts(outputs, vocab, device, logits.dtype)  # [R, V]
+    rep = [params[i].repetition_penalty for i in rows]
+    if any(r != 1 for r in rep):
+        # only rows with a repetition penalty need their prompt counted
+        prompts = [prompt_token_ids[i] if params[i].repetition_penalty != 1 else [] for i in rows]
+        prompt_counts = token_counts(prompts, vocab, device, logits.dtype)
+        seen = (prompt_counts > 0) | (output_counts > 0)  # [R, V]
+        penalty = torch.tensor(rep, device=device, dtype=logits.dtype)[:, None]  # [R, 1]
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    presence = torch.tensor([params[i].presence_penalty for i in rows], device=device,
+                            dtype=logits.dtype)
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=device,
+                             dtype=logits.dtype)
+    sub = sub - presence[:, None] * (output_counts > 0) - frequency[:, None] * output_counts
+    return logits.index_copy(0, rows_t, sub)
+
+
+def block_stop_tokens(logits: torch.Tensor, params: list[SamplingParams],
+                      output_token_ids: list[list[int]],
+                      stop_token_ids: list[set[int]]) -> torch.Tensor:
+    """logits [B, V] -> a copy with each row's stop ids at -inf while it is short of min_tokens,
+    except in a row that this would leave with no token to sample; see step b."""
+    vocab = logits.shape[1]
+    index = [(i, t) for i, p in enumerate(params) if len(output_token_ids[i]) < p.min_tokens
+             for t in stop_token_ids[i] if 0 <= t < vocab]
+    if not index:
+        return logits
+    rows, cols = torch.tensor(index, device=logits.device).unbind(1)
+    minus_inf = torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype)
+    blocked = logits.index_put((rows, cols), minus_inf)
+    touched = rows.unique()
+    left_empty = touched[torch.isneginf(blocked[touched]).all(dim=-1)]  # only stops were allowed
+    blocked[left_empty] = logits[left_empty]
+    return blocked
+
+
+def compute_logprobs(raw_logits: torch.Tensor, params: list[SamplingParams],
+                     tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+    """The sampled tokens' log-probabilities, ranks and top alternatives under the raw logits;
+    see step a."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    rows_t = torch.tensor(rows, device=raw_logits.device)
+    logprobs = raw_logits.index_select(0, rows_t).float().log_softmax(dim=-1)  # [R, V]
+    chosen = tokens.index_select(0, rows_t)[:, None]  # [R, 1]
+    chosen_logprob = logprobs.gather(1, chosen)  # [R, 1]
+    rank = 1 + (logprobs > chosen_logprob).sum(dim=-1)  # [R]
+    top_n = max(params[i].logprobs or 0 for i in rows)
+    top_logprobs, top_ids = logprobs.topk(top_n, dim=-1)  # [R, N], best first
+    results = zip(rows, chosen[:, 0].tolist(), chosen_logprob[:, 0].tolist(), rank.tolist(),
+                  top_ids.tolist(), top_logprobs.tolist(), strict=True)
+    for i, token, logprob, r, ids, lps in results:
+        n = params[i].logprobs or 0
+        out[i] = TokenLogprobs(token, logprob, r, list(zip(ids[:n], lps[:n], strict=True)))
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None],
+           prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+           stop_token_ids: list[set[int]],
+           bitmasks: list[torch.Tensor | None] | None = None) -> SamplerOutput:
+    """logits [B, V] float32 (not modified) -> the next token of every row, plus logprobs where
+    asked.
+
+    prompt_token_ids / output_token_ids: each row's tokens so far (for penalties and min_tokens);
+    stop_token_ids: each row's stop ids (eos unless ignore_eos, plus params.stop_token_ids);
+    bitmasks: each row's allowed tokens under its grammar (None: unconstrained); see step 0.
+    """
+    if bitmasks is not None:
+        logits = apply_bitmasks(logits, bitmasks)
+    raw_logits = logits
+    logits = adjust_logits(logits, params, prompt_token_ids, output_token_ids, stop_token_ids)
+    tokens = argmax(logits)  # [B]
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        row_params = [params[i] for i in rows]
+        probs, token_ids = filter_probs(logits[rows], row_params)  # [R, K], [R, K]
+        noise = _noise(probs, token_ids, row_params, [generators[i] for i in rows],
+                       logits.shape[1])
+        choice = argmax(probs / noise)[:, None]  # [R, 1]
+        tokens[rows] = token_ids.gather(1, choice).squeeze(1)
+    return SamplerOutput(tokens, compute_logprobs(raw_logits, params, tokens))
+
+
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
+                  prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+                  stop_token_ids: list[set[int]]) -> torch.Tensor:
+    """Steps b and c: stop tokens blocked while short of min_tokens, then the penalties (a copy, or
+    `logits` itself when no row needs either)."""
+    logits = block_stop_tokens(logits, params, output_token_ids, stop_token_ids)
+    return apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+
+
+def dense_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's sampling distribution over the whole vocabulary, [B, V] float32: what step d
+    samples from (temperature, top_k, top_p, min_p applied; 0 outside the kept candidates)."""
+    probs, token_ids = filter_probs(logits, params)
+    return torch.zeros_like(logits, dtype=probs.dtype).scatter_(1, token_ids, probs)
+
+
+def _noise(probs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None], vocab: int) -> torch.Tensor:
+    """Exp(1) noise [R, K] for the candidates, drawn so that a row's draw never depends on the
+    other rows.
+
+    A row with top_k draws k values for its own k best candidates, in rank order (the
+    ranking depends only on its own logits): cheap for the usual top_k 20. Any other row
+    draws one value per vocabulary entry, in token order. Columns past a row's own
+    candidates keep 1.0: their probability is 0.
+    """
+    noise = torch.ones_like(probs)
+    for j, (p, g) in enumerate(zip(params, generators, strict=True)):
+        if 0 < p.top_k < vocab:
+            noise[j, : p.top_k].exponential_(generator=g)
+        else:  # then the row's candidates are the whole vocabulary (K == vocab)
+            draws = torch.empty(vocab, device=probs.device).exponential_(generator=g)
+            noise[j] = draws[token_ids[j]]
+    return noise

@@ -1,0 +1,100 @@
+"""The CPU decode step in one C++ call, from token ids to logits: a fast path beside the model's forward.
+
+On a CPU without fast bf16 (ops/cpu/matmul.py), a decode step of a few sequences already runs every part of a layer
+through nanoqwen's own kernels (ops/cpu/kernels.py): RMSNorm, the projections (bf16, int8 or int4), QK-norm,
+RoPE, the KV store, paged attention, SwiGLU. Called from Python one by one they leave gaps: about 20 module
+calls a layer, each some microseconds of Python and dispatch (more in a decode step, where the weights streamed
+through the caches have pushed Python's own data out of them), and the kernels' threads fall asleep between
+them (bench/bench_decode_step.py measures what this buys). `decode_model` in csrc/module.cpp takes the
+embedding's rows and the step's cos and sin as RotaryEmbedding gives them, calls, layer after layer, the same
+kernels in the same order as `DecoderLayer.forward` does on this path (QK-norm, RoPE and the KV store in one
+pass over the rows:
+`attention_inputs`; each residual add and the norm after it, the next layer's or the final one, in one:
+`add_rms_norm`), then the LM head: so the same logits, to the bit, as the model's forward and compute_logits
+(tests/ops/cpu/test_matmul_path.py compares them).
+
+Used by ModelRunner for steps of decode rows only (no prompt chunk), up to the gemv kernels' row count
+(cpu.matmul_path().gemv_max_rows), when
+`FusedDecoder.supports(model)`: bf16 activations, the "cpu" paged attention backend, dense layers (not MoE),
+no attention bias, an LM head, one rank. NANOQWEN_FUSED_DECODE=0 turns it off (the per-module path).
+
+`FusedDecoder.greedy_steps` runs several greedy decode steps in one call (`decode_steps`: the engine's
+num_scheduler_steps), each step's argmax fed to the next in C++, so no Python runs between them: the fast path
+beside ModelRunner's step-by-step loop, and the same tokens (tests/engine/test_multi_step.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nanoqwen.attention.kv_cache import KVCache
+from nanoqwen.attention.metadata import AttentionMetadata
+from nanoqwen.layers.linear import Linear
+from nanoqwen.models.qwen3 import MLP, DecoderLayer, Qwen3ForCausalLM
+from nanoqwen.ops.cpu import kernels as cpu_kernels
+from nanoqwen.quantization import Int4Linear, Int8Linear
+
+
+def linear_tensors(linear: Linear) -> list[torch.Tensor]:
+    """What decode_model takes for a linear: (weight) bf16, (weight, scale) int8, (weight, scale, offset)
+    int4."""
+    if isinstance(linear, Int4Linear):
+        return [linear.weight, linear.scale, linear.offset]
+    if isinstance(linear, Int8Linear):
+        return [linear.weight, linear.scale]
+    return [linear.weight]
+
+
+class FusedDecoder:
+    """Runs a model's decode steps through decode_model; the model's modules keep their tensors (nothing
+    copied)."""
+
+    def __init__(self, model: Qwen3ForCausalLM) -> None:
+        layers = [cpu_kernels.decoder_layer_weights(**self._layer_weights(layer)) for layer in model.layers]
+        self.weights = cpu_kernels.decoder_model_weights(
+            embed=model.embed_tokens.weight, cos=model.rotary.cos, sin=model.rotary.sin, layers=layers,
+            norm=model.norm.weight, eps=model.norm.eps, lm_head=linear_tensors(model.lm_head))
+
+    @staticmethod
+    def supports(model: Qwen3ForCausalLM, attention_backend: str | None) -> bool:
+        c = model.config
+        return (os.environ.get("NANOQWEN_FUSED_DECODE", "1") != "0" and attention_backend == "cpu"
+                and model.tp_size == 1 and model.embed_tokens.weight.dtype == torch.bfloat16
+                and model.lm_head is not None and model.lm_head.bias is None
+                and not c.attention_bias and all(isinstance(layer.mlp, MLP) for layer in model.layers)
+                and all(linear.bias is None for layer in model.layers
+                        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                       layer.mlp.gate_up_proj, layer.mlp.down_proj))
+                and cpu_kernels.available())
+
+    @staticmethod
+    def _layer_weights(layer: DecoderLayer) -> dict:
+        attn, mlp = layer.self_attn, layer.mlp
+        return {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "eps": layer.input_layernorm.eps, "qkv_proj": linear_tensors(attn.qkv_proj),
+                "q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "o_proj": linear_tensors(attn.o_proj),
+                "gate_up_proj": linear_tensors(mlp.gate_up_proj), "down_proj": linear_tensors(mlp.down_proj),
+                "num_heads": attn.num_heads}
+
+    def __call__(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids [B] (one decode token per sequence) -> float32 logits [B, V]: the model's forward and
+        compute_logits."""
+        paged = meta.paged_decode
+        return cpu_kernels.decode_model(self.weights, input_ids, meta.positions, kv_cache.k, kv_cache.v,
+                                     meta.slot_mapping, paged.block_tables, paged.context_lens)
+
+    def greedy_steps(self, input_ids: list[int], context_lens: list[int], block_tables: list[list[int]],
+                     stop_token_ids: list[set[int]], num_steps: int, kv_cache: KVCache) -> list[list[int]]:
+        """Up to num_steps greedy decode steps of M rows in one call: row m feeds input_ids[m] at position
+        context_lens[m] - 1 (its context after step 0), then each step's argmax; block_tables must cover the last
+        step. Stops early after a step where every row produced one of its stop ids. -> the tokens of each step
+        run, [steps][M]."""
+        width = max(map(len, stop_token_ids), default=0)
+        stops = [[*sorted(s), *[-1] * (width - len(s))] for s in stop_token_ids]  # [M, S], -1 pads
+        tokens = cpu_kernels.decode_steps(
+            self.weights, torch.tensor(input_ids), kv_cache.k, kv_cache.v,
+            torch.tensor(block_tables, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32),
+            torch.tensor(stops, dtype=torch.long).view(len(stops), width), num_steps)  # [steps run, M]
+        return tokens.tolist()

@@ -1,0 +1,276 @@
+"""Run one scheduled step on the model: pack the tokens, run the forward, sample the next tokens.
+
+Nothing here changes a sequence: what happens to sequences after a step happens in one place,
+LLMEngine._postprocess. With tensor parallelism every rank runs `run_model` on the same
+`StepInput`: rank 0 builds it from the scheduled batch and broadcasts it, the workers
+(worker/tp_worker.py) receive it. Only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+import nanoqwen.distributed as distributed
+from nanoqwen.attention.backends.paged import attention_backend
+from nanoqwen.attention.kv_cache import KVCache
+from nanoqwen.attention.metadata import AttentionMetadata, DecodeRow, PrefillRow, padded_block_tables
+from nanoqwen.core.scheduler import ScheduledBatch
+from nanoqwen.core.sequence import Sequence
+from nanoqwen.layers.pooler import Pooler
+from nanoqwen.models.qwen3 import Qwen3ForCausalLM
+from nanoqwen.sample.rejection_sampler import rejection_sample
+from nanoqwen.sample.sampler import TokenLogprobs, argmax, sample
+from nanoqwen.worker.cuda_graph import CUDAGraphRunner
+from nanoqwen.worker.fused_decoder import FusedDecoder
+from nanoqwen.worker.huge_pages import move_to_huge_pages
+
+logger = logging.getLogger("nanoqwen")
+
+
+@dataclass
+class StepInput:
+    """What a forward needs, as plain data (rank 0 sends it to the other ranks)."""
+
+    input_ids: list[int]  # decode tokens first, then the prompt chunks
+    decode: list[DecodeRow]
+    prefill: list[PrefillRow]
+    sample_rows: list[int]  # rows whose next token is sampled (their logits are computed)
+    # (src, dst) KV blocks to copy first
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class SampledTokens(NamedTuple):
+    """A sequence's new tokens from a step: one, or with speculative decoding the accepted draft
+    tokens and then one of the target's."""
+
+    seq: Sequence
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # per token (None where the request asked for none)
+
+
+class PooledOutput(NamedTuple):
+    """An embedding or scoring sequence's result, read at its last prompt token: the float32
+    hidden state [H] or the score []."""
+
+    seq: Sequence
+    data: torch.Tensor
+
+
+class ModelRunner:
+    """Owns the model and its KV cache. On CUDA, decode attention reads the cache in place
+    (attention/backends/paged.py) and, unless enforce_eager, pure decode steps replay CUDA graphs
+    (worker/cuda_graph.py).
+
+    pooler: an embedding or scoring model's (nanoqwen/config/pooling.py): the rows read at each prompt's
+    last token go through it instead of the LM head and the sampler; such models never decode.
+    """
+
+    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int, *,
+                 max_num_seqs: int = 64, max_model_len: int | None = None,
+                 enforce_eager: bool = False, pooler: Pooler | None = None) -> None:
+        self.model = model
+        self.pooler = pooler
+        self.device = model.embed_tokens.weight.device
+        if self.device.type == "cpu":  # each decode step streams every weight: 2 MiB pages (worker/huge_pages.py)
+            move_to_huge_pages(model)
+        c = model.config
+        # None: the CPU grouped gather path; "cpu": nanoqwen's kernel reading the CPU cache in place
+        self.attention_backend = attention_backend(self.device, block_size, model.embed_tokens.weight.dtype,
+                                                   cpu_kernels_on=model.kernels.matmul.gemv)
+        # Graphs need the paged kernels; on CPU they are never captured
+        # (NANOQWEN_PAGED_ATTENTION=torch runs the same padded static-buffer steps eagerly there,
+        # for tests). Not with tensor parallelism (yet): its collectives would have to be captured
+        # in the graphs too. Not for MoE models: the expert dispatch reads each expert's token count
+        # on the host (models/qwen3.py, Experts), which a graph capture forbids.
+        use_runner = (not enforce_eager and self.attention_backend not in (None, "cpu")
+                      and model.tp_size == 1 and not c.is_moe and pooler is None)
+        if not enforce_eager and self.device.type == "cuda" and c.is_moe:
+            logger.info("CUDA graphs are off for this MoE model: "
+                        "its expert dispatch syncs with the host")
+        # One extra block, never handed out by the block manager: graph padding rows write their
+        # keys/values there.
+        self.kv_cache = KVCache(c.num_hidden_layers, num_blocks + use_runner, block_size,
+                                model.num_kv_heads, c.head_dim, model.embed_tokens.weight.dtype,
+                                self.device)
+        # made since the last step, for the other ranks
+        self._block_copies: list[tuple[int, int]] = []
+        self.graph_runner: CUDAGraphRunner | None = None
+        # CPU decode steps: all decoder layers in one C++ call, where the model allows (worker/fused_decoder.py)
+        self.fused_decoder = (FusedDecoder(model) if pooler is None and FusedDecoder.supports(
+            model, self.attention_backend) else None)
+        if use_runner:
+            max_blocks = -(-(max_model_len or c.max_position_embeddings) // block_size)
+            self.graph_runner = CUDAGraphRunner(model, self.kv_cache, num_blocks * block_size,
+                                                max_num_seqs, max_blocks, self.attention_backend,
+                                                use_graphs=self.device.type == "cuda")
+            start = time.perf_counter()
+            self.graph_runner.capture()
+            if self.graph_runner.use_graphs:
+                logger.info("captured %d CUDA graphs (decode batch sizes %s) in %.1f s",
+                            len(self.graph_runner.graphs), self.graph_runner.batch_sizes,
+                            time.perf_counter() - start)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy a KV block (a forked sequence's partly filled one); the other ranks copy theirs next
+        step."""
+        self.kv_cache.copy_block(src, dst)
+        if self.model.tp_size > 1:
+            self._block_copies.append((src, dst))
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, eos_token_ids: set[int]
+                ) -> list[SampledTokens] | list[PooledOutput]:
+        """Pack -> forward -> sample: the next token of every sequence that reached its next token
+        (with a pooler: the pooled result of every sequence whose prompt finished); a sequence with
+        draft tokens gets those of them the target accepts and one more (rejection_sampler.py).
+
+        A prompt chunk that does not finish its prompt produces no token: only its K/V are cached. A
+        sequence whose prompt finishes here also samples the first token of each sibling waiting to
+        fork.
+        """
+        if batch.num_steps > 1:
+            return self.greedy_steps(batch.decode, batch.num_steps, eos_token_ids)
+        step, seqs, verify = self.prepare(batch)
+        logits = self.forward(step)
+        if logits is None:
+            return []
+        if self.pooler is not None:
+            return [PooledOutput(seq, row) for seq, row in zip(seqs, logits, strict=True)]
+        out = []
+        if seqs:
+            sampled = sample(logits[: len(seqs)], *self._sampling_inputs(seqs, eos_token_ids),
+                             [s.grammar.bitmask() if s.grammar is not None else None for s in seqs])
+            rows = zip(seqs, sampled.token_ids.tolist(), sampled.logprobs, strict=True)
+            out = [SampledTokens(seq, [token], [lp]) for seq, token, lp in rows]
+        if verify:
+            verified = rejection_sample(logits[len(seqs):], [s.spec_token_ids for s in verify],
+                                        [s.draft_probs for s in verify],
+                                        *self._sampling_inputs(verify, eos_token_ids))
+            out += [SampledTokens(s, *v) for s, v in zip(verify, verified, strict=True)]
+        return out
+
+    def greedy_steps(self, seqs: list[Sequence], num_steps: int, eos_token_ids: set[int]) -> list[SampledTokens]:
+        """Up to num_steps decode steps of seqs, which all take the argmax of their logits
+        (Sequence.samples_by_argmax; their blocks cover every step): each step's tokens are the next
+        step's input. Stops early after a step where every sequence produced a stop token.
+
+        The reference runs each step through forward() and the sampler's argmax; the CPU fused
+        decoder runs them all in one C++ call (worker/fused_decoder.py), with the same tokens."""
+        stop_ids = [self._stop_ids(seq, eos_token_ids) for seq in seqs]
+        if self._fused_decode_fits(len(seqs)):
+            last = [DecodeRow(seq.block_table, seq.num_tokens + num_steps - 1) for seq in seqs]
+            steps = self.fused_decoder.greedy_steps(
+                [seq.last_token_id for seq in seqs], [seq.num_tokens for seq in seqs],
+                padded_block_tables(last, self.kv_cache.block_size), stop_ids, num_steps, self.kv_cache)
+        else:
+            steps = self.greedy_steps_reference(seqs, num_steps, stop_ids)
+        return [SampledTokens(seq, list(tokens), [None] * len(tokens))
+                for seq, tokens in zip(seqs, zip(*steps, strict=True), strict=True)]
+
+    def greedy_steps_reference(self, seqs: list[Sequence], num_steps: int,
+                               stop_ids: list[set[int]]) -> list[list[int]]:
+        """greedy_steps one forward at a time: the tokens of each step run, [steps][len(seqs)]."""
+        steps: list[list[int]] = []
+        input_ids = [seq.last_token_id for seq in seqs]
+        for i in range(num_steps):
+            step = StepInput(input_ids=input_ids, prefill=[], sample_rows=list(range(len(seqs))),
+                             decode=[DecodeRow(seq.block_table, seq.num_tokens + i) for seq in seqs])
+            input_ids = argmax(self.forward(step)).tolist()
+            steps.append(input_ids)
+            if all(token in stop for token, stop in zip(input_ids, stop_ids, strict=True)):
+                break
+        return steps
+
+    def _sampling_inputs(self, seqs: list[Sequence], eos_token_ids: set[int]) -> tuple[list, ...]:
+        """What sampler.sample and rejection_sample take per sequence: params, generators, prompt
+        and output token ids, stop token ids."""
+        return ([s.sampling_params for s in seqs], [s.generator for s in seqs],
+                [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                [self._stop_ids(s, eos_token_ids) for s in seqs])
+
+    @staticmethod
+    def prepare(batch: ScheduledBatch) -> tuple[StepInput, list[Sequence], list[Sequence]]:
+        """The step's tokens, flat (decode tokens first, then the prompt chunks), the sequence
+        sampled from each of the first step.sample_rows (a prompt's row once more for each sibling
+        waiting to fork from it), and the sequences whose drafts the rest of the sample rows
+        verify (all of their rows).
+
+        A sequence's newest token and its drafts are decode rows, one per token, each attending to
+        the cache up to itself (its keys are stored before attention runs): each row is computed
+        exactly as a decode step at that position would compute it, through the same kernels."""
+        step = StepInput(input_ids=[], decode=[], prefill=[], sample_rows=[])
+        seqs: list[Sequence] = []
+        verify_rows: list[tuple[Sequence, range]] = []
+
+        def sample_from(row: int, seq: Sequence) -> None:
+            for s in [seq, *seq.forks]:
+                seqs.append(s)
+                step.sample_rows.append(row)
+
+        for seq in batch.decode + [s.seq for s in batch.spec_decode]:
+            first = len(step.input_ids)
+            tokens = [seq.last_token_id, *seq.spec_token_ids]  # (no drafts: a plain decode row)
+            step.input_ids += tokens
+            step.decode += [DecodeRow(seq.block_table, seq.num_tokens + j)
+                            for j in range(len(tokens))]
+            if seq.spec_token_ids:
+                verify_rows.append((seq, range(first, first + len(tokens))))
+            else:
+                sample_from(first, seq)
+        for seq, n in batch.prefill:
+            start = seq.num_computed_tokens
+            step.input_ids += seq.token_ids(start, start + n)
+            step.prefill.append(PrefillRow(seq.block_table, start, n))
+            if start + n == seq.num_tokens:
+                sample_from(len(step.input_ids) - 1, seq)
+        for _, rows in verify_rows:  # their logits come after every other row's
+            step.sample_rows += rows
+        return step, seqs, [seq for seq, _ in verify_rows]
+
+    def forward(self, step: StepInput) -> torch.Tensor | None:
+        """Float32 logits [len(step.sample_rows), V] (None when nothing is sampled; the pooler's
+        rows with a pooler): a CUDA graph's replay for a decode-only step that has one, else the
+        eager forward (with the other ranks, under tensor parallelism)."""
+        if (not step.prefill and self.graph_runner is not None
+                and self.graph_runner.can_run(step.decode)):
+            logits = self.graph_runner.run(step.input_ids, step.decode)  # [b, V], padded inside
+            if step.sample_rows != list(range(len(step.decode))):
+                logits = logits[torch.tensor(step.sample_rows, device=self.device)]
+            return logits
+        if self.model.tp_size > 1:
+            step.block_copies, self._block_copies = self._block_copies, []
+            distributed.broadcast_object(step)  # the workers run the same forward on their shards
+        return self.run_model(step)
+
+    @torch.inference_mode()
+    def run_model(self, step: StepInput) -> torch.Tensor | None:
+        """This rank's forward of one step: float32 logits [len(sample_rows), V] on rank 0, None
+        elsewhere."""
+        for src, dst in step.block_copies:
+            self.kv_cache.copy_block(src, dst)
+        meta = AttentionMetadata.build(step.decode, step.prefill, self.kv_cache.block_size,
+                                       self.device, paged_backend=self.attention_backend)
+        input_ids = torch.tensor(step.input_ids, device=self.device)
+        if not step.prefill and meta.paged_decode is not None and self._fused_decode_fits(len(step.decode)):
+            logits = self.fused_decoder(input_ids, self.kv_cache, meta)  # [N, V]: every row's
+            rows = step.sample_rows  # (each row once, in order, unless drafts or forks say otherwise)
+            return logits if rows == list(range(len(logits))) else logits[torch.tensor(rows)]
+        hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)
+        if not step.sample_rows:
+            return None
+        hidden = hidden[torch.tensor(step.sample_rows, device=self.device)]  # [M, H]
+        return self.model.compute_logits(hidden) if self.pooler is None else self.pooler(hidden)
+
+    def _fused_decode_fits(self, num_rows: int) -> bool:
+        """Whether a decode step of num_rows rows runs through the fused CPU decoder (up to the gemv kernels' rows)."""
+        return self.fused_decoder is not None and num_rows <= self.model.kernels.matmul.gemv_max_rows
+
+    @staticmethod
+    def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:
+        p = seq.sampling_params
+        return (set() if p.ignore_eos else eos_token_ids) | set(p.stop_token_ids or ())

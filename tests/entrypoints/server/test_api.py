@@ -1,0 +1,579 @@
+"""The OpenAI-compatible server: a real `nanoqwen serve` process on a random tiny checkpoint,
+driven with the `openai` client, plus in-process apps over scripted engines for what a random model
+cannot show (reasoning / tool-call parsing, a full queue, an engine that fails). The parsers on
+their own: test_parsers.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import CALLS, THOUGHT
+from fastapi.testclient import TestClient
+
+from nanoqwen import LLM, SamplingParams
+from nanoqwen.distributed import free_port
+from nanoqwen.entrypoints.server import build_app
+from nanoqwen.errors import InvalidRequestError
+from nanoqwen.outputs import CompletionOutput, RequestOutput
+from nanoqwen.tokenizer import Tokenizer
+
+# a hang (e.g. a dead engine loop) fails instead of blocking the run
+pytestmark = pytest.mark.timeout(120)
+MAX_MODEL_LEN = 512
+GREEDY = {"temperature": 0}
+QUESTIONS = ["Why is the sky blue?", "Write a haiku about tea.", "hi"]
+
+
+# ---------------------------------------------------------------- a real server process
+
+
+def metrics(base: str) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    text = httpx.get(f"{base}/metrics").text
+    return {name: float(value) for name, value in re.findall(r"^([^#\s]\S*) (\S+)$", text, re.M)}
+
+
+def wait_idle(base: str, timeout: float = 5.0) -> dict[str, float]:
+    """Poll /metrics until no request runs or waits and every KV block is free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(base)
+        keys = ("nanoqwen_num_requests_running", "nanoqwen_num_requests_waiting",
+                "nanoqwen_kv_cache_used_blocks", "nanoqwen_engine_sequences_running",
+                "nanoqwen_engine_sequences_waiting")
+        if all(m[k] == 0 for k in keys) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint):
+    return checkpoint("tiny", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """`nanoqwen serve` on a free port; the last test stops it with SIGTERM (teardown kills it
+    otherwise)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "nanoqwen", "serve", "--model", str(model_dir),
+           "--port", str(port), "--dtype", "float32", "--device", "cpu",
+           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "32MiB",
+           "--served-model-name", "tiny", "--max-body-bytes", "1MiB", "--seed", "0",
+           "--shutdown-timeout", "1"]
+    # as `llm` here: same float sums
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{log.read_text()}")
+        time.sleep(0.1)
+    yield {"base": base, "proc": proc, "log": log}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server['base']}/v1", api_key="none", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN,
+               kv_cache_memory=32 << 20)
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server['base']}/health").json() == {"status": "ok"}
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+
+
+def test_chat_greedy_equals_llm_chat_whole_and_streamed(client, llm):
+    for question in QUESTIONS:
+        messages = [{"role": "user", "content": question}]
+        ref = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, **GREEDY)
+        assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+        assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+        assert r.choices[0].finish_reason == ref.finish_reason
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids),
+                                                                      len(ref.token_ids))
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages,
+                                                 max_completion_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert (len({(c.id, c.created, c.model) for c in chunks}) == 1
+            and chunks[0].object == "chat.completion.chunk")
+    assert (chunks[0].choices[0].delta.role == "assistant"
+            and chunks[0].choices[0].delta.content == "")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks
+            if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_greedy_equals_llm_generate(client, llm):
+    prompts = ["The capital of France is", [785, 6722, 315]]
+    refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    for prompt, ref in zip(prompts, refs, strict=True):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, **GREEDY)
+        assert r.object == "text_completion" and r.choices[0].text == ref.text
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 10)
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, stream=True,
+                                           **GREEDY)
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks) == ref.text
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_max_tokens_unset_runs_to_the_context(client):
+    prompt = [785 + i % 50 for i in range(MAX_MODEL_LEN - 7)]
+    r = client.completions.create(model="tiny", prompt=prompt, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "length"
+
+
+def test_seeded_n_gt_1_is_reproducible_and_uses_the_model_defaults(client, llm):
+    kwargs = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "n": 3, "seed": 7}
+    a, b = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert (texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)]
+            and len(set(texts)) == 3)
+    assert a.usage.completion_tokens == 24
+    # Unset fields take generation_config.json's sampling (temperature 0.6, top-k 20, top-p 0.95).
+    params = replace(llm.get_default_sampling_params(), max_tokens=8, n=3, seed=7)
+    ref = llm.generate(["Once upon a time"], params, use_tqdm=False)[0]
+    assert texts == [o.text for o in ref.outputs]
+    other = client.completions.create(**{**kwargs, "seed": 8})
+    assert [c.text for c in sorted(other.choices, key=lambda c: c.index)] != texts
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, seed=3)
+    params = replace(llm.get_default_sampling_params(), max_tokens=8, seed=3)
+    assert chat.choices[0].message.content == llm.chat(messages, params, use_tqdm=False)[0].text
+
+
+def test_stop_string(client, llm):
+    messages = [{"role": "user", "content": QUESTIONS[1]}]
+    full = llm.chat(messages, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 4]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, stop=[stop],
+                                       **GREEDY)
+    assert r.choices[0].message.content == full[:full.index(stop)]
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_logprobs_chat_and_completions(client, llm):
+    messages = [{"role": "user", "content": "hi"}]
+    ref = llm.chat(messages, SamplingParams(temperature=0, max_tokens=5, logprobs=3),
+                   use_tqdm=False)[0]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, logprobs=True,
+                                       top_logprobs=3, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(ref.token_ids) == r.usage.completion_tokens
+    for item, token_id, entry in zip(content, ref.token_ids, ref.logprobs, strict=True):
+        assert item.logprob == pytest.approx(entry[token_id].logprob, abs=1e-4)
+        assert (len(item.top_logprobs) == 3
+                and item.top_logprobs[0].logprob >= item.top_logprobs[-1].logprob)
+        # greedy picks the top one
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-5)
+    assert "".join(bytes(i.bytes).decode("utf-8", "replace") for i in content) == ref.text
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                            logprobs=True, stream=True, **GREEDY)
+    streamed = [i for c in stream if c.choices and c.choices[0].logprobs
+                for i in c.choices[0].logprobs.content]
+    assert [i.token for i in streamed] == [i.token for i in content]
+    c = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, logprobs=2,
+                                  **GREEDY).choices[0]
+    assert len(c.logprobs.tokens) == 4 and "".join(c.logprobs.tokens) == c.text
+    assert c.logprobs.text_offset[0] == 0 and all(2 <= len(t) <= 3 for t in c.logprobs.top_logprobs)
+
+
+def test_64_concurrent_streams_complete_and_leave_nothing_behind(server, llm):
+    prompts = [[100 + 37 * i + j for j in range(5 + i % 7)] for i in range(64)]
+    refs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+
+    async def one(aclient: openai.AsyncOpenAI, prompt: list[int]) -> tuple[str, int, str | None]:
+        stream = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=16,
+                                                  stream=True,
+                                                  stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True}, **GREEDY)
+        text, tokens, finish = "", 0, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return text, tokens, finish
+
+    async def run() -> list[tuple[str, int, str | None]]:
+        async with openai.AsyncOpenAI(base_url=f"{server['base']}/v1", api_key="none",
+                                      max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    results = asyncio.run(run())
+    assert [r[1:] for r in results] == [(16, "length")] * 64
+    same = sum(r[0] == ref.text for r, ref in zip(results, refs, strict=True))
+    # batching may flip a near-tie
+    assert same >= 60, f"only {same}/64 greedy answers equal LLM.generate's"
+    m = wait_idle(server["base"])
+    assert m["nanoqwen_num_requests_running"] == 0 and m["nanoqwen_kv_cache_used_blocks"] == 0
+    assert m["nanoqwen_kv_cache_usage_ratio"] == 0 and m["nanoqwen_engine_sequences_running"] == 0
+
+
+def test_client_disconnect_aborts_the_request(server):
+    base = server["base"]
+    before = metrics(base).get('nanoqwen_requests_finished_total{finish_reason="abort"}', 0)
+    body = {"prompt": "Tell me a long story", "max_tokens": 480, "n": 4, "logprobs": 5,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert [next(lines) for _ in range(6)]  # a few events, then hang up mid-stream
+    # 4 x 480 tokens take seconds on this model; aborted, the blocks are free at once.
+    m = wait_idle(base, timeout=1.5)
+    assert m["nanoqwen_kv_cache_used_blocks"] == 0 and m["nanoqwen_num_requests_running"] == 0
+    assert m['nanoqwen_requests_finished_total{finish_reason="abort"}'] == before + 1
+    # Non-streaming too: a client that times out and closes the connection.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    m = wait_idle(base, timeout=1.5)
+    assert m["nanoqwen_kv_cache_used_blocks"] == 0 and m["nanoqwen_num_requests_running"] == 0
+    assert m['nanoqwen_requests_finished_total{finish_reason="abort"}'] == before + 2
+
+
+BAD = [  # (path, body, status, words in the message)
+    ("/v1/chat/completions", b'{"messages": [', 400, "not valid JSON"),
+    ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6},
+     400, f"maximum context length is {MAX_MODEL_LEN}"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400,
+     "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]}, 400,
+     f"max_model_len is {MAX_MODEL_LEN}"),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]},
+     404, "gpt-4"),
+    ("/v1/completions", {"prompt": list(range(600))}, 400,
+     "the prompt has 600 tokens but max_model_len is 512"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": ""}, 400, "empty"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    ("/v1/completions", b'{"prompt": "' + b"x" * (2 << 20) + b'"}', 413, "larger than"),
+    ("/v1/nothing", {}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,words", BAD,
+                         ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, path, body, status,
+                                                                      words):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server['base']}{path}", content=content,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and words in error["message"]
+    ok = httpx.post(f"{server['base']}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_metrics_count_requests_tokens_and_latency(server, client):
+    before = metrics(server["base"])
+    r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=5, **GREEDY)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="Hello there", max_tokens=0)
+    after = metrics(server["base"])
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    assert grew("nanoqwen_prompt_tokens_total") == r.usage.prompt_tokens == 2
+    assert grew("nanoqwen_generation_tokens_total") == 5
+    assert grew("nanoqwen_time_to_first_token_seconds_count") == 1
+    assert grew("nanoqwen_time_per_output_token_seconds_count") == 1
+    assert grew('nanoqwen_http_requests_total{endpoint="/v1/completions",status="200"}') == 1
+    assert grew('nanoqwen_http_requests_total{endpoint="/v1/completions",status="400"}') == 1
+    assert grew('nanoqwen_requests_finished_total{finish_reason="length"}') == 1
+    # 32 MiB of 16-token blocks
+    assert after["nanoqwen_kv_cache_blocks"] == 32 * 2**20 // (16 * 2 * 2 * 2 * 32 * 4)
+    assert "nanoqwen_prefix_cache_hit_rate" in after and "nanoqwen_num_preemptions" in after
+
+
+def test_sigterm_finishes_short_requests_cancels_long_ones_and_exits_cleanly(server):
+    """--shutdown-timeout 1: a 20-token stream finishes; a long one (500 tokens x 4 answers,
+    seconds) ends with a 'shutting down' event."""
+    base, proc = server["base"], server["proc"]
+    started = [threading.Event(), threading.Event()]
+
+    def stream(i: int, max_tokens: int, n: int) -> list[str]:
+        body = {"prompt": "Count to a hundred", "max_tokens": max_tokens, "n": n, "logprobs": 5,
+                "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                started[i].set()
+            return [line for line in lines if line.startswith("data: ")]
+
+    with ThreadPoolExecutor(2) as pool:
+        short, long = pool.submit(stream, 0, 20, 1), pool.submit(stream, 1, 500, 4)
+        assert all(e.wait(timeout=10) for e in started)
+        proc.send_signal(signal.SIGTERM)
+        short, long = short.result(timeout=20), long.result(timeout=20)
+    assert short[-1] == "data: [DONE]" and '"finish_reason": "length"' in short[-2]
+    assert long[-1] == "data: [DONE]" and json.loads(long[-2][6:])["error"]["code"] == "shutdown"
+    assert proc.wait(timeout=15) == 0
+    log = server["log"].read_text()
+    assert "server stopped" in log and "Traceback" not in log
+    assert re.search(r'"POST /v1/completions" 200 \d+ms cmpl-\w+ prompt=\d+ '
+                     r'generated=20 finish=length', log)
+
+
+# ------------------------------------------------------------ in-process apps over scripted engines
+
+
+class ScriptedEngine:
+    """LLMEngine's interface with scripted answers: script(prompt text) is the answer, emitted
+    `chunk` characters per step (so tags split across stream deltas), one placeholder token id
+    per step."""
+
+    def __init__(self, tokenizer: Tokenizer, script, chunk: int = 3, max_model_len: int = 4096,
+                 step_seconds: float = 0.003) -> None:
+        self.tokenizer, self.script = tokenizer, script
+        self.chunk, self.max_model_len = chunk, max_model_len
+        # like a real step: lets the handler see (nearly) every delta
+        self.step_seconds = step_seconds
+        self.requests: dict[str, list] = {}
+        self.prompts: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    @property
+    def input_processor(self) -> ScriptedEngine:  # (the engine's input checks are its own here)
+        return self
+
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids or len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens "
+                                      f"but max_model_len is {self.max_model_len}")
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(ids)
+        return ids
+
+    def add_request(self, request_id, prompt, params, prompt_token_ids=None) -> None:
+        text = self.tokenizer.decode(prompt_token_ids)
+        self.prompts.append(text)
+        self.requests[request_id] = [prompt_token_ids, params, self.script(text), 0]
+
+    def step(self) -> list[RequestOutput]:
+        self.gate.wait()
+        time.sleep(self.step_seconds)
+        outputs = []
+        for request_id, state in list(self.requests.items()):
+            ids, params, answer, pos = state
+            if answer == "FAIL":
+                raise RuntimeError("scripted failure")
+            pos = state[3] = min(len(answer), pos + self.chunk)
+            n = -(-pos // self.chunk)
+            done = pos >= len(answer)
+            reason = ("stop" if done
+                      else "length" if params.max_tokens is not None and n >= params.max_tokens
+                      else None)
+            outs = [CompletionOutput(i, answer[:pos], [1] * n, reason) for i in range(params.n)]
+            outputs.append(RequestOutput(request_id, None, ids, outs, reason is not None))
+            if reason is not None:
+                del self.requests[request_id]
+        return outputs
+
+    def abort_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def kv_cache_stats(self) -> dict[str, float]:
+        return {"num_blocks": 8, "used_blocks": len(self.requests),
+                "usage": len(self.requests) / 8, "num_running": len(self.requests),
+                "num_waiting": 0}
+
+
+def script(prompt: str) -> str:
+    prompt = prompt.rsplit("<|im_start|>user", 1)[-1]  # the last user turn (or tool results)
+    if "FAIL" in prompt:
+        return "FAIL"
+    if "broken" in prompt:
+        return "<tool_call>\n{not json}\n</tool_call>"
+    if "weather" in prompt:
+        return THOUGHT + CALLS
+    return "<think>\nHmm.\n</think>\n\nHello there!"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return Tokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture
+def scripted(tokenizer):
+    """(engine, TestClient, openai client) over an in-process app; the engine loop runs for the
+    test."""
+    engine = ScriptedEngine(tokenizer, script)
+    with TestClient(build_app(engine, "scripted", api_key="sesame", max_waiting=1)) as http:
+        http.headers["authorization"] = "Bearer sesame"
+        yield engine, http, openai.OpenAI(base_url="http://testserver/v1", api_key="sesame",
+                                          http_client=http, max_retries=0)
+    engine.gate.set()
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "Weather of a city",
+                       "parameters": CITY}}]
+WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_reasoning_and_tool_calls_end_to_end(scripted):
+    engine, _, client = scripted
+    r = client.chat.completions.create(model="scripted", messages=WEATHER, tools=TOOLS)
+    msg = r.choices[0].message
+    assert ('"name": "get_weather"' in engine.prompts[-1]
+            and engine.prompts[-1].endswith("<|im_start|>assistant\n"))
+    assert msg.reasoning_content == "\nThe user wants the weather.\n" and msg.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls[0].id.startswith("call_")
+
+    chunks = list(client.chat.completions.create(model="scripted", messages=WEATHER, tools=TOOLS,
+                                                 stream=True))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(d.model_extra.get("reasoning_content") or ""
+                   for d in deltas) == msg.reasoning_content
+    assert sum(bool(d.model_extra.get("reasoning_content")) for d in deltas) > 1  # really streamed
+    assert "".join(d.content or "" for d in deltas) == ""
+    calls = [t for d in deltas for t in d.tool_calls or []]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        (0, "get_weather", {"city": "Paris"}), (1, "get_time", {})]
+    assert [c.choices[0].finish_reason for c in chunks
+            if c.choices[0].finish_reason] == ["tool_calls"]
+
+    # tool_choice "none": the template gets no tools and the output is not parsed for calls.
+    r = client.chat.completions.create(model="scripted", messages=WEATHER, tools=TOOLS,
+                                       tool_choice="none")
+    assert "# Tools" not in engine.prompts[-1] and r.choices[0].message.content == "\n\n" + CALLS
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+
+    # Malformed call JSON stays text.
+    r = client.chat.completions.create(model="scripted",
+                                       messages=[{"role": "user", "content": "broken"}],
+                                       tools=TOOLS)
+    assert r.choices[0].message.content == "<tool_call>\n{not json}\n</tool_call>"
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+
+
+def test_thinking_off_and_tool_results_render_through_the_template(scripted):
+    engine, _, client = scripted
+    r = client.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "hi"}],
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert engine.prompts[-1].endswith("<think>\n\n</think>\n\n")
+    assert r.choices[0].message.content == "<think>\nHmm.\n</think>\n\nHello there!"
+    assert r.choices[0].message.model_extra["reasoning_content"] is None
+    history = WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"}]
+    r = client.chat.completions.create(model="scripted", messages=history, tools=TOOLS)
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+            in engine.prompts[-1])
+    assert "<tool_response>\n18C and sunny\n</tool_response>" in engine.prompts[-1]
+    assert r.choices[0].message.content == "\n\nHello there!"
+
+
+def test_api_key_is_required_on_v1_only(scripted):
+    _, http, _ = scripted
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    for headers in ({"authorization": ""}, {"authorization": "Bearer wrong"},
+                    {"authorization": "sesame"}):
+        r = http.post("/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert http.get("/v1/models", headers={"authorization": "Bearer nope"}).status_code == 401
+    assert http.get("/health", headers={"authorization": ""}).status_code == 200
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_a_full_queue_answers_503_with_retry_after(scripted):
+    engine, http, _ = scripted
+    engine.gate.clear()  # the engine stalls, so the first request waits for its first token
+    body = {"prompt": "hi"}
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            first = pool.submit(http.post, "/v1/completions", json=body)
+            deadline = time.monotonic() + 5
+            while "nanoqwen_num_requests_waiting 1.0" not in http.get("/metrics").text:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            # admitted, it would hang
+            r = pool.submit(http.post, "/v1/completions", json=body).result(timeout=5)
+        finally:
+            engine.gate.set()
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+        assert first.result(timeout=10).status_code == 200
+    assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_an_engine_failure_fails_its_requests_with_500_and_the_loop_keeps_serving(scripted):
+    _, http, client = scripted
+    r = http.post("/v1/completions", json={"prompt": "FAIL"})
+    assert r.status_code == 500 and "scripted failure" in r.json()["error"]["message"]
+    with pytest.raises(openai.APIError, match="scripted failure"):
+        list(client.completions.create(model="scripted", prompt="FAIL", stream=True))
+    r = client.completions.create(model="scripted", prompt="hello")
+    assert r.choices[0].text.endswith("Hello there!") and http.get("/health").status_code == 200

@@ -1,0 +1,80 @@
+"""A CPU engine's weights in memory advised for 2 MiB pages (nanoqwen/worker/huge_pages.py): the same values,
+ties and outputs, in a mapping the kernel may back with huge pages."""
+
+from __future__ import annotations
+
+import torch
+from conftest import PROMPTS, make_llm, prompt_logits
+
+from nanoqwen.worker import huge_pages
+
+
+def mapping_field(address: int, field: str) -> int:
+    """A field of /proc/self/smaps (e.g. THPeligible: 1 where the kernel may use huge pages) for the mapping
+    holding address."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == f"{field}:":
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} for address {address:#x} in /proc/self/smaps")
+
+
+def test_cpu_engine_moves_its_weights_into_huge_page_memory_unchanged(checkpoint, monkeypatch):
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1)  # this tiny model's tensors are all small
+    path = checkpoint("gqa1-tied-headdim")  # a tied head: the embedding and the head are one Parameter
+    monkeypatch.setenv("NANOQWEN_HUGE_PAGES", "0")
+    plain = make_llm(path).llm_engine.runner.model
+    monkeypatch.delenv("NANOQWEN_HUGE_PAGES")
+    moved = make_llm(path).llm_engine.runner.model
+
+    assert moved.is_tied and moved.lm_head.weight.data_ptr() == moved.embed_tokens.weight.data_ptr()
+    for (name, a), (_, b) in zip(plain.state_dict().items(), moved.state_dict().items(), strict=True):
+        assert torch.equal(a, b) and a.stride() == b.stride(), name
+    assert torch.equal(prompt_logits(plain, PROMPTS[3]), prompt_logits(moved, PROMPTS[3]))
+
+    weights = [p.data_ptr() for p in moved.parameters()]
+    if huge_pages.transparent_huge_pages() in ("always", "madvise"):
+        assert all(mapping_field(w, "THPeligible") == 1 for w in weights)
+        assert max(weights) - min(weights) < sum(p.nbytes + 64 for p in moved.parameters())  # one mapping
+    if huge_pages.transparent_huge_pages() == "madvise":  # where only advised memory may get huge pages
+        assert mapping_field(plain.embed_tokens.weight.data_ptr(), "THPeligible") == 0
+
+
+def test_huge_pages_off_leaves_the_weights_where_they_are(checkpoint, monkeypatch):
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1)
+    monkeypatch.setenv("NANOQWEN_HUGE_PAGES", "0")
+    model = make_llm(checkpoint("gqa2-untied")).llm_engine.runner.model
+    assert not any(huge_pages.in_huge_page_memory(p.untyped_storage()) for p in model.parameters())
+    where = [p.data_ptr() for p in model.parameters()]
+    assert huge_pages.move_to_huge_pages(model) == 0
+    assert [p.data_ptr() for p in model.parameters()] == where
+    monkeypatch.setattr(huge_pages, "transparent_huge_pages", lambda: "never")  # a kernel without them
+    monkeypatch.delenv("NANOQWEN_HUGE_PAGES")
+    assert huge_pages.move_to_huge_pages(model) == 0
+    assert [p.data_ptr() for p in model.parameters()] == where
+
+
+def test_a_table_over_the_size_limit_stays_and_nothing_moves_twice(checkpoint, monkeypatch):
+    """A storage over MAX_BYTES is left where it is (its copy would raise the peak of memory by its size), and a
+    model already moved (or a draft sharing its target's embedding) is not copied again."""
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1)
+    monkeypatch.setenv("NANOQWEN_HUGE_PAGES", "0")
+    model = make_llm(checkpoint("gqa2-untied")).llm_engine.runner.model
+    monkeypatch.delenv("NANOQWEN_HUGE_PAGES")
+    table = model.embed_tokens.weight
+    monkeypatch.setattr(huge_pages, "MAX_BYTES", table.nbytes - 1)
+    where, values = table.data_ptr(), table.detach().clone()
+    layer = model.layers[0].mlp.down_proj.weight
+    layer_was = layer.data_ptr()
+    moved = huge_pages.move_to_huge_pages(model)
+    if huge_pages.transparent_huge_pages() not in ("always", "madvise"):
+        assert moved == 0
+        return
+    assert moved > 0 and table.data_ptr() == where and torch.equal(table, values)
+    assert layer.data_ptr() != layer_was and huge_pages.in_huge_page_memory(layer.untyped_storage())
+    assert huge_pages.move_to_huge_pages(model) == 0  # already there
