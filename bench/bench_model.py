@@ -222,7 +222,17 @@ def machine_line(device: str) -> str:
         hw = (f"{name or platform.processor()} (flags: {isa_summary(flags)}; torch's CPU capability "
               f"{torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} threads")
     return (f"{datetime.date.today()} · {hw} · Python {platform.python_version()} · torch {torch.__version__} · "
-            f"transformers {transformers.__version__} · nanoqwen {nanoqwen.__version__}")
+            f"transformers {transformers.__version__} · nanoqwen {nanoqwen.__version__} · commit {commit()}")
+
+
+def commit() -> str:
+    """The commit measured: git's short hash, "+changes" where the working tree differs from it."""
+    def git(*args: str) -> str:
+        result = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return result.stdout.strip() if result.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def bounds(ours: dict, ceil: dict) -> dict:
