@@ -18,7 +18,12 @@ class WeightsError(NanoQwenError):
 
 
 class InvalidRequestError(NanoQwenError, ValueError):
-    """A prompt or sampling parameter is invalid (empty, too long, out of range)."""
+    """A prompt or sampling parameter is invalid (empty, too long, out of range). `param` names the field at
+    fault where there is one (the server answers it as OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineDeadError(NanoQwenError):

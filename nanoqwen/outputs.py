@@ -17,8 +17,8 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One generated answer: its token ids, its text, and why it ended ("stop", "length", or
-    None)."""
+    """One generated answer: its token ids, its text, and why it ended ("stop", "length", "error" (the
+    request's RequestOutput.error says why), or None while it runs)."""
 
     index: int
     text: str
@@ -79,7 +79,9 @@ def speed_summary(num_prompt_tokens: int, prefill_seconds: float, num_output_tok
 
 @dataclass
 class RequestOutput:
-    """A request's prompt and its answer(s) so far; `finished` once every answer has ended."""
+    """A request's prompt and its answer(s) so far; `finished` once every answer has ended. `error`: why the
+    request ended early (its answers' finish_reason is then "error"): the model gave it no token to pick, or a
+    step failed on this request alone; the engine's other requests go on."""
 
     request_id: str
     prompt: str | None
@@ -88,6 +90,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     metrics: RequestMetrics | None = None
+    error: str | None = None
 
     # The single-answer shortcuts: output.text instead of output.outputs[0].text.
     @property
@@ -124,15 +127,17 @@ class ScoringOutput:
 @dataclass
 class PoolingRequestOutput:
     """An embedding or scoring request's result, shaped like vLLM's (EmbeddingRequestOutput,
-    ScoringRequestOutput): `outputs.embedding` or `outputs.score`."""
+    ScoringRequestOutput): `outputs.embedding` or `outputs.score`; None, with `error` saying why, where a
+    step failed on this request alone."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: EmbeddingOutput | ScoringOutput
+    outputs: EmbeddingOutput | ScoringOutput | None
     finished: bool = True
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None
 
 
 EmbeddingRequestOutput = PoolingRequestOutput

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from nanoqwen.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_N = 128  # answers to one request (each is a sequence with its own KV cache)
+# the longest stop string: each generated token is checked against the newest text plus this many characters
+# before it, for every stop string (the engine's max_stop_sequences bounds how many)
+MAX_STOP_STRING_LENGTH = 1024
 # vLLM's floor for a positive temperature: logits / 1e-39 overflow to inf, and the softmax to NaN
 MIN_TEMPERATURE = 0.01
 
@@ -109,10 +113,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, rule: str) -> InvalidRequestError:
-            return InvalidRequestError(f"SamplingParams.{field}={value!r} is invalid: {rule}")
+            return InvalidRequestError(f"SamplingParams.{field}={value!r:.200} is invalid: {rule}", param=field)
 
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise bad("temperature", self.temperature, "must be a finite number >= 0 (0 means greedy)")
         if 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %g is below %g, whose logits / temperature overflow: "
                            "sampling at %g (0 means greedy)", self.temperature, MIN_TEMPERATURE,
@@ -120,9 +124,9 @@ class SamplingParams:
             self.temperature = MIN_TEMPERATURE
         if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", self.top_k, "must be an integer >= 1, or -1 / 0 to disable")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens,
@@ -130,12 +134,13 @@ class SamplingParams:
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63 - 1024):
             # seed + i for n > 1
             raise bad("seed", self.seed, "must be an integer in [0, 2**63 - 1024) or None")
-        if self.stop_token_ids is not None and not all(_is_int(t) and t >= 0
-                                                       for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids,
-                      "must be a list of token ids (integers >= 0)")
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", self.n, "must be an integer >= 1")
+        if self.stop_token_ids is not None and (
+                not isinstance(self.stop_token_ids, (list, tuple))
+                or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)):
+            # (each must also be in the model's vocabulary: the engine checks, it knows the vocabulary)
+            raise bad("stop_token_ids", self.stop_token_ids, "must be a list of token ids (integers >= 0)")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
         rep = self.repetition_penalty
         if not _is_number(rep) or not (rep > 0 and math.isfinite(rep)):
             raise bad("repetition_penalty", rep, "must be a finite number > 0 (1 disables it)")
@@ -153,9 +158,11 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop", self.stop,
                       "must be a non-empty string or a list of non-empty strings")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise bad("include_stop_str_in_output", self.include_stop_str_in_output,
-                      "must be True or False")
+        if any(len(s) > MAX_STOP_STRING_LENGTH for s in stop):
+            raise bad("stop", max(stop, key=len), f"a stop string is at most {MAX_STOP_STRING_LENGTH} characters")
+        for field in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, field), bool):
+                raise bad(field, getattr(self, field), "must be True or False")
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", self.logprobs,
@@ -165,6 +172,7 @@ class SamplingParams:
             raise bad("structured_outputs", self.structured_outputs,
                       "must be a StructuredOutputsParams (or None)")
         self.stop = list(stop)
+        self._max_stop_len = max(map(len, self.stop), default=0)
         if self.top_k == 0:
             self.top_k = -1
 
@@ -176,4 +184,4 @@ class SamplingParams:
     def max_stop_len(self) -> int:
         """Length of the longest stop string (0 without any): how much text may
         still turn into a stop."""
-        return max((len(s) for s in self.stop or ()), default=0)
+        return self._max_stop_len

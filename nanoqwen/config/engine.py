@@ -34,6 +34,8 @@ class EngineConfig:
     greedy without logprobs, penalties or grammar (vLLM's multi-step scheduling,
     core/scheduler.py): less Python per token, but tokens arrive k at a time and a new request
     waits up to k steps to start. 1 (the default) schedules every step.
+    max_stop_sequences, max_stop_token_ids: the most stop strings and stop token ids one request may
+    give (each generated token is checked against them all); a request with more is refused.
     """
 
     model: str | Path = DEFAULT_MODEL
@@ -56,10 +58,12 @@ class EngineConfig:
     task: str = "auto"
     speculative_config: SpeculativeConfig | dict | str | None = None
     num_scheduler_steps: int = 1
+    max_stop_sequences: int = 64
+    max_stop_token_ids: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "tensor_parallel_size", "num_scheduler_steps"):
+                     "tensor_parallel_size", "num_scheduler_steps", "max_stop_sequences", "max_stop_token_ids"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 1")

@@ -65,6 +65,30 @@ class ScheduledBatch:
         return self.decode + [s.seq for s in self.spec_decode] + [p.seq for p in self.prefill]
 
 
+def split_by_request(batch: ScheduledBatch) -> dict[str, ScheduledBatch]:
+    """The batch's parts, one a request (its sequences' rows, in the batch's order), in the order the
+    requests first appear."""
+    parts: dict[str, ScheduledBatch] = {}
+
+    def part(seq: Sequence) -> ScheduledBatch:
+        return parts.setdefault(seq.request_id, ScheduledBatch(num_steps=batch.num_steps))
+
+    for seq in batch.decode:
+        part(seq).decode.append(seq)
+    for spec in batch.spec_decode:
+        part(spec.seq).spec_decode.append(spec)
+    for prefill in batch.prefill:
+        part(prefill.seq).prefill.append(prefill)
+    return parts
+
+
+def merge_batches(batches: list[ScheduledBatch], num_steps: int) -> ScheduledBatch:
+    """One batch of the rows of several (split_by_request's parts, some of them)."""
+    return ScheduledBatch(decode=[s for b in batches for s in b.decode],
+                          prefill=[p for b in batches for p in b.prefill],
+                          spec_decode=[s for b in batches for s in b.spec_decode], num_steps=num_steps)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int | None = None,

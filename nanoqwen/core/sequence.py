@@ -44,6 +44,7 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
+    error: str | None = None  # why it ended with finish_reason "error"
     detokenizer: Any = None
     text: str = ""
     logprobs: list[Any] | None = None
@@ -53,6 +54,8 @@ class Sequence:
     pooling_params: PoolingParams | None = None
     pooled: Any = None  # what the pooler read at the last prompt token (a tensor), once prefilled
     grammar: GrammarState | None = None  # the structured-output constraint's progress, if any
+    # the tokens that end it: its stop_token_ids, and the model's end-of-sequence ids unless ignore_eos
+    stop_token_ids: frozenset[int] = frozenset()
     # Speculative decoding (spec_decode/proposer.py): the draft tokens to verify in this step after
     # the newest token, and the draft's probabilities for them ([len, V] float32; None when the
     # proposer is deterministic: n-gram, or greedy requests).

@@ -9,6 +9,7 @@ and document in the Qwen3-Reranker model card's yes/no prompt.
 
 from __future__ import annotations
 
+from nanoqwen.config.engine import EngineConfig
 from nanoqwen.config.model import GenerationConfig, Qwen3Config
 from nanoqwen.config.pooling import SentenceTransformersConfig
 from nanoqwen.errors import InvalidRequestError
@@ -49,10 +50,13 @@ def embedding_input_ids(tokenizer: Tokenizer, text: str | list[int], prompt: str
 class InputProcessor:
     """Tokenises and checks one engine's requests: its tokenizer, vocabulary, context length and task."""
 
-    def __init__(self, tokenizer: Tokenizer, model_config: Qwen3Config, max_model_len: int, task: str,
-                 generation_config: GenerationConfig, sentence_transformers: SentenceTransformersConfig) -> None:
+    def __init__(self, tokenizer: Tokenizer, model_config: Qwen3Config, engine_config: EngineConfig,
+                 max_model_len: int, task: str, generation_config: GenerationConfig,
+                 sentence_transformers: SentenceTransformersConfig) -> None:
         self.tokenizer, self.max_model_len, self.task = tokenizer, max_model_len, task
         self.vocab_size, self.hidden_size = model_config.vocab_size, model_config.hidden_size
+        self.max_stop_sequences = engine_config.max_stop_sequences
+        self.max_stop_token_ids = engine_config.max_stop_token_ids
         self.generation_config, self.sentence_transformers = generation_config, sentence_transformers
 
     def default_sampling_params(self) -> SamplingParams:
@@ -103,8 +107,8 @@ class InputProcessor:
         bad = [t for t in token_ids
                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]!r} is not in the vocabulary "
-                                      f"[0, {vocab})")
+            raise InvalidRequestError(f"prompt token id {bad[0]!r:.50} is not in the vocabulary "
+                                      f"[0, {vocab})", param="prompt")
         if len(token_ids) > self.max_model_len or (len(token_ids) == self.max_model_len
                                                    and not pooling):
             fix = ("shorten the input, raise max_model_len (--max-model-len) or truncate it "
@@ -113,6 +117,23 @@ class InputProcessor:
             raise InvalidRequestError(f"the {'input' if pooling else 'prompt'} has "
                                       f"{len(token_ids)} tokens but max_model_len is "
                                       f"{self.max_model_len}: {fix}")
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: its token ids inside this model's vocabulary, and its stop
+        lists within this engine's limits (max_stop_sequences, max_stop_token_ids)."""
+        ids = params.stop_token_ids or ()
+        if len(ids) > self.max_stop_token_ids:
+            raise InvalidRequestError(
+                f"SamplingParams.stop_token_ids has {len(ids)} ids, more than this engine's limit of "
+                f"{self.max_stop_token_ids} (--max-stop-token-ids)", param="stop_token_ids")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"SamplingParams.stop_token_ids: {bad} is not a token id of this model: "
+                                      f"ids are in [0, {self.vocab_size})", param="stop_token_ids")
+        if len(params.stop) > self.max_stop_sequences:
+            raise InvalidRequestError(
+                f"SamplingParams.stop has {len(params.stop)} stop strings, more than this engine's limit of "
+                f"{self.max_stop_sequences} (--max-stop-sequences)", param="stop")
 
     def require_task(self, task: str) -> None:
         """An InvalidRequestError saying which model to use unless this model's task is `task`."""

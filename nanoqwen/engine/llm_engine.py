@@ -30,11 +30,11 @@ from nanoqwen.config.model import GenerationConfig
 from nanoqwen.config.pooling import SentenceTransformersConfig, resolve_task
 from nanoqwen.config.speculative import DEFAULT_SPEC_MAX_BATCH, SpeculativeConfig
 from nanoqwen.core.block_manager import BlockManager
-from nanoqwen.core.scheduler import ScheduledBatch, Scheduler
+from nanoqwen.core.scheduler import ScheduledBatch, Scheduler, merge_batches, split_by_request
 from nanoqwen.core.sequence import Sequence, SequenceStatus
 from nanoqwen.engine.input_processor import InputProcessor
 from nanoqwen.engine.output_processor import OutputProcessor, RequestState
-from nanoqwen.errors import ConfigError, InvalidRequestError
+from nanoqwen.errors import ConfigError, EngineDeadError, InvalidRequestError
 from nanoqwen.layers.pooler import make_pooler
 from nanoqwen.model_loader.hub import resolve_model_path
 from nanoqwen.model_loader.loader import load_config
@@ -72,9 +72,9 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.config.torch_dtype, self.device)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
-        self.eos_token_ids = set(self.generation_config.eos_token_id or self.config.eos_token_id)
+        self.eos_token_ids = frozenset(self.generation_config.eos_token_id or self.config.eos_token_id)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids = {self.tokenizer.eos_token_id}
+            self.eos_token_ids = frozenset({self.tokenizer.eos_token_id})
         self.tp_group: TPGroup | None = None
         if config.tensor_parallel_size > 1:
             # under torchrun, ranks > 0 become workers in here and never return
@@ -91,7 +91,7 @@ class LLMEngine:
                 raise
             raise dead from e
         spec = config.speculative_config
-        self.input_processor = InputProcessor(self.tokenizer, self.config, self.max_model_len, self.task,
+        self.input_processor = InputProcessor(self.tokenizer, self.config, config, self.max_model_len, self.task,
                                               self.generation_config,
                                               SentenceTransformersConfig.from_dir(self.model_dir))
         self.block_manager = BlockManager(num_blocks, config.block_size,
@@ -105,11 +105,11 @@ class LLMEngine:
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.spec_switch = (SpecDecodeSwitch() if spec is not None and spec.disable_by_acceptance
                             else None)
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
-                                                self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         seed = config.seed if config.seed is not None else random.randrange(2**63)
         self.generator = torch.Generator(self.device).manual_seed(seed)
         self.requests: dict[str, RequestState] = {}
+        self._warned_broken_logits = False
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.config.vocab_size,
                                                 self.eos_token_ids)
 
@@ -209,8 +209,11 @@ class LLMEngine:
         inputs.check_task(params)
         if isinstance(params, PoolingParams):
             return self._add_pooling_request(request_id, prompt, params, prompt_token_ids)
+        inputs.check_sampling_params(params)
         token_ids = inputs.tokenize(prompt if prompt_token_ids is None else prompt_token_ids)
-        seqs = [Sequence(request_id, i, token_ids, params) for i in range(params.n)]
+        # every token that ends an answer, as a set made once (checked for every token it samples)
+        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        seqs = [Sequence(request_id, i, token_ids, params, stop_token_ids=stop_ids) for i in range(params.n)]
         if params.structured_outputs is not None:  # compiled here unless prepare_request did
             for seq in seqs:
                 seq.grammar = self.grammar_compiler.new_state(params.structured_outputs, token_ids)
@@ -260,7 +263,8 @@ class LLMEngine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
-        """Run one batch; return an output for every request that got a new token."""
+        """Run one batch; return an output for every request that got a new token (or ended with an error
+        of its own: a step that fails is run again request by request, see _execute_each)."""
         batch = self.scheduler.schedule()
         if batch.empty:
             return []
@@ -268,16 +272,56 @@ class LLMEngine:
         if batch.spec_decode:
             self.proposer.propose(batch.spec_decode)  # seq.spec_token_ids for this step
         proposed = time.perf_counter()
-        sampled = self._execute(batch)
-        if self.spec_switch is not None:  # whether drafts pay: their cost, measured
-            self.spec_switch.record_step(batch, proposed - start, time.perf_counter() - proposed)
-        return self._postprocess(batch, sampled)
+        try:
+            sampled = self._execute(batch)
+        except EngineDeadError:
+            raise
+        except Exception as error:
+            if self.tp_group is not None:  # (the other ranks ran the step too: no rerun)
+                raise
+            batch, sampled, failed = self._execute_each(batch, error)
+        else:
+            failed = {}
+            if self.spec_switch is not None:  # whether drafts pay: their cost, measured
+                self.spec_switch.record_step(batch, proposed - start, time.perf_counter() - proposed)
+        outputs = self._postprocess(batch, sampled) if not batch.empty else []
+        return outputs + [self._end_with_error(request_id, message) for request_id, message in failed.items()]
+
+    def _execute_each(self, batch: ScheduledBatch, error: Exception
+                      ) -> tuple[ScheduledBatch, list[SampledTokens] | list[PooledOutput], dict[str, str]]:
+        """A step raised: run it again one request at a time, so that a request whose inputs broke it fails
+        alone and the others get the tokens they would have had. Returns the batch of the requests that ran,
+        their results, and each failed request's error. Where every request of a batch of several fails on its
+        own, the failure is no one request's (out of memory, a broken kernel): the step's error is raised,
+        and every request fails. (Running a request's part again rewrites the same cache slots.)"""
+        parts = split_by_request(batch)
+        ran, sampled, failed = [], [], {}
+        for request_id, part in parts.items():
+            try:
+                sampled += self._execute(part)
+                ran.append(part)
+            except EngineDeadError:
+                raise
+            except Exception as e:
+                failed[request_id] = f"the engine failed on this request: {type(e).__name__}: {e}"
+                logger.exception("request %s failed the step; it ends with an error, the others go on", request_id)
+        if not ran and len(parts) > 1:
+            raise error
+        return merge_batches(ran, batch.num_steps), sampled, failed
+
+    def _end_with_error(self, request_id: str, message: str) -> RequestOutput | PoolingRequestOutput:
+        """End a request (every answer) with an error of its own, free its blocks; its last output."""
+        state = self.requests.pop(request_id)
+        output = self.output_processor.make_error_output(state, message)
+        for seq in state.seqs:
+            self.scheduler.finish(seq)
+        return output
 
     def _execute(self, batch: ScheduledBatch) -> list[SampledTokens] | list[PooledOutput]:
         if self.tp_group is None:
-            return self.runner.execute(batch, self.eos_token_ids)
+            return self.runner.execute(batch)
         with self.tp_group.guard():  # a failed rank stops the group with an EngineDeadError
-            return self.runner.execute(batch, self.eos_token_ids)
+            return self.runner.execute(batch)
 
     def _postprocess(self, batch: ScheduledBatch, sampled: list[SampledTokens] | list[PooledOutput]
                      ) -> list[RequestOutput | PoolingRequestOutput]:
@@ -326,10 +370,22 @@ class LLMEngine:
                 self.block_manager.trim(seq)
         outputs = []
         for state in touched.values():
+            error = next((s.error for s in state.seqs if s.error is not None), None)
+            if error is not None:  # the model gave an answer no token to pick: the whole request ends
+                self._warn_broken_logits()
+                outputs.append(self._end_with_error(state.request_id, error))
+                continue
             outputs.append(self.output_processor.make_output(state))
             if state.finished:
                 del self.requests[state.request_id]
         return outputs
+
+    def _warn_broken_logits(self) -> None:
+        if not self._warned_broken_logits:
+            self._warned_broken_logits = True
+            logger.warning("the model in %s gave logits that are NaN or all -inf (a broken checkpoint, or weights "
+                           "that overflow in %s?): the requests they reach end with an error; shown once",
+                           self.model_dir, str(self.dtype).removeprefix("torch."))
 
     def _register_blocks(self, batch: ScheduledBatch) -> None:
         for seq in batch.seqs:

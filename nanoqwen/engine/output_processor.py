@@ -2,7 +2,13 @@
 
 Text is detokenized incrementally per answer. Stop strings are searched in the newly added
 text; until an answer finishes, its last (longest stop string - 1) characters are held back, so
-a stream never shows text that later turns out to start a stop string.
+a stream never shows text that later turns out to start a stop string. A token's cost does not
+grow with the request's stop lists beyond their bounded sizes: stop ids are a set made once per
+request (Sequence.stop_token_ids), and each stop string is searched only in the new text and the
+tail before it that could start it.
+
+A sampled token of BROKEN_ROW means the model gave that sequence no token to pick (its logits were NaN
+or all -inf, nanoqwen/sample/sampler.py): the answer ends there with finish_reason "error".
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from nanoqwen.outputs import (
     ScoringOutput,
 )
 from nanoqwen.pooling_params import PoolingParams
-from nanoqwen.sample.sampler import TokenLogprobs
+from nanoqwen.sample.sampler import BROKEN_ROW, TokenLogprobs
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import Tokenizer
 
@@ -44,9 +50,8 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
     def append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
@@ -55,16 +60,19 @@ class OutputProcessor:
         now = time.perf_counter()
         seq.first_token_time = seq.first_token_time or now
         seq.last_token_time = now
+        if token == BROKEN_ROW:
+            seq.error = ("the model's logits for this answer were NaN or all -inf, so there was no token to pick "
+                         "(a broken checkpoint, or weights that overflow in this dtype)")
+            return self._finish(seq, "error")
         seq.output_token_ids.append(token)
         if logprobs is not None:
             seq.logprobs = seq.logprobs if seq.logprobs is not None else []
             seq.logprobs.append(self._logprob_dict(logprobs))
         old_len = len(seq.text)
         seq.text += seq.detokenizer.push(token)
-        stop_ids = p.stop_token_ids or ()
-        if token in stop_ids or (token in self.eos_token_ids and not p.ignore_eos):
+        if token in seq.stop_token_ids:
             # None: the model's EOS, as in vLLM
-            seq.stop_reason = token if token in stop_ids else None
+            seq.stop_reason = token if token in (p.stop_token_ids or ()) else None
             return self._finish(seq, "stop")
         if seq.grammar is not None:
             seq.grammar.accept(token)
@@ -140,5 +148,21 @@ class OutputProcessor:
         finished = state.finished
         if finished and m.finished_time is None:
             m.finished_time = time.perf_counter()
+        error = next((s.error for s in state.seqs if s.error is not None), None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, state.seqs[0].num_cached_tokens, m)
+                             finished, state.seqs[0].num_cached_tokens, m, error)
+
+    @staticmethod
+    def make_error_output(state: RequestState, error: str) -> RequestOutput | PoolingRequestOutput:
+        """A request ended by an error of its own (every answer's finish_reason "error")."""
+        for seq in state.seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason, seq.error = "error", error
+        m = state.metrics
+        m.finished_time = time.perf_counter()
+        if isinstance(state.params, PoolingParams):
+            return PoolingRequestOutput(state.request_id, state.prompt, state.prompt_token_ids, None, True,
+                                        state.seqs[0].num_cached_tokens, m, error)
+        output = OutputProcessor.make_output(state)
+        output.error = error
+        return output

@@ -46,6 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", choices=["auto", "generate", "embed", "score"], default="auto",
                    help="what the model is for: generate text, embed (Qwen3-Embedding) or score "
                         "(Qwen3-Reranker); auto reads it from the checkpoint's files")
+    p.add_argument("--max-stop-sequences", type=int, default=default.max_stop_sequences, metavar="N",
+                   help=f"most stop strings one request may give (default {default.max_stop_sequences})")
+    p.add_argument("--max-stop-token-ids", type=int, default=default.max_stop_token_ids, metavar="N",
+                   help=f"most stop token ids one request may give (default {default.max_stop_token_ids})")
     add_parallel_and_quantization_args(p)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,7 +29,10 @@ Message = dict[str, Any]
 
 
 class LLM:
-    """Load a Qwen3 checkpoint (folder or hub id) and generate for many prompts at once."""
+    """Load a Qwen3 checkpoint (folder or hub id) and generate for many prompts at once.
+
+    Thread-safe: calls from several threads run one after another. A request that ends with an error of
+    its own (RequestOutput.error, finish_reason "error") comes back with the others' outputs."""
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, **options: Any) -> None:
         """options: the engine options, EngineConfig's fields (nanoqwen/config/model.py): dtype, device,
@@ -57,6 +61,9 @@ class LLM:
     def _start(self, config: EngineConfig) -> None:
         self.llm_engine = LLMEngine(config)
         self._request_counter = itertools.count()
+        # One call steps the engine at a time: calls from several threads run one after another (the engine
+        # itself is not thread-safe). Reentrant, so a thread can nest calls as it could without the lock.
+        self._lock = threading.RLock()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
@@ -147,13 +154,24 @@ class LLM:
     def _run(self, prompts: list[Prompt | None], token_ids: list[list[int]],
              params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
              desc: str) -> list[Any]:
-        """Queue every request (tokenized and validated by the caller before anything is queued:
-        a bad prompt leaves the engine untouched), step until all finish, return their outputs in
-        order."""
+        """Queue every request (tokenized by the caller; a request the engine refuses takes the ones queued
+        before it back out: a bad prompt or parameter leaves the engine untouched), step until all finish,
+        return their outputs in order."""
+        with self._lock:
+            return self._run_locked(prompts, token_ids, params, use_tqdm, desc)
+
+    def _run_locked(self, prompts: list[Prompt | None], token_ids: list[list[int]],
+                    params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
+                    desc: str) -> list[Any]:
         engine = self.llm_engine
         ids = [f"llm-{next(self._request_counter)}" for _ in prompts]
-        for request_id, prompt, tokens, p in zip(ids, prompts, token_ids, params, strict=True):
-            engine.add_request(request_id, prompt, p, prompt_token_ids=tokens)
+        try:
+            for request_id, prompt, tokens, p in zip(ids, prompts, token_ids, params, strict=True):
+                engine.add_request(request_id, prompt, p, prompt_token_ids=tokens)
+        except BaseException:
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
         finished: dict[str, Any] = {}
         bar = tqdm(total=len(prompts), desc=desc, unit="req",
                    disable=not use_tqdm or len(prompts) < 8, dynamic_ncols=True)
@@ -184,23 +202,25 @@ class LLM:
         """Generate for one prompt, yielding (new text, output so far) as tokens arrive.
 
         Text is yielded only once its UTF-8 is complete. Closing the iterator early (break, Ctrl-C)
-        aborts the request and frees its KV-cache blocks.
+        aborts the request and frees its KV-cache blocks. Other threads' calls wait until the stream is
+        done or closed.
         """
         engine = self.llm_engine
         request_id = f"llm-{next(self._request_counter)}"
-        engine.add_request(request_id, _prompt_value(prompt), sampling_params)
-        printed = 0
-        try:
-            while True:
-                for out in engine.step():
-                    if out.request_id != request_id:
-                        continue
-                    delta, printed = out.text[printed:], len(out.text)
-                    yield delta, out
-                    if out.finished:
-                        return
-        finally:
-            engine.abort_request(request_id)
+        with self._lock:
+            engine.add_request(request_id, _prompt_value(prompt), sampling_params)
+            printed = 0
+            try:
+                while True:
+                    for out in engine.step():
+                        if out.request_id != request_id:
+                            continue
+                        delta, printed = out.text[printed:], len(out.text)
+                        yield delta, out
+                        if out.finished:
+                            return
+            finally:
+                engine.abort_request(request_id)
 
 
 def _prompt_value(prompt: PromptInput) -> Prompt:

@@ -33,11 +33,9 @@ int4_gemv_reference; its added error is small beside the weights', tests/quantiz
 64 add about as much error as blocks of 32 and make a faster kernel, docs/tried-and-not-kept.md);
 more bf16 rows (prefill) take the same kernel's small GEMM (`int4_gemm`: the same function, the
 weights unpacked 16 rows at a time into a buffer for the integer dot products), so a prompt and a
-decode step compute alike. On a CPU whose bf16 matmuls are faster still (AMX: several times
-int4_gemm's integer rate), prompts of as many rows as ops/cpu/matmul.py measured it faster from instead
-have the kernel unpack W4 to bf16 (`int4_unpack`, W4 rounded to bf16) for torch's bf16 matmul: x
-is not quantised there, so a prompt's products differ from a decode step's by x's rounding to int8
-and W4's to bf16. Otherwise (other dtypes, other devices, no compiler) the weights are
+decode step compute alike: a request gets the same tokens whatever else shares its steps, however its
+prompt is chunked and whether its prefix came from the cache (up to the order of float32 additions).
+Otherwise (other dtypes, other devices, no compiler) the weights are
 unpacked block by block to float32 (`dequantize_int4`, plain torch) and multiplied there on a CPU
 whose bf16 matmuls are slow; where they are fast (native bf16) and on a GPU, W4 is rounded to the
 activation dtype and multiplied in it (as the bf16 model's own matmuls are).
@@ -114,12 +112,10 @@ class Int4Experts(Experts):
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                 path: MatmulPath) -> torch.Tensor:
-    """x @ W4.T: nanoqwen's int4 kernel for bf16 rows on CPU (any number, except prompts where W4 unpacked to
-    bf16 for torch's matmul was measured faster: MatmulPath.int4_unpacked), else W4 unpacked block by block
-    (module docstring). The kernel is used whatever the CPU's matmul path: torch has no int4 kernel that reads
-    near the bandwidth."""
-    if (x.device.type == "cpu" and x.dtype == scale.dtype == torch.bfloat16
-            and cpu_kernels.available() and not path.int4_unpacked(x)):
+    """x @ W4.T: nanoqwen's int4 kernel for bf16 rows on CPU (any number of them: one function for every
+    step), else W4 unpacked block by block (module docstring). The kernel is used whatever the CPU's matmul
+    path: torch has no int4 kernel that reads near the bandwidth."""
+    if x.device.type == "cpu" and x.dtype == scale.dtype == torch.bfloat16 and cpu_kernels.available():
         return cpu_kernels.int4_gemv(x, packed, scale, offset)
     return int4_dequantized_linear(x, packed, scale, offset, torch.float32 if path.upcast_16bit(x) else None)
 
@@ -132,13 +128,9 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     out_features, in_features = packed.shape[0], 2 * packed.shape[1]
     compute = compute or x.dtype
     xc = x.to(compute)
-    # bf16 on a CPU: nanoqwen's kernel unpacks, in one pass (the same bits as dequantize_int4 rounded to bf16)
-    kernel = compute == scale.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu_kernels.available()
 
     def product(start: int, end: int) -> torch.Tensor:  # x @ W4[start:end].T, W4 unpacked to the compute dtype
         rows = slice(start, end)
-        if kernel:
-            return F.linear(xc, cpu_kernels.int4_unpack(packed[rows], scale[rows], offset[rows]))
         return F.linear(xc, dequantize_int4(packed[rows], scale[rows], offset[rows]).to(compute))
 
     rows_per_block = max(1, block_rows(xc, in_features) // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS  # whole blocks

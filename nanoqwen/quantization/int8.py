@@ -24,10 +24,8 @@ Numerics (symmetric, one scale per output row, no zero point), for W [out, in]:
     |W - Wq * scale| <= scale / 2         per element: about max|W[o]| / 254
     y = (x @ Wq.T) * scale + bias         int8 values convert exactly to bf16/fp16/fp32 (|Wq| <= 127
                                           fits an 8-bit significand); products accumulate in float32
-                                          inside the kernels; the output is rounded to the
-                                          activation dtype once (int8pack kernel) or twice (matmul
-                                          output, then the scaling: dequantise path; once where it
-                                          computes in float32, see ops/cpu/matmul.py)
+                                          inside the kernels, the scale applies in float32, and the
+                                          output is rounded to the activation dtype once
 
 Kernels, chosen per call:
 - CPU where nanoqwen's gemv kernels are on (ops/cpu/matmul.py: measured against torch's), up to 16 bf16
@@ -45,18 +43,17 @@ Kernels, chosen per call:
   its bf16 one, and slower than a float32 matmul: float32 models always dequantise (about the
   float32 model's speed, with a quarter of the weight bytes).
 - CPU, more bf16 rows on the float32 path where nanoqwen's GEMM was chosen (ops/cpu/matmul.py): its int8
-  version (ops/cpu/kernels.py `int8_gemm`), which converts the int8 weights to float32 while packing
-  them, computes what the float32 dequantise path below computes (rounded once), and is faster.
-- CPU, otherwise (prefill, float32): dequantise block by block,
-  `F.linear(x, Wq[rows].to(x.dtype)) * scale[rows]`, with blocks of at most ops/cpu/matmul.py's
-  UPCAST_BLOCK_BYTES so a big matrix (the LM head) never has a model-dtype copy in memory.
-- CUDA and other devices: the same dequantise path (nothing compiles it into one kernel there). Run
-  eagerly it converts each matrix on every call: memory is saved, speed is not gained (untested on a
-  GPU).
-The two CPU kernels round differently (and differently from the bf16 model), so with int8 a
-sequence's greedy tokens can depend on the batch it runs in, where a near-tie is flipped: a prompt
-of <= INT8PACK_MAX_ROWS tokens prefilled alone takes int8pack, prefilled beside others the
-dequantise kernel. Decode rows take the same kernel at any batch size up to INT8PACK_MAX_ROWS.
+  version (ops/cpu/kernels.py `int8_gemm`), which converts the int8 weights to float32 while packing them:
+  the same function as the kernels for few rows (float32 products and scaling, rounded once).
+- Otherwise (prefill, float32 models, fp16, other devices): dequantise block by block,
+  `F.linear(x, (Wq[rows] * scale[rows]).to(compute))`, with blocks of at most ops/cpu/matmul.py's
+  UPCAST_BLOCK_BYTES on a CPU computing in float32 (so a big matrix, the LM head, never has a float32 copy
+  in memory). In float32 this is the same function again; in bf16 (a CPU with fast bf16 matmuls: AMX,
+  AVX-512 BF16) it multiplies by the weights rounded to bf16 (Wq * scale, rounded once), where the few-row
+  kernels multiply by them exactly: a difference far below the output's own rounding, which can still flip
+  a near-tie, so a request's int8 tokens may depend on whether its rows ran beside a prompt's (the
+  consistency tests bound it). On a GPU nothing compiles this into one kernel: memory is saved, speed is
+  not gained.
 """
 
 from __future__ import annotations
@@ -155,12 +152,15 @@ def int8pack_supported(dtype: torch.dtype, in_features: int) -> bool:
 
 def dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                        compute: torch.dtype | None = None) -> torch.Tensor:
-    """(x @ q.T) * scale with q converted to the compute dtype (x's by default) in row blocks (block_rows)."""
+    """x @ (q * scale).T, the weights dequantised to the compute dtype (x's by default) in row blocks
+    (block_rows): the scale is applied to the weights, in float32, so the product is rounded once, as the
+    kernels that read int8 weights round it."""
     out_features, in_features = q.shape
     xc = x.to(compute or x.dtype)
 
     def product(start: int, end: int) -> torch.Tensor:
-        return F.linear(xc, q[start:end].to(xc.dtype)) * scale[start:end].to(xc.dtype)
+        # (Wq * scale rounds once in the compute dtype: Wq is exact there, the product of the two rounded)
+        return F.linear(xc, q[start:end].to(xc.dtype) * scale[start:end].to(xc.dtype)[:, None])
 
     return linear_in_row_blocks(x, out_features, block_rows(xc, in_features), product)
 
@@ -180,7 +180,7 @@ def pick_kernel(x: torch.Tensor, in_features: int, path: MatmulPath
         return dequantized
     if path.int8_gemv_rows(x):  # where nanoqwen's gemv kernels are on: its own kernel reads the int8 rows
         return cpu_kernels.int8_gemv
-    if path.own_gemm(x):  # more rows, where nanoqwen's GEMM was chosen: its int8 version
+    if path.own_gemm(x):  # more rows, where nanoqwen's GEMM was chosen (float32 path): its int8 version
         return cpu_kernels.int8_gemm
     rows = x.numel() // in_features if in_features else 0
     if rows <= INT8PACK_MAX_ROWS and int8pack_supported(x.dtype, in_features):

@@ -23,11 +23,19 @@ from its raw logits, as sampler.compute_logprobs gives them.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
-from nanoqwen.sample.sampler import TokenLogprobs, adjust_logits, argmax, compute_logprobs, dense_probs
+from nanoqwen.sample.sampler import (
+    BROKEN_ROW,
+    TokenLogprobs,
+    adjust_logits,
+    compute_logprobs,
+    dense_probs,
+    greedy_tokens,
+)
 from nanoqwen.sampling_params import SamplingParams
 
 
@@ -53,7 +61,7 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]],
     adjusted = adjust_logits(logits, row_params, [prompt_token_ids[i] for i, _ in rows],
                              [output_token_ids[i] + drafts[i][:j] for i, j in rows],
                              [stop_token_ids[i] for i, _ in rows])
-    greedy_tokens = argmax(adjusted).tolist()  # [R]
+    greedy = greedy_tokens(adjusted).tolist()  # [R] (BROKEN_ROW where the logits leave nothing to pick)
     sampled_rows = [r for r, p in enumerate(row_params) if not p.greedy]
     probs = {}  # row -> p [V], for the rows of sampled (not greedy) requests
     if sampled_rows:
@@ -67,8 +75,8 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]],
         for j in range(len(draft) + 1):
             r = starts[i] + j
             if params[i].greedy:
-                tokens.append(greedy_tokens[r])
-                if j == len(draft) or greedy_tokens[r] != draft[j]:
+                tokens.append(greedy[r])
+                if j == len(draft) or greedy[r] != draft[j]:
                     break
                 continue
             p = probs[r]
@@ -92,10 +100,11 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]],
     # the target's logprobs of the emitted tokens, each from its own row
     emitted_rows = [s + j for s, tokens in zip(starts, out, strict=True)
                     for j in range(len(tokens))]
-    emitted = torch.tensor([t for tokens in out for t in tokens], device=logits.device)
+    flat = [t for tokens in out for t in tokens]
+    emitted = torch.tensor([max(t, 0) for t in flat], device=logits.device)  # (a BROKEN_ROW has none)
     index = torch.tensor(emitted_rows, device=logits.device)
-    logprobs = iter(compute_logprobs(logits.index_select(0, index),
-                                     [row_params[r] for r in emitted_rows], emitted))
+    logprobs = iter([None if t == BROKEN_ROW else lp for t, lp in zip(flat, compute_logprobs(
+        logits.index_select(0, index), [row_params[r] for r in emitted_rows], emitted), strict=True)])
     return [VerifiedTokens(tokens, [next(logprobs) for _ in tokens]) for tokens in out]
 
 
@@ -109,5 +118,9 @@ def _starts(drafts: list[list[int]]) -> list[int]:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """A token drawn from probs [V] (not necessarily normalised)."""
+    """A token drawn from probs [V] (not necessarily normalised); BROKEN_ROW when they are no distribution
+    (NaN, inf, or all 0)."""
+    total = float(probs.sum())
+    if not (math.isfinite(total) and total > 0):
+        return BROKEN_ROW
     return int(torch.multinomial(probs, 1, generator=generator))

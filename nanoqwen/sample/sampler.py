@@ -21,6 +21,10 @@ d. greedy rows (temperature 0) take the argmax of these logits; the others are f
    alone or in a batch.
 
 Steps b and c cost nothing (no copy, no [B, V] count tensor) when no row of the batch uses them.
+
+A row left with nothing to pick (its logits NaN, +inf or all -inf, so the chosen token's logit, or
+its probability, is not a finite positive one) gets BROKEN_ROW instead of a token: an answer ends
+there with an error (nanoqwen/engine/output_processor.py), never with a made-up token 0.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class SamplerOutput:
 
 
 ARGMAX_BLOCK = 128  # values per block in argmax's CPU path
+BROKEN_ROW = -1  # the "token" of a row whose logits leave nothing to pick
 
 
 def argmax(values: torch.Tensor) -> torch.Tensor:
@@ -209,6 +214,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     raw_logits = logits
     logits = adjust_logits(logits, params, prompt_token_ids, output_token_ids, stop_token_ids)
     tokens = argmax(logits)  # [B]
+    broken = ~torch.isfinite(logits.gather(1, tokens[:, None])[:, 0])  # [B]: a greedy row's max is NaN or inf
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         row_params = [params[i] for i in rows]
@@ -217,7 +223,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
                        logits.shape[1])
         choice = argmax(probs / noise)[:, None]  # [R, 1]
         tokens[rows] = token_ids.gather(1, choice).squeeze(1)
-    return SamplerOutput(tokens, compute_logprobs(raw_logits, params, tokens))
+        broken[rows] = ~(probs.gather(1, choice)[:, 0] > 0)  # no distribution to sample from (NaN or 0)
+    logprobs = compute_logprobs(raw_logits, params, tokens)
+    if broken.any():
+        logprobs = [None if bad else lp for bad, lp in zip(broken.tolist(), logprobs, strict=True)]
+        tokens = tokens.masked_fill(broken, BROKEN_ROW)
+    return SamplerOutput(tokens, logprobs)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> each row's argmax [B], or BROKEN_ROW where that logit is not finite (NaN, or a row of
+    -inf): the sampler's choice for a greedy row with nothing to adjust."""
+    tokens = argmax(logits)
+    return tokens.masked_fill(~torch.isfinite(logits.gather(1, tokens[:, None])[:, 0]), BROKEN_ROW)
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],

@@ -87,9 +87,6 @@ def describe_kernels(kernels: Kernels, device: torch.device, dtype: torch.dtype,
     if quantization == "int4" and cpu_kernels.available():
         line += (f"; int4 rows: int8 activations, {cpu_kernels.int4_dot_instructions()} integer dot "
                  f"products (up to 8 rows streamed, more on unpacked weight panels)")
-        if matmul.int4_unpack_min_rows:
-            line += (f"; int4, >= {matmul.int4_unpack_min_rows} rows: weights unpacked to bf16 for "
-                     f"torch's matmul ({matmul.int4_unpack_reason})")
     return line
 
 

@@ -24,7 +24,7 @@ from nanoqwen.core.sequence import Sequence
 from nanoqwen.layers.pooler import Pooler
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.sample.rejection_sampler import rejection_sample
-from nanoqwen.sample.sampler import TokenLogprobs, argmax, sample
+from nanoqwen.sample.sampler import BROKEN_ROW, TokenLogprobs, greedy_tokens, sample
 from nanoqwen.worker.cuda_graph import CUDAGraphRunner
 from nanoqwen.worker.fused_decoder import FusedDecoder
 from nanoqwen.worker.huge_pages import move_to_huge_pages
@@ -123,8 +123,7 @@ class ModelRunner:
             self._block_copies.append((src, dst))
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, eos_token_ids: set[int]
-                ) -> list[SampledTokens] | list[PooledOutput]:
+    def execute(self, batch: ScheduledBatch) -> list[SampledTokens] | list[PooledOutput]:
         """Pack -> forward -> sample: the next token of every sequence that reached its next token
         (with a pooler: the pooled result of every sequence whose prompt finished); a sequence with
         draft tokens gets those of them the target accepts and one more (rejection_sampler.py).
@@ -134,7 +133,7 @@ class ModelRunner:
         fork.
         """
         if batch.num_steps > 1:
-            return self.greedy_steps(batch.decode, batch.num_steps, eos_token_ids)
+            return self.greedy_steps(batch.decode, batch.num_steps)
         step, seqs, verify = self.prepare(batch)
         logits = self.forward(step)
         if logits is None:
@@ -143,25 +142,25 @@ class ModelRunner:
             return [PooledOutput(seq, row) for seq, row in zip(seqs, logits, strict=True)]
         out = []
         if seqs:
-            sampled = sample(logits[: len(seqs)], *self._sampling_inputs(seqs, eos_token_ids),
+            sampled = sample(logits[: len(seqs)], *self._sampling_inputs(seqs),
                              [s.grammar.bitmask() if s.grammar is not None else None for s in seqs])
             rows = zip(seqs, sampled.token_ids.tolist(), sampled.logprobs, strict=True)
             out = [SampledTokens(seq, [token], [lp]) for seq, token, lp in rows]
         if verify:
             verified = rejection_sample(logits[len(seqs):], [s.spec_token_ids for s in verify],
                                         [s.draft_probs for s in verify],
-                                        *self._sampling_inputs(verify, eos_token_ids))
+                                        *self._sampling_inputs(verify))
             out += [SampledTokens(s, *v) for s, v in zip(verify, verified, strict=True)]
         return out
 
-    def greedy_steps(self, seqs: list[Sequence], num_steps: int, eos_token_ids: set[int]) -> list[SampledTokens]:
+    def greedy_steps(self, seqs: list[Sequence], num_steps: int) -> list[SampledTokens]:
         """Up to num_steps decode steps of seqs, which all take the argmax of their logits
         (Sequence.samples_by_argmax; their blocks cover every step): each step's tokens are the next
         step's input. Stops early after a step where every sequence produced a stop token.
 
         The reference runs each step through forward() and the sampler's argmax; the CPU fused
         decoder runs them all in one C++ call (worker/fused_decoder.py), with the same tokens."""
-        stop_ids = [self._stop_ids(seq, eos_token_ids) for seq in seqs]
+        stop_ids = [seq.stop_token_ids for seq in seqs]
         if self._fused_decode_fits(len(seqs)):
             last = [DecodeRow(seq.block_table, seq.num_tokens + num_steps - 1) for seq in seqs]
             steps = self.fused_decoder.greedy_steps(
@@ -174,24 +173,27 @@ class ModelRunner:
 
     def greedy_steps_reference(self, seqs: list[Sequence], num_steps: int,
                                stop_ids: list[set[int]]) -> list[list[int]]:
-        """greedy_steps one forward at a time: the tokens of each step run, [steps][len(seqs)]."""
+        """greedy_steps one forward at a time: the tokens of each step run, [steps][len(seqs)]. A row whose
+        logits leave nothing to pick gets BROKEN_ROW, which ends it (its later steps feed token 0, dropped)."""
         steps: list[list[int]] = []
         input_ids = [seq.last_token_id for seq in seqs]
         for i in range(num_steps):
             step = StepInput(input_ids=input_ids, prefill=[], sample_rows=list(range(len(seqs))),
                              decode=[DecodeRow(seq.block_table, seq.num_tokens + i) for seq in seqs])
-            input_ids = argmax(self.forward(step)).tolist()
-            steps.append(input_ids)
-            if all(token in stop for token, stop in zip(input_ids, stop_ids, strict=True)):
+            tokens = greedy_tokens(self.forward(step)).tolist()
+            steps.append(tokens)
+            if all(t in stop or t == BROKEN_ROW for t, stop in zip(tokens, stop_ids, strict=True)):
                 break
+            input_ids = [max(t, 0) for t in tokens]
         return steps
 
-    def _sampling_inputs(self, seqs: list[Sequence], eos_token_ids: set[int]) -> tuple[list, ...]:
+    @staticmethod
+    def _sampling_inputs(seqs: list[Sequence]) -> tuple[list, ...]:
         """What sampler.sample and rejection_sample take per sequence: params, generators, prompt
         and output token ids, stop token ids."""
         return ([s.sampling_params for s in seqs], [s.generator for s in seqs],
                 [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                [self._stop_ids(s, eos_token_ids) for s in seqs])
+                [s.stop_token_ids for s in seqs])
 
     @staticmethod
     def prepare(batch: ScheduledBatch) -> tuple[StepInput, list[Sequence], list[Sequence]]:
@@ -269,8 +271,3 @@ class ModelRunner:
     def _fused_decode_fits(self, num_rows: int) -> bool:
         """Whether a decode step of num_rows rows runs through the fused CPU decoder (up to the gemv kernels' rows)."""
         return self.fused_decoder is not None and num_rows <= self.model.kernels.matmul.gemv_max_rows
-
-    @staticmethod
-    def _stop_ids(seq: Sequence, eos_token_ids: set[int]) -> set[int]:
-        p = seq.sampling_params
-        return (set() if p.ignore_eos else eos_token_ids) | set(p.stop_token_ids or ())

@@ -299,7 +299,7 @@ def test_padded_static_buffer_runner_gives_the_default_tokens(model_dir, expecte
     assert [o.token_ids for o in outs] == [e[:n] for e, n in zip(expected, lengths, strict=True)]
     assert steps == [bucket_for(graphs.batch_sizes, b) for b in sizes]
     # exactly the steps without prompt chunks went through the runner, the others ran eagerly
-    decode_only = [len(batch.decode) for batch, _ in batches if not batch.prefill]
+    decode_only = [len(batch.decode) for (batch,) in batches if not batch.prefill]
     assert sizes == decode_only and len(batches) > len(sizes) > 0
     if not chunked:
         assert set(sizes) == {1, 2, 3, 4}

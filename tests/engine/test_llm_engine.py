@@ -136,15 +136,13 @@ def test_eos_from_generation_config_stops(llm):
     assert engine.eos_token_ids == {151645, 151643}  # Qwen3-0.6B's generation_config.json lists two
     prompt = PROMPTS[0]
     first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
-    engine.eos_token_ids.clear()  # in place: the engine's parts share this set
-    engine.eos_token_ids.add(first[3])
+    engine.eos_token_ids = frozenset({first[3]})  # (each request takes the engine's eos ids when it is added)
     try:
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24),
                            use_tqdm=False)[0]
         ignored = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     finally:
-        engine.eos_token_ids.clear()
-        engine.eos_token_ids.update({151645, 151643})
+        engine.eos_token_ids = frozenset({151645, 151643})
     assert out.finish_reason == "stop" and out.token_ids == first[: first.index(first[3]) + 1]
     assert ignored.token_ids == first
 

@@ -92,7 +92,7 @@ def test_the_cpp_loop_and_the_reference_agree_step_by_step(model_dir):
         assert engine.block_manager.append_slots(seq, seq.num_computed_tokens + K)
     cache = runner.kv_cache
     before = cache.k.clone(), cache.v.clone()
-    fused = runner.greedy_steps(seqs, K, set())
+    fused = runner.greedy_steps(seqs, K)  # (ignore_eos: no stop ids)
     fused_cache = cache.k.clone(), cache.v.clone()
     cache.k.copy_(before[0])
     cache.v.copy_(before[1])

@@ -158,31 +158,23 @@ def test_int4_linear_is_the_float32_product_with_its_weights(kernels, dtype, row
     assert torch.equal(layer(x.view(1, rows, 128)), out.view(1, rows, 200))
 
 
-@pytest.mark.parametrize("kernels, unpack_min_rows", [(True, 0), (True, 64), (False, 0)],
-                         ids=["int4_gemm", "unpacked-from-64-rows", "no-compiler"])
-def test_int4_prefill_on_a_native_bf16_cpu(kernels, unpack_min_rows, monkeypatch):
-    """Where bf16 matmuls are fast, many bf16 rows take the int4 kernel's panels (integer products at twice
-    bf16's rate on AVX-512 VNNI), which compute what a decode step computes; except where the CPU's probe measured
-    W4 unpacked to bf16 for torch's matmul faster (AMX) from some row count on: from there, the kernel's
-    int4_unpack and F.linear, the same bits as W4 rounded to bf16 in bf16 (what the path without the kernels
-    computes: float32 there runs int4 prefill far slower than bf16)."""
+@pytest.mark.parametrize("kernels", [True, False], ids=["int4_gemm", "no-compiler"])
+def test_int4_prefill_on_a_native_bf16_cpu(kernels, monkeypatch):
+    """Where bf16 matmuls are fast too, many bf16 rows take the int4 kernel's panels, which compute what a
+    decode step computes (one function for every row count: a request's tokens do not depend on its batch);
+    without the kernels, W4 unpacked and rounded to bf16 for torch's bf16 matmul."""
     if not kernels:
         without_kernels(monkeypatch)
     layer = int4_layer(200, 128, torch.bfloat16, bias=False)
-    layer.matmul_path = MatmulPath("bf16", "test", int4_unpack_min_rows=unpack_min_rows)
+    layer.matmul_path = MatmulPath("bf16", "test")
     x = torch.randn(77, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     unpacked = torch.nn.functional.linear(x, dequantize_int4(layer.weight, layer.scale, layer.offset).bfloat16())
-    calls = []
-    if kernels:
-        monkeypatch.setattr(cpu_kernels, "int4_unpack", counting(cpu_kernels.int4_unpack, calls))
-    for rows in (63, 64, 77):
+    for rows in (1, 8, 63, 64, 77):
         got = layer(x[:rows])
-        if kernels and 0 < unpack_min_rows <= rows:
-            assert torch.equal(got, unpacked[:rows]) and len(calls) == 1
-            calls.clear()
-        elif kernels:
+        if kernels:
             want = cpu_kernels.int4_gemm(x[:rows], layer.weight, layer.scale, layer.offset)
-            assert not torch.equal(want, unpacked[:rows]) and torch.equal(got, want) and not calls
+            assert torch.equal(got, want) and torch.equal(got, layer(x)[:rows])  # the same bits in any batch
+            assert not torch.equal(want, unpacked[:rows])
         else:
             assert torch.equal(got, unpacked[:rows])
 

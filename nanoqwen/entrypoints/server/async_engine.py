@@ -231,7 +231,8 @@ class AsyncEngine:
         for o in outputs:
             stream = streams.get(o.request_id)
             if stream is not None:
-                out.append((stream, o))
+                # a request that ended with an error of its own fails alone
+                out.append((stream, o if o.error is None else _request_error(o.error)))
                 if o.finished:
                     del streams[o.request_id]
         self.stats = dict(engine.kv_cache_stats)
@@ -261,7 +262,7 @@ class AsyncEngine:
                     streams[request_id] = stream
                     out.append((stream, None))
                 except InvalidRequestError as e:
-                    out.append((stream, APIError(400, str(e))))
+                    out.append((stream, APIError(400, str(e), param=e.param)))
                 except Exception as e:  # an engine bug, not the user's fault: serve the others
                     logger.exception("add_request failed for %s", request_id)
                     out.append((stream, APIError(500, f"the engine failed to add the request: {e}",
@@ -282,13 +283,14 @@ class AsyncEngine:
         return True
 
     def _step(self, streams: dict[str, RequestStream], out: list[Delivery]) -> list[Output]:
-        """One engine step's outputs; a failed step (not EngineDeadError) fails its requests."""
+        """One engine step's outputs. A step that one request broke ends that request alone (the engine runs
+        the step again without it: its output carries the error); a failure that is no one request's (not
+        EngineDeadError) fails every request in flight, and the server keeps serving."""
         try:
             return self.engine.step()
         except EngineDeadError:
             raise
         except Exception as e:
-            # We cannot tell which request broke the step: fail every request in it, keep serving.
             logger.exception("engine step failed; failing %d request(s)", len(streams))
             self._fail_all(streams, out, _engine_error(e))
             return []
@@ -324,6 +326,10 @@ class AsyncEngine:
 
 def _shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", type="server_error", code="shutdown")
+
+
+def _request_error(message: str) -> APIError:
+    return APIError(500, message, type="server_error", code="request_failed")
 
 
 def _engine_error(e: Exception) -> APIError:

@@ -1,14 +1,15 @@
 """Request bodies of the OpenAI API (plus vLLM's extra sampling fields, and vLLM's rerank and score
 APIs) as pydantic models, and the error type every endpoint answers with.
 
-Models are strict (a string where a number belongs is a 400, not silently converted) and ignore
-unknown fields, as OpenAI-compatible servers do, so newer clients that send more keep working.
+Models are strict (a string where a number belongs is a 400, not silently converted; Infinity and NaN
+are no numbers) and ignore unknown fields, as OpenAI-compatible servers do, so newer clients that send
+more keep working. Every value is then checked by SamplingParams and the engine (token ids inside the
+vocabulary, stop lists within the engine's limits): one rule set, whichever way a request comes in.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -46,7 +47,8 @@ class APIError(Exception):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # (JSON's Infinity and NaN literals, which Python's parser reads as floats, are refused: no field means them)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Model):
@@ -73,7 +75,7 @@ class StructuredOutputsRequest(_Model):
     json_object; or none, to give disable_any_whitespace to a response_format's JSON."""
 
     # an unknown key (e.g. vLLM's structural_tag) is a 400, never a silently weaker constraint
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     json_: str | dict[str, Any] | None = Field(None, alias="json")  # not to shadow .json()
     regex: str | None = None
     choice: list[str] | None = None
@@ -144,9 +146,7 @@ class _GenerationRequest(_Model):
             return dataclasses.replace(defaults, **given, n=self.n, max_tokens=max_tokens,
                                        logprobs=logprobs, structured_outputs=structured_outputs)
         except InvalidRequestError as e:
-            # "SamplingParams.min_tokens=9 is invalid: ..." names the field
-            field = re.match(r"SamplingParams\.(\w+)=", str(e))
-            raise APIError(400, str(e), param=field.group(1) if field else None) from None
+            raise APIError(400, str(e), param=e.param) from None
 
 
 class ContentPart(_Model):
@@ -195,7 +195,7 @@ class ChatMessage(_Model):
 
 class FunctionDef(_Model):
     # keep every schema key: the template prints them
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None

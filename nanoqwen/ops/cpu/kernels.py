@@ -188,14 +188,6 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset
     return _int4(_ext.int4_gemm, x, packed, scale, offset)
 
 
-def int4_unpack(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """int4 W (packed [N, K/2], scale and offset [N, K/G], bf16) as bf16 [N, K]: offset + scale * q rounded to
-    bf16, what dequantize_int4(...).to(torch.bfloat16) gives (its reference), for a bf16 matmul to multiply by."""
-    if _ext is None:
-        _require()
-    return _ext.int4_unpack(packed, scale, offset)
-
-
 def _int4(kernel, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """kernel(x, packed, scale, offset) for x [..., K]: leading dims flattened to rows and restored."""
     if x.dim() == 2:

@@ -14,10 +14,9 @@ rounded to bf16 once. Only the order of the float32 additions differs, so greedy
 bf16's tolerance.
 
 Beside the path, the choice says which rows nanoqwen's own kernels take (nanoqwen/ops/cpu/kernels.py):
-up to `gemv_max_rows` rows its gemv kernels (decode steps), on the float32 path more rows its GEMM where
-it was measured faster (`gemm`), and on the bf16 path from how many rows int4 products unpack the
-weights to bf16 for torch's matmul (`int4_unpack_min_rows`). `TORCH_MATMUL`, the default, is torch's
-own kernels for everything: the reference, and what GPUs use.
+up to `gemv_max_rows` rows its gemv kernels (decode steps), and on the float32 path more rows its GEMM
+where it was measured faster (`gemm`). `TORCH_MATMUL`, the default, is torch's own kernels for
+everything: the reference, and what GPUs use.
 """
 
 from __future__ import annotations
@@ -60,10 +59,6 @@ class MatmulPath:
     gemv_reason: str = ""  # why
     gemm: bool = False  # on the float32 path, more rows through nanoqwen's bf16_gemm, not upcast_linear
     gemm_reason: str = ""  # why
-    # on the bf16 path, int4 products over this many rows or more unpack the weights to bf16 for torch's matmul
-    # rather than run nanoqwen's int4 kernel (0: never)
-    int4_unpack_min_rows: int = 0
-    int4_unpack_reason: str = ""  # why
 
     @property
     def gemv(self) -> bool:
@@ -105,19 +100,10 @@ class MatmulPath:
                 and x.numel() <= most * x.shape[-1])
 
     def own_gemm(self, x: torch.Tensor) -> bool:
-        """Whether work over bf16 x's many rows goes through nanoqwen's GEMM kernel: the products (bf16_gemm,
-        and int8_gemm for the int8 rows int8_gemv_rows leaves: measured faster than dequantising to float32
-        blocks) and a prompt chunk's attention (cpu_kernels.prefill_attention, its two products). Where the
+        """Whether work over bf16 x's many rows goes through nanoqwen's GEMM kernel: the bf16 products
+        (bf16_gemm) and a prompt chunk's attention (cpu_kernels.prefill_attention, its two products). Where the
         GEMM was chosen, on the float32 path."""
         return self.gemm and x.dtype == torch.bfloat16 and self.upcast_16bit(x)
-
-    def int4_unpacked(self, x: torch.Tensor) -> bool:
-        """Whether an int4 product over bf16 x's rows unpacks the weights to bf16 for torch's matmul
-        (nanoqwen/quantization/int4.py), rather than nanoqwen's int4 kernel: from the row count where that
-        was measured faster (nanoqwen/ops/cpu/selection.py)."""
-        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        return (0 < self.int4_unpack_min_rows <= rows and x.device.type == "cpu"
-                and x.dtype == torch.bfloat16)
 
     def upcast_16bit(self, x: torch.Tensor) -> bool:
         """Whether a product over x's rows computes in float32 from 16-bit operands (CPU without fast

@@ -9,9 +9,7 @@ and thread count (and, for the kernels' probes, per build of nanoqwen's kernels)
 - matmul_gflops: torch's bf16 and float32 matmul on PROBE_SHAPE (which path);
 - gemv_probe: nanoqwen's bf16 gemv kernel against what the rows take without it, by row count (how many rows
   the gemv kernels take);
-- gemm_probe: nanoqwen's bf16_gemm against upcast_linear (float32 path: whether the GEMM takes many rows);
-- int4_unpack_probe: int4_gemm against the weights unpacked to bf16 for torch's matmul, by row count (bf16
-  path: from how many rows int4 prompts unpack).
+- gemm_probe: nanoqwen's bf16_gemm against upcast_linear (float32 path: whether the GEMM takes many rows).
 """
 
 from __future__ import annotations
@@ -28,16 +26,12 @@ import torch.nn.functional as F
 from nanoqwen.ops.cpu import kernels as cpu_kernels
 from nanoqwen.ops.cpu.cpu_info import cpu_name_and_flags, isa_summary
 from nanoqwen.ops.cpu.matmul import UPCAST_MIN_ROWS, upcast_linear
-from nanoqwen.ops.quantize import quantize_int4
 
 # rows, in, out: a prompt chunk through a Qwen3-0.6B-sized projection
 PROBE_SHAPE = (256, 1024, 1024)
 # out, in, copies: a Qwen3-0.6B qkv_proj, 8 copies (64 MiB) so that they come from memory
 GEMV_PROBE_SHAPE = (4096, 1024, 8)
 GEMV_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-# rows of x at which int4_unpack_probe times an int4 product of a 1024 x 1024 weight both ways (bf16 path)
-INT4_UNPACK_PROBE_ROWS = (16, 32, 64, 128, 256)
-
 
 def cached(cache_dir: Path | None, what: str, measure: Callable[[], dict]) -> dict:
     """measure()'s result, cached per CPU model, CPU flags, torch version and thread count in
@@ -68,25 +62,6 @@ def matmul_gflops(dtype: torch.dtype) -> float:
             torch.randn(n_out, n_in, generator=g).to(dtype))
     best, = _best_seconds([lambda: F.linear(x, w)], rounds=3)
     return 2 * rows * n_in * n_out / best / 1e9
-
-
-def int4_unpack_probe() -> dict[int, tuple[float, float]]:
-    """For each row count of INT4_UNPACK_PROBE_ROWS, GFLOP/s of an int4 product (a 1024 x 1024 weight in
-    groups of 64) through nanoqwen's int4_gemm and through the weight unpacked to bf16 (int4_unpack) and torch's
-    bf16 F.linear: the best of five rounds, the two alternating."""
-    _, n_in, n_out = PROBE_SHAPE
-    g = torch.Generator().manual_seed(0)
-    packed, scale, offset = quantize_int4(torch.randn(n_out, n_in, generator=g).bfloat16() / n_in**0.5, 64)
-
-    def both_ways(x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
-        return [lambda: cpu_kernels.int4_gemm(x, packed, scale, offset),
-                lambda: F.linear(x, cpu_kernels.int4_unpack(packed, scale, offset))]
-
-    speeds = {}
-    for rows in INT4_UNPACK_PROBE_ROWS:
-        best = _best_seconds(both_ways(torch.randn(rows, n_in, generator=g).bfloat16()), rounds=5)
-        speeds[rows] = tuple(round(2 * rows * n_in * n_out / t / 1e9, 1) for t in best)
-    return speeds
 
 
 def gemm_probe() -> dict[str, float]:

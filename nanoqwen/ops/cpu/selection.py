@@ -8,11 +8,8 @@ it, times nanoqwen's bf16 gemv kernel against what those rows would take otherwi
 upcast_linear) at 1 to 64 rows and sets how many rows (decode steps, short prompt chunks) the gemv kernels
 take, on any CPU (NANOQWEN_CPU_GEMV=0|1 forces them off or on). On the float32 path a third, also cached,
 times nanoqwen's bf16_gemm against upcast_linear on a prompt-sized product: where it is faster, it takes the
-rows past the gemv kernels' (the same arithmetic with the weights converted inside the product). On the bf16
-path a fourth times int4 products over many rows both ways: nanoqwen's int4_gemm (integer dot products)
-against the weights unpacked to bf16 for torch's matmul, which AMX runs several times faster than
-int4_gemm's VNNI instructions; from the row count on which the second wins, int4 prompts take it
-(int4_unpack_min_rows). The probes and their cache are nanoqwen/ops/cpu/probes.py; this module decides from
+rows past the gemv kernels' (the same arithmetic with the weights converted inside the product). The probes
+and their cache are nanoqwen/ops/cpu/probes.py; this module decides from
 what they measure. The engine calls it once and builds its model with the result
 (nanoqwen/worker/kernel_selection.py); nothing here is kept.
 """
@@ -56,8 +53,6 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
         return choice
     if choice.path == "float32":
         choice = _select_gemm(choice, wanted == "1", cache_dir)
-    else:
-        choice = _select_int4_unpack(choice, cache_dir)
     if wanted == "1":
         return replace(choice, gemv_max_rows=GEMV_MAX_ROWS,
                        gemv_reason=f"{cpu_kernels.bf16_dot_instructions()}; NANOQWEN_CPU_GEMV=1")
@@ -91,22 +86,6 @@ def _select_gemm(choice: MatmulPath, forced: bool, cache_dir: Path | None) -> Ma
         f"measured {speeds['own']:.0f} vs {speeds['upcast']:.0f} GFLOP/s through upcast_linear"))
 
 
-def _select_int4_unpack(choice: MatmulPath, cache_dir: Path | None) -> MatmulPath:
-    """From how many rows int4 products unpack the weights to bf16 for torch's matmul (bf16 path): the
-    smallest row count of cpu_probes.INT4_UNPACK_PROBE_ROWS from which that was measured faster than int4_gemm
-    at every count probed (once per machine and build of the kernels, cached); 0 where it never was."""
-    what = f"int4 unpacked against int4_gemm, kernels {cpu_build.build_digest()}"
-    speeds = {int(m): v for m, v in cpu_probes.cached(cache_dir, what, cpu_probes.int4_unpack_probe).items()}
-    min_rows = 0
-    for rows, (gemm, unpacked) in sorted(speeds.items(), reverse=True):
-        if unpacked <= gemm:
-            break
-        min_rows = rows
-    shown = ", ".join(f"{m}: {unpacked:.0f} vs {gemm:.0f}" for m, (gemm, unpacked) in sorted(speeds.items()))
-    return replace(choice, int4_unpack_min_rows=min_rows,
-                   int4_unpack_reason=f"measured GFLOP/s by rows, unpacked to bf16 vs int4_gemm: {shown}")
-
-
 def _select_path(cache_dir: Path | None) -> MatmulPath:
     forced = os.environ.get("NANOQWEN_CPU_MATMUL", "auto")
     if forced in PATHS:
@@ -115,8 +94,7 @@ def _select_path(cache_dir: Path | None) -> MatmulPath:
         logger.warning("NANOQWEN_CPU_MATMUL=%s is not one of auto, %s: measuring instead",
                        forced, ", ".join(PATHS))
     found = cpu_probes.cached(cache_dir, "matmul", lambda: asdict(probe()))
-    kept = {f.name for f in fields(MatmulPath)} - {"gemv_max_rows", "gemv_reason", "gemm", "gemm_reason",
-                                                   "int4_unpack_min_rows", "int4_unpack_reason"}
+    kept = {f.name for f in fields(MatmulPath)} - {"gemv_max_rows", "gemv_reason", "gemm", "gemm_reason"}
     return MatmulPath(**{k: v for k, v in found.items() if k in kept})
 
 

@@ -208,8 +208,7 @@ def test_min_tokens_holds_off_eos(model_dir):
     llm = make_llm(model_dir)
     engine = llm.llm_engine
     _, ids = greedy_text(llm, PROMPTS[0])
-    engine.eos_token_ids.clear()  # pretend the greedy path's 3rd token is EOS
-    engine.eos_token_ids.add(ids[2])
+    engine.eos_token_ids = frozenset({ids[2]})  # pretend the greedy path's 3rd token is EOS
     try:
         early = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=20),
                              use_tqdm=False)[0]
@@ -217,8 +216,7 @@ def test_min_tokens_holds_off_eos(model_dir):
                             SamplingParams(temperature=0, max_tokens=20, min_tokens=8),
                             use_tqdm=False)[0]
     finally:
-        engine.eos_token_ids.clear()
-        engine.eos_token_ids.update({151645, 151643})
+        engine.eos_token_ids = frozenset({151645, 151643})
     assert early.finish_reason == "stop" and len(early.token_ids) == 3
     assert len(late.token_ids) >= 8 and ids[2] not in late.token_ids[:8]
 

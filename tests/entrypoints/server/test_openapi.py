@@ -5,6 +5,7 @@ accepted, and leaves no request in the engine. Apps run in-process on random tin
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -191,6 +192,29 @@ def positive(case: Any) -> Any:
     return case
 
 
+# What a hostile client sends on top of a valid request: ids that overflow int64, JSON's Infinity and NaN, long
+# lists (each must be a 400 naming the field, never a 5xx, and leave nothing in the engine)
+HOSTILE_FIELDS = {
+    "stop_token_ids": [[2**63], [-(2**63) - 1], [151936], list(range(2000))],
+    "temperature": [float("inf"), float("nan")],
+    "top_p": [float("nan"), float("-inf")],
+    "presence_penalty": [float("inf")],
+    "stop": [["x"] * 100, ["y" * 2000]],
+    "max_tokens": [2**63, 2**64],
+    "seed": [2**64],
+    "n": [10**7],
+}
+
+
+def hostile(case: Any, field: str, value: Any) -> Any:
+    """The case with `field` set to `value`, its body sent as the JSON text Python writes (Infinity and NaN
+    included: an HTTP client would refuse to write them)."""
+    if isinstance(case.body, dict):
+        case.body = json.dumps({**case.body, field: value}).encode()
+        case.headers = {**(case.headers or {}), "x-hostile-field": field}
+    return case
+
+
 def documented_examples(operation: Any) -> list[Any]:
     """The request bodies /openapi.json offers as examples, as cases."""
     content = operation.definition.raw.get("requestBody", {}).get("content", {})
@@ -207,9 +231,16 @@ def fuzz(app: App, label: str, max_examples: int) -> None:
     cases = operation.as_strategy(GenerationMode.POSITIVE).map(positive)
     if label.startswith("POST"):  # an operation without a body has nothing to break
         cases = st.one_of(cases, operation.as_strategy(GenerationMode.NEGATIVE))
+    if "completions" in label:
+        hostile_values = st.sampled_from([(f, v) for f, values in HOSTILE_FIELDS.items() for v in values])
+        cases = st.one_of(cases, st.tuples(operation.as_strategy(GenerationMode.POSITIVE).map(positive),
+                                           hostile_values).map(lambda c: hostile(c[0], *c[1])))
 
     def check(case: Any) -> None:
         response = case.call_and_validate(checks=CHECKS, timeout=REQUEST_TIMEOUT)
+        field = (case.headers or {}).get("x-hostile-field")
+        if field is not None:  # refused (for that field, or for what else the generated request got wrong)
+            assert response.status_code == 400, (field, response.text)
         # a stream's 200 is sent before the engine runs: a failure there is an error event
         assert '"type": "server_error"' not in response.text, response.text
         app.wait_idle()

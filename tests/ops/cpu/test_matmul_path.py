@@ -4,6 +4,7 @@ that both choices compute the same function: bf16 inputs, float32 accumulation, 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -82,7 +83,6 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
         return dict(zip(cpu_probes.GEMV_PROBE_ROWS, zip(own_gb_s, torch_gb_s, strict=True), strict=True))
 
     monkeypatch.setattr(cpu_probes, "gemv_probe", probe)
-    monkeypatch.setattr(cpu_probes, "int4_unpack_probe", dict)  # (the next tests)
     first = selection.select_matmul_path(tmp_path)
     assert first.path == "bf16" and calls == ["bf16"]
     assert first.gemv_max_rows == expected_rows and first.gemv == (expected_rows > 0)
@@ -122,7 +122,8 @@ def test_gemv_probe_measures_both_kernels(path, gemm, monkeypatch):
     monkeypatch.setattr(cpu_probes, "GEMV_PROBE_SHAPE", (512, 256, 2))  # (small: this checks what runs, not speed)
     speeds = cpu_probes.gemv_probe(path, gemm)
     assert sorted(speeds) == list(cpu_probes.GEMV_PROBE_ROWS)
-    assert all(own > 0.01 and theirs > 0.01 for own, theirs in speeds.values())
+    # (rates of a tiny shape on a busy machine can round to 0.0 GB/s: what ran is checked, not how fast)
+    assert all(math.isfinite(own) and math.isfinite(theirs) for own, theirs in speeds.values())
     expected = [m for m in cpu_probes.GEMV_PROBE_ROWS if m >= cpu.UPCAST_MIN_ROWS] if path == "float32" else []
     assert sorted(set(seen["gemm" if gemm else "upcast"])) == expected
     assert not seen["upcast" if gemm else "gemm"]
@@ -142,7 +143,6 @@ def test_gemm_is_chosen_by_measurement_once_per_machine(own, expected, monkeypat
     monkeypatch.setattr(cpu_probes, "gemm_probe", lambda: calls.append("gemm") or {"own": own, "upcast": 120.0})
     monkeypatch.setattr(cpu_probes, "gemv_probe", lambda path, gemm: calls.append((path, gemm)) or
                         {m: (10.0, 1.0) for m in cpu_probes.GEMV_PROBE_ROWS})
-    monkeypatch.setattr(cpu_probes, "int4_unpack_probe", dict)
     first = selection.select_matmul_path(tmp_path)
     assert first.gemm == expected and calls == ["gemm", ("float32", expected)]
     assert f"measured {own:.0f} vs 120 GFLOP/s" in first.gemm_reason
@@ -155,48 +155,6 @@ def test_gemm_is_chosen_by_measurement_once_per_machine(own, expected, monkeypat
     monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
     monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "bf16")
     assert not selection.select_matmul_path(tmp_path).gemm and "gemm" not in calls[2:]
-
-
-# int4_gemm's GFLOP/s and the unpacked path's at 16, 32, 64, 128, 256 rows: the unpacked path takes a row count
-# where it is faster there and at every larger count probed
-@pytest.mark.parametrize("unpacked, expected_rows", [((200, 400, 600, 450, 1300), 256),
-                                                     ((200, 600, 700, 800, 900), 32),
-                                                     ((200, 300, 400, 450, 480), 0)])
-def test_int4_unpacking_is_chosen_by_measurement_once_per_machine(unpacked, expected_rows, monkeypatch, tmp_path):
-    """On the bf16 path, int4 products over many rows unpack the weights to bf16 for torch's matmul from the
-    row count on which that was measured faster than int4_gemm (500 GFLOP/s here); measured once, cached; the
-    float32 path and NANOQWEN_CPU_GEMV=0 never measure it."""
-    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "bf16")
-    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "auto")
-    monkeypatch.setattr(cpu_kernels, "available", lambda: True)
-    monkeypatch.setattr(cpu_kernels, "bf16_dot_instructions", lambda: "AVX2 FMA")
-    monkeypatch.setattr(cpu_probes, "gemv_probe",
-                        lambda path, gemm: {m: (10.0, 1.0) for m in cpu_probes.GEMV_PROBE_ROWS})
-    monkeypatch.setattr(cpu_probes, "gemm_probe", lambda: {"own": 1.0, "upcast": 2.0})
-    calls = []
-    speeds = dict(zip(cpu_probes.INT4_UNPACK_PROBE_ROWS, ((500.0, u) for u in unpacked), strict=True))
-    monkeypatch.setattr(cpu_probes, "int4_unpack_probe", lambda: calls.append(1) or speeds)
-    first = selection.select_matmul_path(tmp_path)
-    assert first.int4_unpack_min_rows == expected_rows and len(calls) == 1
-    assert "256: 1300 vs 500" in first.int4_unpack_reason or expected_rows != 256
-    assert selection.select_matmul_path(tmp_path) == first and len(calls) == 1  # from the cache
-    for rows in (16, 32, 64, 256):
-        x = torch.zeros(rows, 8, dtype=torch.bfloat16)
-        assert first.int4_unpacked(x) == (0 < expected_rows <= rows)
-        assert not first.int4_unpacked(x.float())
-    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "float32")
-    assert selection.select_matmul_path(tmp_path).int4_unpack_min_rows == 0 and len(calls) == 1
-    monkeypatch.setenv("NANOQWEN_CPU_MATMUL", "bf16")
-    monkeypatch.setenv("NANOQWEN_CPU_GEMV", "0")
-    assert selection.select_matmul_path(tmp_path).int4_unpack_min_rows == 0 and len(calls) == 1
-
-
-def test_int4_unpack_probe_measures_both_ways():
-    if not cpu_kernels.available():
-        pytest.skip("nanoqwen's CPU kernels cannot be built here")
-    speeds = cpu_probes.int4_unpack_probe()
-    assert sorted(speeds) == list(cpu_probes.INT4_UNPACK_PROBE_ROWS)
-    assert all(gemm > 0.01 and unpacked > 0.01 for gemm, unpacked in speeds.values())
 
 
 def test_linear_sends_many_bf16_rows_to_bf16_gemm_where_chosen(monkeypatch):

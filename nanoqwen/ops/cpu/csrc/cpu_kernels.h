@@ -5,8 +5,7 @@
 //   gemv.cpp        bf16_gemv, int8_gemv: y = x @ w.T for few rows of x, streaming the weights once
 //   gemm.cpp        bf16_gemm, int8_gemm: y = x @ w.T for many rows of x in float32 from bf16 / int8 weights;
 //                   prefill_attention: a prompt chunk's attention, its two products through the same kernel
-//   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill);
-//                   int4_unpack: the weights as bf16, for a fast bf16 matmul to take (prefill with AMX)
+//   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill)
 //   decode_ops.cpp  rms_norm, add_rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a
 //                   decode step's rest; argmax: the sampler's greedy choice
 //   module.cpp      decode_model (a decode step's whole forward in one call) and the Python bindings
@@ -297,7 +296,6 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
                      const at::Tensor& offset);
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const at::Tensor& offset);
-at::Tensor int4_unpack(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset);
 // decode_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,

@@ -3,7 +3,6 @@
 //   int4_gemv(x [M,K] bf16, packed [N,K/2] uint8, scale, offset [N,K/G] bf16) -> y [M,N] bf16,
 //             y = x' @ (offset + scale * q).T per group, x' = x quantised to int8 per group (below);
 //             any M: above 8 rows a small GEMM on unpacked panels of W (int4_gemm)
-//   int4_unpack(packed, scale, offset) -> W [N,K] bf16, offset + scale * q rounded to bf16 (for torch's matmul)
 //
 // int4 layout (nanoqwen/quantization/int4.py): row n is cut into groups of G consecutive elements (G % 16 == 0);
 // group g has G/2 bytes, byte j holding element j in its low nibble and element j + G/2 in its high nibble,
@@ -471,59 +470,6 @@ void int4_panels(const Int4Product& p) {
 #endif
 }
 
-// ---- int4 weights unpacked to bf16 (prompts on CPUs whose bf16 matmuls are fast: AMX; the caller multiplies).
-//
-// w[n, k] = round_bf16(offset + scale * q) in row order, as dequantize_int4(...).to(bfloat16) (nanoqwen/
-// quantization/int4.py): scale * q is exact in float32 (8 bits times 4), so the sum rounds once, then to bf16.
-
-// Rows n0 .. n0 + L - 1 (one stored block) into out [N, K].
-void unpack_block(const uint8_t* w, const uint16_t* scale, const uint16_t* offset, int L, int64_t K, int64_t G,
-                  int64_t n0, uint16_t* out) {
-  const int64_t groups = K / G, chunks = G / 8;
-#ifdef NANOQWEN_AVX2
-  if (L == kBlockRows) {
-    // 8 bytes of the block: 4 of row r and then 4 of row r + 1, elements 4c .. 4c + 3 (low nibbles) and
-    // G/2 + 4c .. (high) of each: one vector of 8 weights per nibble half, its scales and offsets row r's
-    // four times, then row r + 1's.
-    const __m128i nibble = _mm_set1_epi8(0xF);
-    for (int64_t g = 0; g < groups; ++g)
-      for (int v = 0; v < kBlockVectors; ++v) {
-        const __m256 s8 = load8(scale + g * kBlockRows + 8 * v), o8 = load8(offset + g * kBlockRows + 8 * v);
-        for (int pair = 0; pair < 4; ++pair) {
-          const __m256i lanes = _mm256_setr_epi32(2 * pair, 2 * pair, 2 * pair, 2 * pair, 2 * pair + 1,
-                                                  2 * pair + 1, 2 * pair + 1, 2 * pair + 1);
-          const __m256 s = _mm256_permutevar8x32_ps(s8, lanes), o = _mm256_permutevar8x32_ps(o8, lanes);
-          uint16_t* row = out + (n0 + 8 * v + 2 * pair) * K + g * G;  // row r; row r + 1 is K further
-          for (int64_t c = 0; c < chunks; ++c) {
-            const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
-                w + ((g * chunks + c) * kBlockRows + 8 * v + 2 * pair) * 4));
-            for (int half = 0; half < 2; ++half) {  // low nibbles: elements 4c.., high: G/2 + 4c..
-              const __m128i q = _mm_and_si128(half ? _mm_srli_epi16(b, 4) : b, nibble);
-              const __m256i bits = bf16_bits(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), s, o));
-              const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-              _mm_storel_epi64(reinterpret_cast<__m128i*>(row + half * G / 2 + 4 * c), packed);
-              _mm_storel_epi64(reinterpret_cast<__m128i*>(row + K + half * G / 2 + 4 * c),
-                               _mm_unpackhi_epi64(packed, packed));
-            }
-          }
-        }
-      }
-    return;
-  }
-#endif
-  for (int lane = 0; lane < L; ++lane)  // the last, partial block (and any block without AVX2)
-    for (int64_t g = 0; g < groups; ++g) {
-      const float s = bf16_to_float(scale[g * L + lane]), o = bf16_to_float(offset[g * L + lane]);
-      uint16_t* row = out + (n0 + lane) * K + g * G;
-      for (int64_t c = 0; c < chunks; ++c)
-        for (int i = 0; i < 4; ++i) {
-          const uint8_t byte = w[((g * chunks + c) * L + lane) * 4 + i];
-          row[4 * c + i] = float_to_bf16(o + s * static_cast<float>(byte & 0xF));
-          row[G / 2 + 4 * c + i] = float_to_bf16(o + s * static_cast<float>(byte >> 4));
-        }
-    }
-}
-
 }  // namespace
 
 // Few rows: passes that stream the weights; more: the panels (bench/bench_gemv.py --rows measures it: below 9
@@ -546,28 +492,6 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const Int4Product p = prepare_int4(x, packed, scale, offset);
   if (p.M > 0 && p.N > 0) int4_panels(p);
   return p.y;
-}
-
-// int4 weights (packed [N, K/2], scale and offset [N, K/G]) unpacked to bf16 [N, K]: the weight int4_gemv
-// multiplies by, rounded to bf16, for a bf16 matmul to take (above).
-at::Tensor int4_unpack(const at::Tensor& packed_in, const at::Tensor& scale_in, const at::Tensor& offset_in) {
-  const int64_t G = check_int4(packed_in, scale_in, offset_in);
-  const at::Tensor packed = packed_in.contiguous(), scale = scale_in.contiguous(), offset = offset_in.contiguous();
-  const int64_t N = packed.size(0), K = 2 * packed.size(1), groups = K / G;
-  at::Tensor out = at::empty({N, K}, scale.options());
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const auto* sp = reinterpret_cast<const uint16_t*>(scale.data_ptr());
-  const auto* op = reinterpret_cast<const uint16_t*>(offset.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kBlockRows;
-      const int L = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
-      unpack_block(wp + n0 * (K / 2), sp + n0 * groups, op + n0 * groups, L, K, G, n0, yp);
-    }
-  });
-  return out;
 }
 
 }  // namespace nanoqwen

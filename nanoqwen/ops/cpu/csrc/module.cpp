@@ -3,6 +3,8 @@
 
 #include <torch/extension.h>
 
+#include <cmath>
+
 #include "cpu_kernels.h"
 
 namespace nanoqwen {
@@ -99,7 +101,9 @@ at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& inpu
 // sampler's greedy choice give step after step, without a return to Python. block_tables [M, W] int32 must cover
 // every step's position; context_lens [M] int32 are step 0's (each step adds one; a decode row's position is its
 // context length - 1). Stops after the step where every row has produced one of its stop_token_ids [M, S] (-1 pads
-// a row's list): their sequences are finished. Returns the tokens [steps run, M] int64.
+// a row's list): their sequences are finished. A row whose logits leave nothing to pick (the argmax's logit is
+// NaN or infinite: the sampler's BROKEN_ROW) gets -1 as its token, which ends it too; it is fed token 0 after
+// that, and what it then makes is dropped. Returns the tokens [steps run, M] int64.
 at::Tensor decode_steps(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& k_caches,
                         const at::Tensor& v_caches, const at::Tensor& block_tables_in,
                         const at::Tensor& context_lens_in, const at::Tensor& stop_token_ids_in, int64_t num_steps) {
@@ -135,13 +139,20 @@ at::Tensor decode_steps(const DecoderModelWeights& model, const at::Tensor& inpu
     const at::Tensor logits = decode_logits(model, ids, positions, k_caches, v_caches, slot_mapping, block_tables,
                                             context_lens);  // [M, V] bf16
     ids = nanoqwen::argmax(logits);  // [M]: each row's next token
-    tokens.push_back(ids);
-    const int64_t* next = ids.data_ptr<int64_t>();
+    const at::Tensor chosen = logits.gather(1, ids.unsqueeze(1)).to(at::kFloat);  // [M, 1]: its logit
+    const float* value = chosen.data_ptr<float>();
+    at::Tensor step_tokens = ids.clone();
+    int64_t* next = ids.data_ptr<int64_t>();
+    int64_t* made = step_tokens.data_ptr<int64_t>();
     bool all_stopped = true;
     for (int64_t m = 0; m < M; ++m) {
-      stopped[m] = stopped[m] || std::find(stop + m * S, stop + (m + 1) * S, next[m]) != stop + (m + 1) * S;
+      if (!std::isfinite(value[m])) {
+        made[m] = -1, next[m] = 0, stopped[m] = true;  // (the next step feeds token 0 in its place)
+      }
+      stopped[m] = stopped[m] || std::find(stop + m * S, stop + (m + 1) * S, made[m]) != stop + (m + 1) * S;
       all_stopped = all_stopped && stopped[m];
     }
+    tokens.push_back(step_tokens);
     if (all_stopped) break;
   }
   return at::stack(tokens);  // [steps run, M]
@@ -191,8 +202,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, "int4_gemv's product for many rows of x: packed panels, a small GEMM",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
-  m.def("int4_unpack", &int4_unpack, "int4 weights as bf16 [N, K]: offset + scale * q, rounded to bf16",
-        py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "models.qwen3.rms_norm for bf16 rows", py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("apply_rope", &apply_rope, "models.qwen3.apply_rope for bf16 x [N, H, D]", py::arg("x"), py::arg("cos"),
