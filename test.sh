@@ -6,7 +6,7 @@ cd "$(dirname "$0")"
 scripts/setup.sh --test
 .venv/bin/ruff check .
 .venv/bin/lint-imports
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest -rs "$@"
 # On a CPU with more than AVX2 (and a full run: no arguments), the parity, engine, CPU-path and int4 tests
 # again with torch and nanoqwen limited to AVX2, so the paths an AVX2-only CPU takes (float32 compute from
 # 16-bit weights for many rows, the AVX2 kernels without VNNI) are tested on every machine.

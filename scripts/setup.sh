@@ -18,3 +18,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".${extras}"
   touch "$stamp"
 fi
+# The chat page's browser tests drive the system's Chromium (Playwright's own browser download needs the
+# internet). Installed here where apt-get can; where it cannot, those tests report themselves skipped.
+if [ "${1:-}" = "--test" ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo -n"
+  { $sudo apt-get install -y -q chromium >/dev/null 2>&1 \
+    || { $sudo apt-get update -q >/dev/null 2>&1 && $sudo apt-get install -y -q chromium >/dev/null 2>&1; }; } \
+    || echo "scripts/setup.sh: could not install chromium with apt-get; the chat page's browser tests will be skipped" >&2
+fi

@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI-compatible endpoints over one AsyncEngine (chat and completions for a
 generative model; embeddings, or rerank and score, for an embedding or reranker model), with API-key
-checks, body limits, OpenAI-shaped errors, Prometheus metrics and one log line per request."""
+checks, body limits, OpenAI-shaped errors, Prometheus metrics and one log line per request; and the
+chat page (ui/) at `/`, which talks to the same /v1/chat/completions."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -41,6 +44,7 @@ from nanoqwen.entrypoints.server.responses import (
     ModelList,
     RerankResponse,
     ScoreResponse,
+    ServerProps,
 )
 from nanoqwen.entrypoints.server.serving import ServerState
 from nanoqwen.errors import InvalidRequestError
@@ -50,16 +54,18 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 # what a POST endpoint may answer besides 200 (and 401 with an API key, 500 if the engine fails)
 POST_ERRORS = (400, 404, 413, 503)
 M = TypeVar("M", bound=BaseModel)
+UI_DIR = Path(__file__).parent / "ui"
 
 
 def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
               max_waiting: int | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, ui: bool = True) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its interface) as
     `served_model_name`.
 
     The engine loop thread starts and stops with the app's lifespan. /openapi.json and /docs
-    describe every endpoint and stay public, as in vLLM, when there is an API key.
+    describe every endpoint and stay public, as in vLLM, when there is an API key; so does the chat
+    page (`ui`), whose calls to the API send the key.
     """
     state = ServerState(engine, AsyncEngine(engine, max_waiting), ServerMetrics(),
                         served_model_name, api_key, max_body_bytes, int(time.time()))
@@ -130,6 +136,13 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
             "owned_by": "nanoqwen", "max_model_len": engine.max_model_len,
             "task": served_task(state)}]})  # task: nanoqwen's (generate, embed or score)
 
+    @app.get("/props", **doc.route(ServerProps))
+    async def props(request: Request) -> Response:
+        """The model and the sampling a request gets by default, in the shape of llama.cpp's
+        /props (the chat page shows them)."""
+        _check_api_key(state, request)
+        return JSONResponse(_server_props(state))
+
     @app.post("/v1/chat/completions", **doc.route(
         ChatCompletionResponse, ChatCompletionRequest, ChatCompletionChunk, POST_ERRORS,
         description=serves("generate", "OpenAI's chat completions, with reasoning_content and "
@@ -174,8 +187,28 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
         req = await _parse(state, request, ScoreRequest, "score")
         return await create_score(state, request, req)
 
+    if ui:
+        @app.get("/", include_in_schema=False)
+        async def chat_page() -> FileResponse:
+            return FileResponse(UI_DIR / "index.html")
+
+        app.mount("/ui", StaticFiles(directory=UI_DIR), name="ui")
+
     doc.install(app)
     return app
+
+
+def _server_props(state: ServerState) -> dict[str, Any]:
+    engine = state.engine
+    defaults = engine.input_processor.default_sampling_params()
+    return {
+        "model_alias": state.served_model_name, "model_path": str(engine.model_dir),
+        "total_slots": engine.engine_config.max_num_seqs,
+        "default_generation_settings": {"n_ctx": engine.max_model_len, "params": {
+            "temperature": defaults.temperature, "top_p": defaults.top_p, "top_k": defaults.top_k,
+            # a request without max_tokens runs up to the context, as in vLLM and OpenAI
+            "min_p": defaults.min_p, "max_tokens": None, "seed": defaults.seed}},
+        "chat_template": engine.tokenizer.chat_templates.get("default")}
 
 
 def _check_api_key(state: ServerState, request: Request) -> None:

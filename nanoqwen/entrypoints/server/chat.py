@@ -85,7 +85,8 @@ async def create_chat_completion(state: ServerState, http: Request,
     gen.finish_label = reasons[0]
     gen.record()
     return JSONResponse({"id": gen.id, "object": "chat.completion", "created": gen.created,
-                         "model": state.served_model_name, "choices": choices, "usage": usage(out)})
+                         "model": state.served_model_name, "choices": choices, "usage": usage(out),
+                         "timings": gen.timings(out)})
 
 
 def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str:
@@ -136,7 +137,7 @@ async def _stream(state: ServerState, gen: Generation, req: ChatCompletionReques
                     gen.finish_label = gen.finish_label or reason
                     yield chunk(i, {}, finish_reason=reason, stop_reason=c.stop_reason)
         if req.include_usage and last is not None:
-            yield sse({**head, "choices": [], "usage": usage(last)})
+            yield sse({**head, "choices": [], "usage": usage(last), "timings": gen.timings(last)})
     except APIError as e:
         # the engine failed mid-stream: the status is already sent, so say it in the stream
         yield sse(e.body())

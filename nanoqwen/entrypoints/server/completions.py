@@ -41,7 +41,8 @@ async def create_completion(state: ServerState, http: Request, req: CompletionRe
         choices.append({"index": c.index, "text": c.text, "logprobs": lp,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return JSONResponse({"id": gen.id, "object": "text_completion", "created": gen.created,
-                         "model": state.served_model_name, "choices": choices, "usage": usage(out)})
+                         "model": state.served_model_name, "choices": choices, "usage": usage(out),
+                         "timings": gen.timings(out)})
 
 
 async def _stream(state: ServerState, gen: Generation,
@@ -78,7 +79,7 @@ async def _stream(state: ServerState, gen: Generation,
                 yield sse({**head, "choices": [{"index": i, "text": delta, "logprobs": lp,
                                                 "finish_reason": c.finish_reason, **stop_reason}]})
         if req.include_usage and last is not None:
-            yield sse({**head, "choices": [], "usage": usage(last)})
+            yield sse({**head, "choices": [], "usage": usage(last), "timings": gen.timings(last)})
     except APIError as e:
         yield sse(e.body())
     yield SSE_DONE

@@ -59,6 +59,19 @@ class UsageInfo(_Response):
     prompt_tokens_details: PromptTokensDetails
 
 
+class Timings(_Response):
+    """The speed of one answer, in llama.cpp's server's names (its web UI and clients read them)."""
+
+    cache_n: int = Field(description="prompt tokens whose KV came from the prefix cache")
+    prompt_n: int = Field(description="prompt tokens computed (the rest of the prompt)")
+    prompt_ms: float = Field(description="from the request's arrival to its first token")
+    prompt_per_second: float = Field(description="prompt_n over prompt_ms")
+    predicted_n: int = Field(description="tokens generated (all choices)")
+    predicted_ms: float = Field(description="from the first token to the last")
+    predicted_per_second: float = Field(description="tokens after each choice's first, over "
+                                                    "predicted_ms")
+
+
 # finish_reason: "stop" (EOS, a stop string or stop token), "length" (max_tokens or the context),
 # "tool_calls" (chat only); stop_reason: the stop string or stop_token_ids entry that ended it
 StopReason = int | str | None
@@ -115,6 +128,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    timings: Timings | None = Field(description="null if no token was generated")
 
 
 class ChatDelta(_Response):
@@ -144,6 +158,8 @@ class ChatCompletionChunk(_Response):
     choices: list[ChatChunkChoice] = Field(description="empty in the usage chunk")
     usage: UsageInfo | None = Field(None, description="with stream_options.include_usage: null, "
                                                       "except in the last chunk")
+    timings: Timings | None = Field(None, description="with stream_options.include_usage: in "
+                                                      "the last chunk, beside usage")
 
 
 class CompletionLogprobs(_Response):
@@ -168,6 +184,7 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    timings: Timings | None = Field(description="null if no token was generated")
 
 
 class CompletionChunkChoice(CompletionChoice):
@@ -184,6 +201,34 @@ class CompletionChunk(_Response):
     choices: list[CompletionChunkChoice] = Field(description="empty in the usage chunk")
     usage: UsageInfo | None = Field(None, description="with stream_options.include_usage: null, "
                                                       "except in the last chunk")
+    timings: Timings | None = Field(None, description="with stream_options.include_usage: in "
+                                                      "the last chunk, beside usage")
+
+
+class SamplingDefaults(_Response):
+    """What a request that leaves a field out gets: the checkpoint's generation_config.json."""
+
+    temperature: float
+    top_p: float
+    top_k: int = Field(description="-1: no top-k")
+    min_p: float
+    max_tokens: int | None = Field(description="null: up to the context (n_ctx) less the prompt")
+    seed: int | None = Field(description="null: a fresh random seed per request")
+
+
+class DefaultGenerationSettings(_Response):
+    n_ctx: int = Field(description="the context: prompt and answer together (max_model_len)")
+    params: SamplingDefaults
+
+
+class ServerProps(_Response):
+    """The server's model and defaults, in the shape of llama.cpp's /props (the fields that apply)."""
+
+    model_alias: str = Field(description="the name clients send as `model`")
+    model_path: str
+    total_slots: int = Field(description="sequences the engine runs at once (max_num_seqs)")
+    default_generation_settings: DefaultGenerationSettings
+    chat_template: str | None
 
 
 class Embedding(_Response):

@@ -34,6 +34,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM "
                         "before they are cancelled")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-ui", action="store_true",
+                   help="do not serve the chat page at / (the API is unchanged)")
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -77,13 +79,18 @@ def _run(args: argparse.Namespace, engine: Any, server_class: type) -> None:
              args.model, engine.device, engine.dtype, engine.task, engine.max_model_len,
              stats["num_blocks"], stats["block_size"])
     app = build_app(engine, args.served_model_name or str(args.model), api_key=args.api_key,
-                    max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
+                    max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                    ui=not args.no_ui)
     # uvicorn's own timeout is only a backstop: at --shutdown-timeout we end the requests ourselves,
     # so their streams close with an error event instead of being cut (and logged as tracebacks).
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout + 5,
                             lifespan="on")
     server = server_class(config)
+    if not args.no_ui:
+        host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
+        host = f"[{host}]" if ":" in host else host
+        log.info("chat page: http://%s:%d/ (--no-ui turns it off)", host, args.port)
     async_engine = app.state.server.async_engine
     server.grace, server.cancel_all = args.shutdown_timeout, async_engine.cancel_all
     # A dead engine (a tensor-parallel worker died) cannot recover: stop serving

@@ -131,6 +131,22 @@ class Generation:
         before it began."""
         self.close()
 
+    def timings(self, out: RequestOutput) -> dict[str, Any] | None:
+        """The answer's speed in llama.cpp's `timings` names (responses.Timings); None before the
+        first token."""
+        first = self.stream.first_output_time if self.stream is not None else None
+        if first is None or self.last_time is None:
+            return None
+        prompt_n = len(out.prompt_token_ids) - out.num_cached_tokens
+        predicted_n = sum(len(c.token_ids) for c in out.outputs)
+        prompt_ms = (first - self.arrival) * 1000
+        predicted_ms = (self.last_time - first) * 1000
+        return {"cache_n": out.num_cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                "prompt_per_second": prompt_n * 1000 / prompt_ms if prompt_ms > 0 else 0.0,
+                "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+                "predicted_per_second": ((predicted_n - len(out.outputs)) * 1000 / predicted_ms
+                                         if predicted_ms > 0 else 0.0)}
+
     def record(self) -> None:
         """Metrics and the request's log line (once)."""
         if self.recorded or self.stream is None:

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,15 +17,12 @@ from dataclasses import replace
 import httpx
 import openai
 import pytest
-import torch
 from conftest import CALLS, THOUGHT
 from fastapi.testclient import TestClient
+from server_testing import ScriptedEngine, metrics, nanoqwen_serve, wait_idle
 
 from nanoqwen import LLM, SamplingParams
-from nanoqwen.distributed import free_port
 from nanoqwen.entrypoints.server import build_app
-from nanoqwen.errors import InvalidRequestError
-from nanoqwen.outputs import CompletionOutput, RequestOutput
 from nanoqwen.tokenizer import Tokenizer
 
 # a hang (e.g. a dead engine loop) fails instead of blocking the run
@@ -41,23 +35,6 @@ QUESTIONS = ["Why is the sky blue?", "Write a haiku about tea.", "hi"]
 # ---------------------------------------------------------------- a real server process
 
 
-def metrics(base: str) -> dict[str, float]:
-    """/metrics as {'name{labels}': value}."""
-    text = httpx.get(f"{base}/metrics").text
-    return {name: float(value) for name, value in re.findall(r"^([^#\s]\S*) (\S+)$", text, re.M)}
-
-
-def wait_idle(base: str, timeout: float = 5.0) -> dict[str, float]:
-    """Poll /metrics until no request runs or waits and every KV block is free."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(base)
-        keys = ("nanoqwen_num_requests_running", "nanoqwen_num_requests_waiting",
-                "nanoqwen_kv_cache_used_blocks", "nanoqwen_engine_sequences_running",
-                "nanoqwen_engine_sequences_waiting")
-        if all(m[k] == 0 for k in keys) or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -69,33 +46,12 @@ def model_dir(checkpoint):
 def server(model_dir, tmp_path_factory):
     """`nanoqwen serve` on a free port; the last test stops it with SIGTERM (teardown kills it
     otherwise)."""
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "nanoqwen", "serve", "--model", str(model_dir),
-           "--port", str(port), "--dtype", "float32", "--device", "cpu",
-           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "32MiB",
-           "--served-model-name", "tiny", "--max-body-bytes", "1MiB", "--seed", "0",
-           "--shutdown-timeout", "1"]
-    # as `llm` here: same float sums
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{log.read_text()}")
-        time.sleep(0.1)
-    yield {"base": base, "proc": proc, "log": log}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    with nanoqwen_serve(model_dir, log, "--dtype", "float32", "--device", "cpu",
+                        "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "32MiB",
+                        "--served-model-name", "tiny", "--max-body-bytes", "1MiB", "--seed", "0",
+                        "--shutdown-timeout", "1") as served:
+        yield {"base": served.base, "proc": served.proc, "log": served.log}
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +95,24 @@ def test_chat_greedy_equals_llm_chat_whole_and_streamed(client, llm):
             if c.choices and c.choices[0].finish_reason] == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_timings_in_llama_cpp_names_beside_usage(client):
+    messages = [{"role": "user", "content": "Count to ten. " * 12}]
+    for _ in range(2):  # the second time, the prompt's full blocks come from the prefix cache
+        chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, stream=True,
+                                                     stream_options={"include_usage": True}, **GREEDY))
+        usage, timings = chunks[-1].usage, chunks[-1].model_extra["timings"]
+        assert all(c.model_extra.get("timings") is None for c in chunks[:-1])
+        assert timings["predicted_n"] == usage.completion_tokens == 9
+        assert timings["cache_n"] == usage.prompt_tokens_details.cached_tokens
+        assert timings["prompt_n"] + timings["cache_n"] == usage.prompt_tokens
+        assert timings["prompt_ms"] > 0 and timings["predicted_ms"] > 0
+        assert timings["predicted_per_second"] == pytest.approx(8 * 1000 / timings["predicted_ms"])
+        assert timings["prompt_per_second"] == pytest.approx(timings["prompt_n"] * 1000 / timings["prompt_ms"])
+    assert timings["cache_n"] > 0
+    whole = client.completions.create(model="tiny", prompt="One, two,", max_tokens=5, **GREEDY)
+    assert whole.model_extra["timings"]["predicted_n"] == 5
 
 
 def test_completions_greedy_equals_llm_generate(client, llm):
@@ -372,75 +346,6 @@ def test_sigterm_finishes_short_requests_cancels_long_ones_and_exits_cleanly(ser
 # ------------------------------------------------------------ in-process apps over scripted engines
 
 
-class ScriptedEngine:
-    """LLMEngine's interface with scripted answers: script(prompt text) is the answer, emitted
-    `chunk` characters per step (so tags split across stream deltas), one placeholder token id
-    per step."""
-
-    def __init__(self, tokenizer: Tokenizer, script, chunk: int = 3, max_model_len: int = 4096,
-                 step_seconds: float = 0.003) -> None:
-        self.tokenizer, self.script = tokenizer, script
-        self.chunk, self.max_model_len = chunk, max_model_len
-        # like a real step: lets the handler see (nearly) every delta
-        self.step_seconds = step_seconds
-        self.requests: dict[str, list] = {}
-        self.prompts: list[str] = []
-        self.gate = threading.Event()
-        self.gate.set()
-
-    @property
-    def input_processor(self) -> ScriptedEngine:  # (the engine's input checks are its own here)
-        return self
-
-    def default_sampling_params(self) -> SamplingParams:
-        return SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
-
-    def validate_prompt(self, ids: list[int]) -> None:
-        if not ids or len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"the prompt has {len(ids)} tokens "
-                                      f"but max_model_len is {self.max_model_len}")
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(ids)
-        return ids
-
-    def add_request(self, request_id, prompt, params, prompt_token_ids=None) -> None:
-        text = self.tokenizer.decode(prompt_token_ids)
-        self.prompts.append(text)
-        self.requests[request_id] = [prompt_token_ids, params, self.script(text), 0]
-
-    def step(self) -> list[RequestOutput]:
-        self.gate.wait()
-        time.sleep(self.step_seconds)
-        outputs = []
-        for request_id, state in list(self.requests.items()):
-            ids, params, answer, pos = state
-            if answer == "FAIL":
-                raise RuntimeError("scripted failure")
-            pos = state[3] = min(len(answer), pos + self.chunk)
-            n = -(-pos // self.chunk)
-            done = pos >= len(answer)
-            reason = ("stop" if done
-                      else "length" if params.max_tokens is not None and n >= params.max_tokens
-                      else None)
-            outs = [CompletionOutput(i, answer[:pos], [1] * n, reason) for i in range(params.n)]
-            outputs.append(RequestOutput(request_id, None, ids, outs, reason is not None))
-            if reason is not None:
-                del self.requests[request_id]
-        return outputs
-
-    def abort_request(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    @property
-    def kv_cache_stats(self) -> dict[str, float]:
-        return {"num_blocks": 8, "used_blocks": len(self.requests),
-                "usage": len(self.requests) / 8, "num_running": len(self.requests),
-                "num_waiting": 0}
 
 
 def script(prompt: str) -> str:

@@ -134,7 +134,7 @@ def test_openapi_describes_every_route(generative):
     assert served == documented
     assert {path for _, path in served} == {
         "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/v2/rerank",
-        "/rerank", "/score", "/v1/score", "/v1/models", "/health", "/metrics"}
+        "/rerank", "/score", "/v1/score", "/v1/models", "/props", "/health", "/metrics"}
     for method, path in served:
         operation = doc["paths"][path][method.lower()]
         assert ("requestBody" in operation) == (method == "POST"), path
@@ -257,13 +257,13 @@ def fuzz(app: App, label: str, max_examples: int) -> None:
 
 @pytest.mark.parametrize("label, max_examples", [
     ("POST /v1/chat/completions", 100), ("POST /v1/completions", 80), ("POST /v1/embeddings", 5),
-    ("GET /v1/models", 3), ("GET /health", 3), ("GET /metrics", 3)])
+    ("GET /v1/models", 3), ("GET /props", 3), ("GET /health", 3), ("GET /metrics", 3)])
 def test_fuzz_generative(generative, label, max_examples):
     fuzz(generative, label, max_examples)
 
 
 @pytest.mark.parametrize("label, max_examples", [
-    ("POST /v1/embeddings", 50), ("POST /v1/chat/completions", 5), ("POST /v1/rerank", 5)])
+    ("POST /v1/embeddings", 50), ("POST /v1/chat/completions", 5), ("POST /v1/rerank", 5), ("GET /props", 3)])
 def test_fuzz_embedding(embedding, label, max_examples):
     fuzz(embedding, label, max_examples)
 
