@@ -7,13 +7,14 @@ request the server's limits allow runs beside it.
 
 The server runs in its own process. The victim: a 4-token greedy completion of a short prompt, streamed; its time
 to first token (request sent -> first text chunk) is measured --trials times on the idle server, then as many
-times while the hostile request runs: n=128 greedy answers (the most a request may ask; greedy, so that every
-answer runs all its steps), max_tokens 60, ignore_eos, the most stop strings the server takes
-(--max-stop-sequences, each of the longest length allowed, and never matched) and the most stop token ids
-(--max-stop-token-ids, none of them in the answer). The server's
-max_num_seqs is above n, so the victim is admitted at once: what it waits on is the hostile request's steps.
-Reported: the victim's median and p90 time to first token, idle and beside the hostile request, their ratio,
-and the hostile request's own time.
+times beside each hostile request. Both hostile requests ask for n=128 answers (the most a request may ask),
+max_tokens 60, ignore_eos, the most stop strings the server takes (--max-stop-sequences, each of the longest
+length allowed, and never matched) and the most stop token ids (--max-stop-token-ids, none of them in the
+answer): "greedy" takes the argmax; "sampled" asks for the costliest sampling there is: temperature 1, top_p 0.9
+and no top_k (on a random checkpoint's flat distribution most of the vocabulary stays), min_p, the three
+penalties and the most logprobs (MAX_LOGPROBS). The server's max_num_seqs is above n, so the victim is admitted at
+once: what it waits on is the hostile request's steps. Reported: the victim's median and p90 time to first
+token, idle and beside each hostile request, their ratio, and the hostile request's own time.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import bench_model  # noqa: E402  (bench/ is not a package)
 
 from nanoqwen import LLM, SamplingParams  # noqa: E402
 from nanoqwen.distributed import free_port  # noqa: E402
-from nanoqwen.sampling_params import MAX_N, MAX_STOP_STRING_LENGTH  # noqa: E402
+from nanoqwen.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LENGTH  # noqa: E402
 
 DEFAULT_DIR = bench_model.ROOT / "bench" / ".models" / "tiny-random"
 
@@ -71,9 +72,13 @@ def first_token_seconds(base: str, body: dict) -> float:
     return first
 
 
+SAMPLED = {"temperature": 1.0, "top_p": 0.9, "top_k": -1, "min_p": 0.01, "presence_penalty": 1.0,
+           "frequency_penalty": 1.0, "repetition_penalty": 1.2, "logprobs": MAX_LOGPROBS}
+
+
 def hostile_body(args: argparse.Namespace) -> dict:
-    """The worst request the limits allow: most answers, most and longest stop strings, most stop ids (none of
-    them in the greedy answer, made here first, so that every answer runs all 60 steps)."""
+    """The worst greedy request the limits allow: most answers, most and longest stop strings, most stop ids (none
+    of them in the greedy answer, made here first, so that every answer runs all 60 steps)."""
     prompt, steps = "Tell me everything.", 60
     llm = LLM(str(args.model), dtype=args.dtype, max_model_len=256, enforce_eager=True)
     made = set(llm.generate(prompt, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
@@ -89,8 +94,18 @@ def measure(args: argparse.Namespace, base: str) -> dict:
     victim = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
     for _ in range(3):  # warm-up
         first_token_seconds(base, victim)
-    idle = [first_token_seconds(base, victim) for _ in range(args.trials)]
-    hostile, busy, hostile_seconds = hostile_body(args), [], []
+    greedy = hostile_body(args)
+    # (its stop ids may hold tokens a sampled answer writes: an answer that ends early only makes it lighter)
+    hostile = {"greedy": greedy, "sampled": {**greedy, **SAMPLED}}
+    result = {"idle": [first_token_seconds(base, victim) for _ in range(args.trials)]}
+    for name in args.hostile:
+        result[name] = beside(args, base, victim, hostile[name])
+    return result
+
+
+def beside(args: argparse.Namespace, base: str, victim: dict, hostile: dict) -> dict:
+    """The victim's times to first token while `hostile` runs (sent again as often as the trials need)."""
+    busy, hostile_seconds = [], []
 
     def run_hostile() -> None:
         start = time.perf_counter()
@@ -105,7 +120,7 @@ def measure(args: argparse.Namespace, base: str) -> dict:
         while thread.is_alive() and len(busy) < args.trials:
             busy.append(first_token_seconds(base, victim))
         thread.join()
-    return {"idle": idle, "busy": busy, "hostile": hostile_seconds}
+    return {"busy": busy, "hostile": hostile_seconds}
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -113,27 +128,29 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def report(args: argparse.Namespace, r: dict) -> str:
-    idle, busy = statistics.median(r["idle"]), statistics.median(r["busy"])
+    idle = statistics.median(r["idle"])
     lines = [
-        "### A noisy neighbour: another client's time to first token beside the worst request allowed",
+        "### A noisy neighbour: another client's time to first token beside the worst requests allowed",
         "",
         f"`{bench_model.command_line('bench_noisy_neighbour.py', sys.argv[1:])}` on {args.model.name} "
         f"({args.dtype}; the server's max_num_seqs {args.max_num_seqs}, --max-stop-sequences "
-        f"{args.max_stop_sequences}, --max-stop-token-ids {args.max_stop_token_ids}). The hostile request: n "
+        f"{args.max_stop_sequences}, --max-stop-token-ids {args.max_stop_token_ids}). Each hostile request: n "
         f"{MAX_N}, max_tokens 60, {args.max_stop_sequences} stop strings of {MAX_STOP_STRING_LENGTH} characters, "
-        f"{args.max_stop_token_ids} stop token ids. The victim: a 4-token greedy completion, streamed.",
+        f"{args.max_stop_token_ids} stop token ids; greedy, or sampled with "
+        f"{', '.join(f'{k} {v}' for k, v in SAMPLED.items())}. The victim: a 4-token greedy completion, streamed.",
         "",
         bench_model.machine_line("cpu"),
         "",
-        "| victim's time to first token | median (ms) | p90 (ms) | trials |",
-        "|---|---:|---:|---:|",
-        f"| idle server | {1e3 * idle:.1f} | {1e3 * quantile(r['idle'], 0.9):.1f} | {len(r['idle'])} |",
-        f"| beside the hostile request | {1e3 * busy:.1f} | {1e3 * quantile(r['busy'], 0.9):.1f} | "
-        f"{len(r['busy'])} |",
-        "",
-        f"Beside the hostile request the victim's median time to first token is **{busy / idle:.2f}×** the idle "
-        f"one; the hostile request took {', '.join(f'{s:.1f}' for s in r['hostile'])} s.",
+        "| victim's time to first token | median (ms) | p90 (ms) | trials | against idle "
+        "| the hostile request took (s) |",
+        "|---|---:|---:|---:|---:|---|",
+        f"| idle server | {1e3 * idle:.1f} | {1e3 * quantile(r['idle'], 0.9):.1f} | {len(r['idle'])} | | |",
     ]
+    for name in args.hostile:
+        busy = r[name]["busy"]
+        lines.append(f"| beside the {name} hostile request | {1e3 * statistics.median(busy):.1f} | "
+                     f"{1e3 * quantile(busy, 0.9):.1f} | {len(busy)} | **{statistics.median(busy) / idle:.2f}×** | "
+                     f"{', '.join(f'{s:.1f}' for s in r[name]['hostile'])} |")
     return "\n".join(lines)
 
 
@@ -147,6 +164,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--head-start", type=float, default=0.5,
                         help="seconds the hostile request runs before the victim's trials start")
+    parser.add_argument("--hostile", nargs="+", choices=["greedy", "sampled"], default=["greedy", "sampled"])
     parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
     args = parser.parse_args()
     if args.model is None:

@@ -320,8 +320,10 @@ class Qwen3ForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [M, H] -> float32 logits [M, V]; call it only on the positions that get sampled.
+    def compute_logits(self, hidden: torch.Tensor,
+                       dtype: torch.dtype | None = torch.float32) -> torch.Tensor | None:
+        """hidden [M, H] -> logits [M, V] in dtype (None: the LM head's own); call it only on the positions
+        that get sampled.
 
         With tp_size > 1 each rank computes its slice of the vocabulary [M, V/tp] and rank 0 gathers
         the slices (the other ranks get None: only rank 0 samples).
@@ -329,7 +331,7 @@ class Qwen3ForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.tp_size > 1:
             logits = gather(logits, dim=-1)
-        return logits.float() if logits is not None else None
+        return logits.to(dtype) if logits is not None and dtype is not None else logits
 
     @property
     def num_kv_heads(self) -> int:

@@ -15,10 +15,12 @@ c. repetition_penalty over every token seen in the prompt or the output (a logit
    frequency_penalty over the output tokens
    (OpenAI: logit -= presence * (count > 0) + frequency * count).
 d. greedy rows (temperature 0) take the argmax of these logits; the others are filtered in
-   transformers' order (temperature, top_k, top_p, min_p) and sampled with the exponential-race
-   trick (argmax of p / Exp(1) noise is a sample from p), which lets a seeded request draw its
-   noise from its own generator: the same seed gives the same tokens whether the request runs
-   alone or in a batch.
+   transformers' order (temperature, top_k, top_p, min_p; tied values kept together at each
+   cut) and sampled by inverting the cumulative distribution over the kept tokens in token order
+   with one uniform number from the request's own generator: the same seed gives the same tokens
+   whether the request runs alone or in a batch. top_p needs no sort: each row's threshold comes
+   from a radix select (ops/cpu: top_p_threshold) beside its sorting reference
+   (top_p_threshold_reference).
 
 Steps b and c cost nothing (no copy, no [B, V] count tensor) when no row of the batch uses them.
 
@@ -83,32 +85,85 @@ def argmax(values: torch.Tensor) -> torch.Tensor:
 
 def filter_probs(logits: torch.Tensor,
                  params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities over each row's kept candidates: (probs [B, K], token ids [B, K]).
+    """Probabilities over each row's kept candidates, in token order: (probs [B, K], token ids [B, K]).
 
-    K is the vocabulary when no row uses top_k/top_p, else the largest top_k (or the vocabulary)
-    so the sort touches only as many candidates as some row can keep.
+    K is the largest top_k when every row has one (its candidates: the K best, put back in token
+    order), else the vocabulary. Each cut keeps the tokens tied with the last one kept, so a row
+    keeps the same tokens whatever K its batch gives it.
     """
     b, vocab = logits.shape
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
     logits = logits / temperature[:, None]
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]  # (any k >= V: all)
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
-    if min(top_k) < vocab or (top_p < 1).any():
-        logits, token_ids = logits.topk(min(max(top_k), vocab), dim=-1)  # sorted, largest first
-        rank = torch.arange(logits.shape[1], device=device)[None, :]
-        top_k_t = torch.tensor(top_k, device=device)[:, None]
-        logits = logits.masked_fill(rank >= top_k_t, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        # drop a token once the tokens ranked above it already reach top_p (the first always stays)
-        probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p[:, None], 0.0)
-    else:
-        token_ids = torch.arange(vocab, device=device).expand(b, vocab)
-        probs = logits.softmax(dim=-1)
+    token_ids = torch.arange(vocab, device=device).expand(b, vocab)
+    if min(top_k) < vocab:
+        k = max(top_k)
+        best, best_ids = logits.topk(min(k + 1, vocab), dim=-1)  # [B, k + 1], largest first
+        kth = best.gather(1, torch.tensor(top_k, device=device)[:, None] - 1)  # [B, 1]
+        # When every row has a top_k, only the K best can stay: K from k on, doubled while some
+        # row's tie with its k-th value runs past them (bf16 logits tie often).
+        while k < vocab and not bool((best[:, k:] < kth).all()):
+            k = min(2 * k, vocab)
+            best, best_ids = logits.topk(min(k + 1, vocab), dim=-1)
+        if k < vocab:
+            token_ids = best_ids[:, :k].sort(dim=-1).values  # [B, K]
+            logits = logits.gather(1, token_ids)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1]
+    if len(top_p_rows) == b:
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        probs = probs.masked_fill(probs < top_p_threshold(probs, top_p)[:, None], 0.0)
+    elif top_p_rows:
+        rows = torch.tensor(top_p_rows, device=device)
+        sub = probs.index_select(0, rows)
+        top_p = torch.tensor([params[i].top_p for i in top_p_rows], device=device)
+        sub = sub.masked_fill(sub < top_p_threshold(sub, top_p)[:, None], 0.0)
+        probs = probs.index_copy(0, rows, sub)
     min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
     if (min_p > 0).any():
         probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
     return probs / probs.sum(-1, keepdim=True), token_ids
+
+
+def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs float32 [B, V] (>= 0, each row summing to 1), top_p [B] -> [B]: what
+    top_p_threshold_reference gives, by nanoqwen's CPU kernel where it is loaded (a radix select
+    over each row, no sort)."""
+    if probs.is_cpu and probs.dtype == torch.float32 and cpu_kernels.loaded():
+        return cpu_kernels.top_p_threshold(probs, top_p)
+    return top_p_threshold_reference(probs, top_p)
+
+
+def top_p_threshold_reference(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's top-p threshold [B] float32: its smallest positive value t whose greater values
+    sum to at most top_p (in float64). Keeping the values >= t keeps the most likely tokens until
+    the ones above reach top_p, tied values together (the first always stays); a row holding a
+    NaN gets NaN, a row with no positive value 0. Sorts each row."""
+    values = probs.double().nan_to_num(0.0).sort(dim=-1, descending=True).values  # [B, V] (NaN rows: below)
+    above = values.cumsum(dim=-1) - values  # [B, V]: the mass ranked above each, in sort order
+    # a tied value's greater values are those above the first of its run
+    first = torch.searchsorted(-values, -values, side="left")  # [B, V]
+    greater = above.gather(1, first)
+    kept = ((greater <= top_p.double()[:, None]) & (values > 0)).sum(dim=-1)  # a prefix of each row
+    threshold = values.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0].float()  # [B]
+    threshold = threshold.masked_fill(kept == 0, 0.0)
+    return threshold.masked_fill(probs.isnan().any(dim=-1), float("nan"))
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """probs [R, K] (each row's kept candidates, in token order) -> [R] int64: each row's sample,
+    the column where its cumulative probability first exceeds u times the row's total, u uniform
+    in [0, 1) from the row's own generator (the global one where None): one number a row, so a
+    seeded row's token never depends on the other rows."""
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])  # [R]
+    cdf = probs.float().cumsum(dim=-1)  # [R, K]
+    total = cdf[:, -1:]  # [R, 1]
+    # below the total (u * total may round up to it), so the column found holds a positive probability
+    target = torch.minimum(u.to(cdf.device, torch.float32)[:, None] * total,
+                           torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
 
 
 def token_counts(token_ids: list[list[int]], vocab: int, device: torch.device | str,
@@ -218,10 +273,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         row_params = [params[i] for i in rows]
-        probs, token_ids = filter_probs(logits[rows], row_params)  # [R, K], [R, K]
-        noise = _noise(probs, token_ids, row_params, [generators[i] for i in rows],
-                       logits.shape[1])
-        choice = argmax(probs / noise)[:, None]  # [R, 1]
+        probs, token_ids = filter_probs(logits[rows] if len(rows) < len(params) else logits,
+                                        row_params)  # [R, K], [R, K]
+        choice = draw(probs, [generators[i] for i in rows])[:, None]  # [R, 1]
         tokens[rows] = token_ids.gather(1, choice).squeeze(1)
         broken[rows] = ~(probs.gather(1, choice)[:, 0] > 0)  # no distribution to sample from (NaN or 0)
     logprobs = compute_logprobs(raw_logits, params, tokens)
@@ -252,23 +306,3 @@ def dense_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     samples from (temperature, top_k, top_p, min_p applied; 0 outside the kept candidates)."""
     probs, token_ids = filter_probs(logits, params)
     return torch.zeros_like(logits, dtype=probs.dtype).scatter_(1, token_ids, probs)
-
-
-def _noise(probs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None], vocab: int) -> torch.Tensor:
-    """Exp(1) noise [R, K] for the candidates, drawn so that a row's draw never depends on the
-    other rows.
-
-    A row with top_k draws k values for its own k best candidates, in rank order (the
-    ranking depends only on its own logits): cheap for the usual top_k 20. Any other row
-    draws one value per vocabulary entry, in token order. Columns past a row's own
-    candidates keep 1.0: their probability is 0.
-    """
-    noise = torch.ones_like(probs)
-    for j, (p, g) in enumerate(zip(params, generators, strict=True)):
-        if 0 < p.top_k < vocab:
-            noise[j, : p.top_k].exponential_(generator=g)
-        else:  # then the row's candidates are the whole vocabulary (K == vocab)
-            draws = torch.empty(vocab, device=probs.device).exponential_(generator=g)
-            noise[j] = draws[token_ids[j]]
-    return noise

@@ -42,6 +42,9 @@ class StepInput:
     sample_rows: list[int]  # rows whose next token is sampled (their logits are computed)
     # (src, dst) KV blocks to copy first
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # False: logits in the LM head's own dtype, when every sampled row takes their argmax (exact in bf16; no
+    # float32 copy of [rows, V])
+    float32_logits: bool = True
 
 
 class SampledTokens(NamedTuple):
@@ -141,7 +144,10 @@ class ModelRunner:
         if self.pooler is not None:
             return [PooledOutput(seq, row) for seq, row in zip(seqs, logits, strict=True)]
         out = []
-        if seqs:
+        if seqs and not step.float32_logits:
+            out = [SampledTokens(seq, [token], [None])
+                   for seq, token in zip(seqs, greedy_tokens(logits).tolist(), strict=True)]
+        elif seqs:
             sampled = sample(logits[: len(seqs)], *self._sampling_inputs(seqs),
                              [s.grammar.bitmask() if s.grammar is not None else None for s in seqs])
             rows = zip(seqs, sampled.token_ids.tolist(), sampled.logprobs, strict=True)
@@ -179,7 +185,8 @@ class ModelRunner:
         input_ids = [seq.last_token_id for seq in seqs]
         for i in range(num_steps):
             step = StepInput(input_ids=input_ids, prefill=[], sample_rows=list(range(len(seqs))),
-                             decode=[DecodeRow(seq.block_table, seq.num_tokens + i) for seq in seqs])
+                             decode=[DecodeRow(seq.block_table, seq.num_tokens + i) for seq in seqs],
+                             float32_logits=False)
             tokens = greedy_tokens(self.forward(step)).tolist()
             steps.append(tokens)
             if all(t in stop or t == BROKEN_ROW for t, stop in zip(tokens, stop_ids, strict=True)):
@@ -232,12 +239,13 @@ class ModelRunner:
                 sample_from(len(step.input_ids) - 1, seq)
         for _, rows in verify_rows:  # their logits come after every other row's
             step.sample_rows += rows
+        step.float32_logits = bool(verify_rows) or not all(seq.samples_by_argmax for seq in seqs)
         return step, seqs, [seq for seq, _ in verify_rows]
 
     def forward(self, step: StepInput) -> torch.Tensor | None:
-        """Float32 logits [len(step.sample_rows), V] (None when nothing is sampled; the pooler's
-        rows with a pooler): a CUDA graph's replay for a decode-only step that has one, else the
-        eager forward (with the other ranks, under tensor parallelism)."""
+        """Logits [len(step.sample_rows), V], float32 unless step.float32_logits is False (None when
+        nothing is sampled; the pooler's rows with a pooler): a CUDA graph's replay for a decode-only
+        step that has one, else the eager forward (with the other ranks, under tensor parallelism)."""
         if (not step.prefill and self.graph_runner is not None
                 and self.graph_runner.can_run(step.decode)):
             logits = self.graph_runner.run(step.input_ids, step.decode)  # [b, V], padded inside
@@ -251,8 +259,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_model(self, step: StepInput) -> torch.Tensor | None:
-        """This rank's forward of one step: float32 logits [len(sample_rows), V] on rank 0, None
-        elsewhere."""
+        """This rank's forward of one step: forward()'s logits on rank 0, None elsewhere."""
         for src, dst in step.block_copies:
             self.kv_cache.copy_block(src, dst)
         meta = AttentionMetadata.build(step.decode, step.prefill, self.kv_cache.block_size,
@@ -266,7 +273,9 @@ class ModelRunner:
         if not step.sample_rows:
             return None
         hidden = hidden[torch.tensor(step.sample_rows, device=self.device)]  # [M, H]
-        return self.model.compute_logits(hidden) if self.pooler is None else self.pooler(hidden)
+        if self.pooler is not None:
+            return self.pooler(hidden)
+        return self.model.compute_logits(hidden, torch.float32 if step.float32_logits else None)
 
     def _fused_decode_fits(self, num_rows: int) -> bool:
         """Whether a decode step of num_rows rows runs through the fused CPU decoder (up to the gemv kernels' rows)."""

@@ -126,6 +126,7 @@ def test_a_failure_of_every_request_is_the_engines(llm, monkeypatch):
         raise RuntimeError("a broken kernel")
 
     monkeypatch.setattr(model_runner, "sample", broken)
+    monkeypatch.setattr(model_runner, "greedy_tokens", broken)  # (greedy rows skip the sampler)
     with pytest.raises(RuntimeError, match="a broken kernel"):
         llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     monkeypatch.undo()

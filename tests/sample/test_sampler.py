@@ -17,6 +17,8 @@ from nanoqwen.sample.sampler import (
     block_stop_tokens,
     filter_probs,
     sample,
+    top_p_threshold,
+    top_p_threshold_reference,
 )
 
 # probabilities 0.4, 0.3, 0.15, 0.1, 0.05 over tokens 0..4, in shuffled token order
@@ -161,8 +163,7 @@ def test_samples_follow_the_distribution():
 
 @pytest.mark.parametrize("params", [SamplingParams(top_k=3), SamplingParams(top_p=0.8)])
 def test_filtered_samples_follow_the_renormalised_distribution(params):
-    """top_k rows draw noise only for their k candidates (in rank order); the result must still
-    be exact."""
+    """top_k rows draw over their k candidates only; the result must still be exact."""
     n = 4000
     gen = torch.Generator().manual_seed(1)
     draws = run(LOGITS.repeat(n, 1), [params] * n, [gen] * n).token_ids
@@ -346,6 +347,63 @@ def test_logprobs_are_raw_before_penalties_and_temperature():
     assert hot.logprobs[0].logprob == pytest.approx(exact[0].item(), abs=1e-5)
 
 
+def test_top_p_and_top_k_keep_tied_values_together():
+    """A cut keeps every token tied with the last one kept (transformers' top_k does the same), so a row's
+    kept set does not depend on how a sort orders its ties."""
+    logits = torch.tensor([[0.3, 0.3, 0.2, 0.2]]).log()
+    support = {0, 1}
+    probs, ids = filter_probs(logits, [SamplingParams(top_p=0.1)])
+    assert {int(i) for p, i in zip(probs[0], ids[0], strict=True) if p > 0} == support
+    probs, ids = filter_probs(logits, [SamplingParams(top_p=0.61)])  # 0.6 above the 0.2s: both stay
+    assert {int(i) for p, i in zip(probs[0], ids[0], strict=True) if p > 0} == {0, 1, 2, 3}
+    probs, ids = filter_probs(logits, [SamplingParams(top_k=3)])  # the third is tied with the fourth
+    assert {int(i) for p, i in zip(probs[0], ids[0], strict=True) if p > 0} == {0, 1, 2, 3}
+
+
+def test_top_k_rows_keep_the_same_candidates_alone_or_beside_whole_vocabulary_rows():
+    """A batch whose rows all have a top_k keeps only the k best columns (token order); beside a row
+    without one every row keeps the vocabulary: each row's distribution over tokens is the same."""
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(3))
+    logits[1, [7, 150]] = logits[1].max() + 1  # a tie at the second best
+    params = [SamplingParams(top_k=5, top_p=0.8), SamplingParams(top_k=2, min_p=0.1), SamplingParams()]
+    dense_all = torch.zeros(3, 200)
+    probs, ids = filter_probs(logits, params)
+    assert ids.shape[1] == 200
+    dense_all.scatter_(1, ids, probs)
+    probs, ids = filter_probs(logits[:2], params[:2])
+    assert ids.shape[1] == 5 and bool((ids.diff(dim=-1) > 0).all())  # the 5 best, in token order
+    compact = torch.zeros(2, 200).scatter_(1, ids, probs)
+    torch.testing.assert_close(compact, dense_all[:2])
+    assert (compact[1] > 0).sum() == 2 and compact[1, 7] == compact[1, 150]
+    tied = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 1.0, 0.0, -1.0, -2.0, -3.0]])  # a tie past the 3 best
+    probs, ids = filter_probs(tied, [SamplingParams(top_k=3)])
+    assert ids.shape[1] == 6 and {int(i) for p, i in zip(probs[0], ids[0], strict=True) if p > 0} == {0, 1, 2, 3, 4}
+
+
+def test_top_p_threshold_kernel_is_the_sorting_reference():
+    """The radix select gives the reference's threshold on rows of any length, ties (values rounded to
+    bf16), zeros, a row holding a NaN and a row of zeros."""
+    from nanoqwen.ops.cpu import kernels as cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("nanoqwen's CPU kernels cannot be built here")
+    g = torch.Generator().manual_seed(5)
+    for vocab in (1, 7, 100, 3000, 151936):
+        rows = torch.randn(8, vocab, generator=g).mul(torch.tensor([0.1, 1, 3, 10] * 2)[:, None]).softmax(-1)
+        rows[1] = rows[1].bfloat16().float()  # many ties
+        rows[2, : vocab // 2] = 0.0
+        rows[3, 0] = float("nan")
+        rows[4] = 0.0
+        top_p = torch.tensor([0.9, 0.5, 0.95, 0.9, 0.9, 1e-6, 0.999, 0.3])
+        expected = top_p_threshold_reference(rows, top_p)
+        torch.testing.assert_close(cpu_kernels.top_p_threshold(rows, top_p), expected, equal_nan=True,
+                                   rtol=0, atol=0)
+        assert top_p_threshold(rows, top_p).isnan().tolist() == [False, False, False, True] + [False] * 4
+    exact = torch.tensor([[0.5, 0.25, 0.25, 0.0]] * 3)  # sums exact in binary: the cut at equality
+    for threshold in (top_p_threshold_reference, cpu_kernels.top_p_threshold):
+        assert threshold(exact, torch.tensor([0.5, 0.4999, 0.75])).tolist() == [0.25, 0.5, 0.25]
+
+
 # --- batch invariance -----------------------------------------------------------------------------
 
 def test_seeded_row_is_batch_invariant_with_penalties_on_other_rows():
@@ -372,6 +430,26 @@ def test_seeded_row_is_batch_invariant_with_penalties_on_other_rows():
         for o, t in zip(outputs, [out[0], out[2], out[3]], strict=True):
             o.append(t)
     assert alone == batch and len(set(alone)) > 3  # a real draw, not a constant
+
+
+@pytest.mark.parametrize("seeded", [SamplingParams(temperature=0.9, top_p=0.95, seed=7),
+                                    SamplingParams(temperature=1.2, top_k=40, seed=7)])
+def test_seeded_row_draws_the_same_tokens_in_any_batch(seeded):
+    """Alone, beside rows without a top_k (the whole vocabulary) and beside top_k rows (only the best
+    columns): the same tokens from the same seed."""
+    vocab, steps = 500, 20
+    data = torch.Generator().manual_seed(6)
+    step_logits = [torch.randn(3, vocab, generator=data) * 3 for _ in range(steps)]
+    runs = {}
+    for name, others in [("alone", []), ("vocabulary", [SamplingParams(), SamplingParams(top_p=0.5)]),
+                         ("top_k", [SamplingParams(top_k=3), SamplingParams(top_k=50, min_p=0.2)])]:
+        g, got = torch.Generator().manual_seed(7), []
+        for logits in step_logits:
+            out = tokens(logits[: 1 + len(others)], [seeded, *others],
+                         generators=[g] + [None] * len(others))
+            got.append(out[0])
+        runs[name] = got
+    assert runs["alone"] == runs["vocabulary"] == runs["top_k"] and len(set(runs["alone"])) > 5
 
 
 # --- SamplingParams -------------------------------------------------------------------------------

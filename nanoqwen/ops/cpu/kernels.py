@@ -233,6 +233,14 @@ def argmax(values: torch.Tensor) -> torch.Tensor:
     return _ext.argmax(values)
 
 
+def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs float32 [B, V] (>= 0), top_p [B] -> float32 [B]: sample.sampler.top_p_threshold_reference's values,
+    by a radix select over each row's bits instead of a sort."""
+    if _ext is None:
+        _require()
+    return _ext.top_p_threshold(probs, top_p)
+
+
 def loaded() -> bool:
     """Whether the kernels are built and loaded in this process (False before the first available(): never builds)."""
     return _ext is not None

@@ -7,7 +7,7 @@
 //                   prefill_attention: a prompt chunk's attention, its two products through the same kernel
 //   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill)
 //   decode_ops.cpp  rms_norm, add_rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a
-//                   decode step's rest; argmax: the sampler's greedy choice
+//                   decode step's rest; argmax: the sampler's greedy choice; top_p_threshold: its top-p filter
 //   module.cpp      decode_model (a decode step's whole forward in one call) and the Python bindings
 #pragma once
 
@@ -303,6 +303,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor swiglu(const at::Tensor& gate_up);
 at::Tensor argmax(const at::Tensor& values);
+at::Tensor top_p_threshold(const at::Tensor& probs, const at::Tensor& top_p);
 at::Tensor attention_inputs(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
                             double eps, int64_t num_heads, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -330,6 +330,75 @@ at::Tensor argmax(const at::Tensor& values_in) {
   return out;
 }
 
+// top_p_threshold: for each row of probabilities p [B, V] (float32, >= 0) and its top_p, the smallest positive value
+// t of the row such that the values greater than t sum to at most top_p (sums in double): keeping the values >= t is
+// top-p (nucleus) filtering with tied values kept together, without sorting the row (the sampler's reference,
+// sampler.top_p_threshold_reference, sorts it). A radix select over the values' bits (a non-negative float's bits
+// order as its value): the top 12 bits in 4096 buckets, each with its count and mass; walking them from the top,
+// the value sits in the last non-empty bucket whose higher buckets sum to at most top_p; then the next 10 bits
+// inside that bucket, then the last 10. A row holding a NaN gets NaN; a row with no positive value gets 0.
+namespace {
+float top_p_threshold_row(const float* p, int64_t n, double top_p) {
+  constexpr int kWidths[3] = {12, 10, 10};
+  std::vector<double> mass(1 << 12);
+  std::vector<int64_t> count(1 << 12);
+  uint32_t prefix = 0, fixed = 0;  // the bits chosen so far, and which bits they are
+  double above = 0.0;              // the mass of the values above the bucket chosen so far
+  int shift = 32;
+  for (const int width : kWidths) {
+    shift -= width;
+    const uint32_t buckets = 1u << width;
+    std::fill(mass.begin(), mass.begin() + buckets, 0.0);
+    std::fill(count.begin(), count.begin() + buckets, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = p[i];
+      if (!(x > 0.0f)) {
+        if (std::isnan(x)) return NAN;
+        continue;
+      }
+      uint32_t bits;
+      std::memcpy(&bits, &x, sizeof(bits));
+      if ((bits & fixed) != prefix) continue;
+      const uint32_t b = (bits >> shift) & (buckets - 1);
+      mass[b] += x;
+      count[b] += 1;
+    }
+    int64_t chosen = -1;
+    double run = above, at_chosen = above;
+    for (int64_t b = buckets - 1; b >= 0; --b) {
+      if (count[b] == 0) continue;
+      if (run > top_p) break;
+      chosen = b, at_chosen = run;
+      run += mass[b];
+    }
+    if (chosen < 0) return 0.0f;  // no positive value (only at the first level)
+    prefix |= static_cast<uint32_t>(chosen) << shift;
+    fixed |= (buckets - 1) << shift;
+    above = at_chosen;
+  }
+  float t;
+  std::memcpy(&t, &prefix, sizeof(t));
+  return t;
+}
+}  // namespace
+
+at::Tensor top_p_threshold(const at::Tensor& probs_in, const at::Tensor& top_p_in) {
+  at::Tensor probs = probs_in.contiguous();
+  at::Tensor top_p = top_p_in.to(at::kDouble).contiguous();
+  TORCH_CHECK(probs.device().is_cpu() && probs.scalar_type() == at::kFloat && probs.dim() == 2,
+              "probs must be a CPU float32 [B, V] tensor, got ", probs.scalar_type(), " ", probs.sizes());
+  TORCH_CHECK(top_p.dim() == 1 && top_p.size(0) == probs.size(0), "top_p must be [B], got ", top_p.sizes());
+  const int64_t B = probs.size(0), V = probs.size(1);
+  at::Tensor out = at::empty({B}, probs.options());
+  const float* pp = probs.data_ptr<float>();
+  const double* tp = top_p.data_ptr<double>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) op[b] = top_p_threshold_row(pp + b * V, V, tp[b]);
+  });
+  return out;
+}
+
 // Decode attention over the paged KV cache, in place (no gather): q [B, Hq, D]; k_cache, v_cache
 // [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; context_lens [B] int32 -> [B, Hq, D].
 // Row b's query attends to positions 0 .. context_lens[b] - 1 (position p: slot p % block_size of block
