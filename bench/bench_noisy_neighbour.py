@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_model  # noqa: E402  (bench/ is not a package)
 
 from nanoqwen import LLM, SamplingParams  # noqa: E402
+from nanoqwen.config import EngineConfig  # noqa: E402
 from nanoqwen.distributed import free_port  # noqa: E402
 from nanoqwen.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LENGTH  # noqa: E402
 
@@ -44,6 +45,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "nanoqwen", "serve", "--model", str(args.model), "--port", str(port),
            "--dtype", args.dtype, "--max-model-len", "256", "--max-num-seqs", str(args.max_num_seqs),
+           "--max-seqs-per-request-step", str(args.max_seqs_per_request_step),
            "--max-stop-sequences", str(args.max_stop_sequences), "--max-stop-token-ids",
            str(args.max_stop_token_ids), "--log-level", "warning"]
     proc = subprocess.Popen(cmd)
@@ -133,7 +135,8 @@ def report(args: argparse.Namespace, r: dict) -> str:
         "### A noisy neighbour: another client's time to first token beside the worst requests allowed",
         "",
         f"`{bench_model.command_line('bench_noisy_neighbour.py', sys.argv[1:])}` on {args.model.name} "
-        f"({args.dtype}; the server's max_num_seqs {args.max_num_seqs}, --max-stop-sequences "
+        f"({args.dtype}; the server's max_num_seqs {args.max_num_seqs}, --max-seqs-per-request-step "
+        f"{args.max_seqs_per_request_step}, --max-stop-sequences "
         f"{args.max_stop_sequences}, --max-stop-token-ids {args.max_stop_token_ids}). Each hostile request: n "
         f"{MAX_N}, max_tokens 60, {args.max_stop_sequences} stop strings of {MAX_STOP_STRING_LENGTH} characters, "
         f"{args.max_stop_token_ids} stop token ids; greedy, or sampled with "
@@ -159,6 +162,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help=f"model folder (default: {DEFAULT_DIR})")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-seqs-per-request-step", type=int, default=EngineConfig.max_seqs_per_request_step)
     parser.add_argument("--max-stop-sequences", type=int, default=64)
     parser.add_argument("--max-stop-token-ids", type=int, default=1024)
     parser.add_argument("--trials", type=int, default=30)

@@ -34,6 +34,10 @@ class EngineConfig:
     greedy without logprobs, penalties or grammar (vLLM's multi-step scheduling,
     core/scheduler.py): less Python per token, but tokens arrive k at a time and a new request
     waits up to k steps to start. 1 (the default) schedules every step.
+    max_seqs_per_request_step: the most sequences of one request (its n answers) that decode in one step;
+    its others wait their turn (fewest tokens first). A step, and so what other requests wait for,
+    then grows with n only up to this many sampled rows (each a few passes over the vocabulary);
+    a request with a larger n runs its answers in turns, also when it is alone.
     max_stop_sequences, max_stop_token_ids: the most stop strings and stop token ids one request may
     give (each generated token is checked against them all); a request with more is refused.
     """
@@ -58,12 +62,14 @@ class EngineConfig:
     task: str = "auto"
     speculative_config: SpeculativeConfig | dict | str | None = None
     num_scheduler_steps: int = 1
+    max_seqs_per_request_step: int = 8
     max_stop_sequences: int = 64
     max_stop_token_ids: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "tensor_parallel_size", "num_scheduler_steps", "max_stop_sequences", "max_stop_token_ids"):
+                     "tensor_parallel_size", "num_scheduler_steps", "max_seqs_per_request_step",
+                     "max_stop_sequences", "max_stop_token_ids"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 1")

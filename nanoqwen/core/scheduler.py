@@ -4,7 +4,15 @@ Each step, every running sequence that is decoding contributes its one new token
 the token budget (max_num_batched_tokens) goes to prompt chunks, first of sequences already
 prefilling, then of waiting requests admitted while max_num_seqs and free blocks allow (their
 cached prefix is skipped). A long prompt is thus split over several steps (chunked prefill)
-and never stalls the others' decoding.
+and never stalls the others' decoding for more than one step: a step that can admit a waiting
+request runs those admissions alone (their first chunks, no decode rows), unless the step before
+did, so that a new request's first token waits for no one's decoding and decoding waits at most
+one step.
+
+One request's sequences (its n answers) decode at most max_seqs_per_request_step rows a step; the
+others of it sit the step out, those with the fewest tokens going first, so that siblings take turns.
+A step then never grows with one request's n, and another request's first token waits for short
+steps only (bench/bench_noisy_neighbour.py measures it).
 
 When the blocks run out, the newest running sequence is preempted: its blocks are freed and it
 goes back to the front of the queue, to be recomputed (prompt and answer so far) later.
@@ -23,7 +31,7 @@ max_model_len. Its tokens come back together; what follows a stop is dropped.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -93,7 +101,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int | None = None,
                  num_speculative_tokens: int = 0, spec_max_batch: int = 0,
-                 num_scheduler_steps: int = 1) -> None:
+                 num_scheduler_steps: int = 1, max_seqs_per_request_step: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -101,9 +109,11 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_max_batch = spec_max_batch
         self.num_scheduler_steps = num_scheduler_steps
+        self.max_seqs_per_request_step = max_seqs_per_request_step or max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
+        self.admitted_alone = False  # whether the last step was admissions only (then the next decodes)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -112,13 +122,24 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        if self.waiting and not self.admitted_alone:
+            batch = ScheduledBatch()
+            self.admit(batch, self.max_num_batched_tokens)
+            if batch.prefill:
+                self.admitted_alone = True
+                return batch
+        self.admitted_alone = False
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preemptions = self.num_preemptions
         speculate = self.num_speculative_tokens if len(self.running) <= self.spec_max_batch else 0
+        sitting_out = self.sitting_out()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if id(seq) in sitting_out:
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             num_spec = 0
             if speculate and not seq.is_prefilling:
@@ -145,8 +166,18 @@ class Scheduler:
         # No admissions in a step that had to preempt: the blocks are short, and the
         # sequence just preempted (now first in the queue) would be readmitted at once,
         # only to be preempted again.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
-                and self.num_preemptions == preemptions:
+        if self.num_preemptions == preemptions:
+            self.admit(batch, budget)
+        # shortest first: attention groups similar lengths
+        batch.decode.sort(key=lambda s: s.num_tokens)
+        if self.num_scheduler_steps > 1 and batch.decode and not batch.prefill and not batch.spec_decode:
+            batch.num_steps = self.steps_ahead(batch.decode)
+        return batch
+
+    def admit(self, batch: ScheduledBatch, budget: int) -> None:
+        """Waiting requests join the running ones while max_num_seqs, the token budget and free blocks
+        allow, each with its first prompt chunk in `batch` (its cached prefix skipped)."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
@@ -158,11 +189,19 @@ class Scheduler:
             self.running.append(seq)
             batch.prefill.append(ScheduledPrefill(seq, n))
             budget -= n
-        # shortest first: attention groups similar lengths
-        batch.decode.sort(key=lambda s: s.num_tokens)
-        if self.num_scheduler_steps > 1 and batch.decode and not batch.prefill and not batch.spec_decode:
-            batch.num_steps = self.steps_ahead(batch.decode)
-        return batch
+
+    def sitting_out(self) -> set[int]:
+        """The ids of the decoding sequences that wait this step: of each request, those past its first
+        max_seqs_per_request_step by fewest tokens (then admission order)."""
+        decoding: dict[str, list[Sequence]] = defaultdict(list)
+        for seq in self.running:
+            if not seq.is_prefilling:
+                decoding[seq.request_id].append(seq)
+        cap, out = self.max_seqs_per_request_step, set()
+        for seqs in decoding.values():
+            if len(seqs) > cap:
+                out.update(id(seq) for seq in sorted(seqs, key=lambda s: s.num_tokens)[cap:])
+        return out
 
     def steps_ahead(self, seqs: list[Sequence]) -> int:
         """How many decode steps seqs run in one go: up to num_scheduler_steps while every one

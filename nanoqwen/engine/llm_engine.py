@@ -100,7 +100,8 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self.max_model_len, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             spec_max_batch=(spec.disable_by_batch_size or DEFAULT_SPEC_MAX_BATCH) if spec else 0,
-            num_scheduler_steps=config.num_scheduler_steps)
+            num_scheduler_steps=config.num_scheduler_steps,
+            max_seqs_per_request_step=config.max_seqs_per_request_step)
         # proposed and accepted draft tokens, and verification steps, since start (/metrics)
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.spec_switch = (SpecDecodeSwitch() if spec is not None and spec.disable_by_acceptance

@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", choices=["auto", "generate", "embed", "score"], default="auto",
                    help="what the model is for: generate text, embed (Qwen3-Embedding) or score "
                         "(Qwen3-Reranker); auto reads it from the checkpoint's files")
+    p.add_argument("--max-seqs-per-request-step", type=int, default=default.max_seqs_per_request_step, metavar="N",
+                   help="most answers of one request (its n) that decode in one step; the others take turns, "
+                        f"so others' tokens wait for short steps only (default {default.max_seqs_per_request_step})")
     p.add_argument("--max-stop-sequences", type=int, default=default.max_stop_sequences, metavar="N",
                    help=f"most stop strings one request may give (default {default.max_stop_sequences})")
     p.add_argument("--max-stop-token-ids", type=int, default=default.max_stop_token_ids, metavar="N",

@@ -16,11 +16,12 @@ c. repetition_penalty over every token seen in the prompt or the output (a logit
    (OpenAI: logit -= presence * (count > 0) + frequency * count).
 d. greedy rows (temperature 0) take the argmax of these logits; the others are filtered in
    transformers' order (temperature, top_k, top_p, min_p; tied values kept together at each
-   cut) and sampled by inverting the cumulative distribution over the kept tokens in token order
-   with one uniform number from the request's own generator: the same seed gives the same tokens
-   whether the request runs alone or in a batch. top_p needs no sort: each row's threshold comes
-   from a radix select (ops/cpu: top_p_threshold) beside its sorting reference
-   (top_p_threshold_reference).
+   cut) and sampled with the exponential-race trick (argmax of p / Exp(1) noise is a sample from
+   p), each token's noise made from a key drawn from the request's own generator and the token's
+   id: the same seed gives the same tokens whether the request runs alone or in a batch. top_p
+   needs no sort: each row's threshold comes from a radix select (ops/cpu: top_p_threshold) beside
+   its sorting reference (top_p_threshold_reference); the race runs in one pass
+   (ops/cpu: exponential_race) beside exponential_race_reference.
 
 Steps b and c cost nothing (no copy, no [B, V] count tensor) when no row of the batch uses them.
 
@@ -83,9 +84,10 @@ def argmax(values: torch.Tensor) -> torch.Tensor:
     return block * ARGMAX_BLOCK + inside
 
 
-def filter_probs(logits: torch.Tensor,
-                 params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities over each row's kept candidates, in token order: (probs [B, K], token ids [B, K]).
+def filter_probs(logits: torch.Tensor, params: list[SamplingParams],
+                 normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities over each row's kept candidates, in token order: (probs [B, K], token ids [B, K]);
+    normalize=False leaves the kept ones as they were before the cuts (a draw needs no more).
 
     K is the largest top_k when every row has one (its candidates: the K best, put back in token
     order), else the vocabulary. Each cut keeps the tokens tied with the last one kept, so a row
@@ -111,20 +113,21 @@ def filter_probs(logits: torch.Tensor,
             logits = logits.gather(1, token_ids)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
+    # top_p, then min_p (a fraction of the top probability, which top_p always keeps): one cut a row
+    cut = torch.zeros(b, device=device, dtype=probs.dtype)  # [B]: the smallest probability kept
     top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1]
     if len(top_p_rows) == b:
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        probs = probs.masked_fill(probs < top_p_threshold(probs, top_p)[:, None], 0.0)
+        cut = top_p_threshold(probs, torch.tensor([p.top_p for p in params], device=device))
     elif top_p_rows:
         rows = torch.tensor(top_p_rows, device=device)
-        sub = probs.index_select(0, rows)
         top_p = torch.tensor([params[i].top_p for i in top_p_rows], device=device)
-        sub = sub.masked_fill(sub < top_p_threshold(sub, top_p)[:, None], 0.0)
-        probs = probs.index_copy(0, rows, sub)
-    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
-    if (min_p > 0).any():
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
-    return probs / probs.sum(-1, keepdim=True), token_ids
+        cut[rows] = top_p_threshold(probs[rows], top_p)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+        cut = torch.maximum(cut, min_p * probs.amax(dim=-1))
+    if top_p_rows or any(p.min_p > 0 for p in params):
+        probs = probs.masked_fill(probs < cut[:, None], 0.0)
+    return (probs / probs.sum(-1, keepdim=True) if normalize else probs), token_ids
 
 
 def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -152,18 +155,47 @@ def top_p_threshold_reference(probs: torch.Tensor, top_p: torch.Tensor) -> torch
     return threshold.masked_fill(probs.isnan().any(dim=-1), float("nan"))
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """probs [R, K] (each row's kept candidates, in token order) -> [R] int64: each row's sample,
-    the column where its cumulative probability first exceeds u times the row's total, u uniform
-    in [0, 1) from the row's own generator (the global one where None): one number a row, so a
-    seeded row's token never depends on the other rows."""
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])  # [R]
-    cdf = probs.float().cumsum(dim=-1)  # [R, K]
-    total = cdf[:, -1:]  # [R, 1]
-    # below the total (u * total may round up to it), so the column found holds a positive probability
-    target = torch.minimum(u.to(cdf.device, torch.float32)[:, None] * total,
-                           torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+def draw(probs: torch.Tensor, token_ids: torch.Tensor | None,
+         generators: list[torch.Generator | None]) -> torch.Tensor:
+    """probs [R, K] (each row's kept candidates), token_ids [R, K] (None: column k is token k) -> [R]
+    int64: each row's sample, the column of its largest probability over an Exp(1) draw (the
+    exponential race: a sample from the row's distribution). The draws come from one key a row,
+    taken from the row's own generator (the global one where None), and each token's id: a seeded
+    row's token never depends on the other rows, on the columns its batch gives it, or on small
+    rounding differences in its probabilities (the winner leads by a margin, unlike a cumulative
+    sum's boundary). By nanoqwen's CPU kernel where it is loaded (no [R, K] noise tensor)."""
+    keys = torch.cat([torch.randint(0, 2**62, (1,), generator=g, device=g.device if g is not None else "cpu")
+                      .to(probs.device) for g in generators])  # [R]
+    if probs.is_cpu and probs.dtype == torch.float32 and cpu_kernels.loaded():
+        return cpu_kernels.exponential_race(probs, token_ids, keys)
+    return exponential_race_reference(probs, token_ids, keys)
+
+
+def exponential_race_reference(probs: torch.Tensor, token_ids: torch.Tensor | None,
+                               keys: torch.Tensor) -> torch.Tensor:
+    """draw's choice with tensor operations: argmax of probs / exponential_noise."""
+    if token_ids is None:
+        token_ids = torch.arange(probs.shape[1], device=probs.device).expand(probs.shape)
+    return (probs / exponential_noise(keys, token_ids)).argmax(dim=-1)
+
+
+# splitmix64's constants, as int64 (two's complement) for tensor arithmetic, which wraps like uint64
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def exponential_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """keys [R] int64, token_ids [R, K] -> Exp(1) noise [R, K] float32: -log(u), u uniform in (0, 1) from
+    splitmix64 of key + (token id + 1) * golden ratio (a counter-based generator: any token's draw is
+    computed alone)."""
+    def shift(z: torch.Tensor, bits: int) -> torch.Tensor:  # a logical right shift of int64 bits
+        return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+    z = keys[:, None] + (token_ids + 1) * _GOLDEN
+    z = (z ^ shift(z, 30)) * _MIX1
+    z = (z ^ shift(z, 27)) * _MIX2
+    z = z ^ shift(z, 31)
+    u = (shift(z, 40).double() + 0.5) * 2.0**-24  # 24 random bits, in (0, 1)
+    return -u.float().log()
 
 
 def token_counts(token_ids: list[list[int]], vocab: int, device: torch.device | str,
@@ -184,14 +216,53 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
                     prompt_token_ids: list[list[int]],
                     output_token_ids: list[list[int]]) -> torch.Tensor:
     """logits [B, V] -> a penalised copy (or `logits` itself when no row has a penalty); see
-    step c."""
+    step c. Only the tokens a row has seen change: they are found as (row, token) keys with their
+    output counts, so the work grows with the tokens seen, not with rows times the vocabulary
+    (apply_penalties_reference counts densely)."""
+    rows = [i for i, p in enumerate(params)
+            if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    out = logits.clone()
+    flat = out.view(-1)  # [B * V]: entry row * V + token
+
+    def keys(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distinct (row, token) pairs of lists (one a penalised row) as flat indices into
+        `flat`, with how often each occurs."""
+        ids = torch.tensor([t for i in rows for t in lists[i]], dtype=torch.long)
+        row = torch.repeat_interleave(torch.tensor(rows), torch.tensor([len(lists[i]) for i in rows]))
+        inside = (ids >= 0) & (ids < vocab)
+        found, count = torch.unique(row[inside] * vocab + ids[inside], return_counts=True)
+        return found.to(device), count.to(device, logits.dtype)
+
+    outputs, output_counts = keys(output_token_ids)
+    if any(params[i].repetition_penalty != 1 for i in rows):
+        prompts = [prompt_token_ids[i] if params[i].repetition_penalty != 1 else [] for i in range(len(params))]
+        seen = torch.unique(torch.cat([keys(prompts)[0], outputs]))  # prompt or output, once
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device,
+                               dtype=logits.dtype)[seen // vocab]
+        value = flat[seen]
+        flat[seen] = torch.where(value > 0, value / penalty, value * penalty)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)
+    row = outputs // vocab
+    flat[outputs] = flat[outputs] - presence[row] - frequency[row] * output_counts  # (the reference's order)
+    return out
+
+
+def apply_penalties_reference(logits: torch.Tensor, params: list[SamplingParams],
+                    prompt_token_ids: list[list[int]],
+                    output_token_ids: list[list[int]]) -> torch.Tensor:
+    """apply_penalties by dense counts: [R, V] tensors of each row's prompt and output counts, the
+    penalties applied over the whole vocabulary (the definition apply_penalties is tested against)."""
     rows = [i for i, p in enumerate(params)
             if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0]
     if not rows:
         return logits
     device, vocab = logits.device, logits.shape[1]
     rows_t = torch.tensor(rows, device=device)
-    sub = logits.index_select(0, rows_t)  # [R, V]
+    sub = logits[rows_t]  # [R, V]
     outputs = [output_token_ids[i] for i in rows]
     output_counts = token_counts(outputs, vocab, device, logits.dtype)  # [R, V]
     rep = [params[i].repetition_penalty for i in rows]
@@ -238,7 +309,8 @@ def compute_logprobs(raw_logits: torch.Tensor, params: list[SamplingParams],
     if not rows:
         return out
     rows_t = torch.tensor(rows, device=raw_logits.device)
-    logprobs = raw_logits.index_select(0, rows_t).float().log_softmax(dim=-1)  # [R, V]
+    picked = raw_logits if len(rows) == len(params) else raw_logits[rows_t]  # (index_select is slower on CPU)
+    logprobs = picked.float().log_softmax(dim=-1)  # [R, V]
     chosen = tokens.index_select(0, rows_t)[:, None]  # [R, 1]
     chosen_logprob = logprobs.gather(1, chosen)  # [R, 1]
     rank = 1 + (logprobs > chosen_logprob).sum(dim=-1)  # [R]
@@ -274,8 +346,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if rows:
         row_params = [params[i] for i in rows]
         probs, token_ids = filter_probs(logits[rows] if len(rows) < len(params) else logits,
-                                        row_params)  # [R, K], [R, K]
-        choice = draw(probs, [generators[i] for i in rows])[:, None]  # [R, 1]
+                                        row_params, normalize=False)  # [R, K], [R, K]
+        whole = token_ids.shape[1] == logits.shape[1]  # (then column k is token k)
+        choice = draw(probs, None if whole else token_ids, [generators[i] for i in rows])[:, None]  # [R, 1]
         tokens[rows] = token_ids.gather(1, choice).squeeze(1)
         broken[rows] = ~(probs.gather(1, choice)[:, 0] > 0)  # no distribution to sample from (NaN or 0)
     logprobs = compute_logprobs(raw_logits, params, tokens)

@@ -123,8 +123,29 @@ def test_max_num_seqs_caps_admission():
     assert batch.decode == [a, b] and batch.prefill == [] and c.status == WAITING
     run_step(sched, batch)
     sched.finish(a)
+    batch = sched.schedule()  # c's admission, alone
+    assert batch.decode == [] and batch.prefill == [(c, 3)] and sched.running == [b, c]
+    run_step(sched, batch)
+    assert set(sched.schedule().decode) == {b, c}
+
+
+def test_a_step_that_admits_runs_alone_and_decoding_waits_one_step_at_most():
+    """A new request's first chunk does not wait for decode rows; the step after it decodes, even with more
+    requests waiting (those join it)."""
+    sched = make_scheduler()
+    a = make_seq(3)
+    sched.add(a)
+    run_step(sched, sched.schedule())  # (its prompt: an admission alone)
+    run_step(sched, sched.schedule())  # a decoding step
+    steps = []
+    for i in range(3):
+        sched.add(make_seq(3, first=10 * (i + 1), request_id=f"new{i}"))
+        batch = sched.schedule()
+        steps.append((len(batch.decode), len(batch.prefill)))
+        run_step(sched, batch)
+    assert steps == [(0, 1), (2, 1), (0, 1)]  # alone; decoding with the next admission; alone again
     batch = sched.schedule()
-    assert batch.decode == [b] and batch.prefill == [(c, 3)] and sched.running == [b, c]
+    assert len(batch.decode) == 4 and batch.prefill == []
 
 
 def test_a_cached_prefix_is_skipped_at_admission():
@@ -279,3 +300,23 @@ def test_a_step_that_preempts_admits_nothing():
             break
         run_step(sched, batch)
     assert preempting_steps >= 1  # the scenario does preempt (else this test proves nothing)
+
+
+def test_one_requests_answers_take_turns_past_max_seqs_per_request_step():
+    """A request's decoding sequences beyond the cap sit a step out, fewest tokens first; another
+    request's sequence decodes every step."""
+    bm = BlockManager(64, BS, True)
+    sched = Scheduler(bm, max_num_seqs=16, max_num_batched_tokens=64, max_seqs_per_request_step=2)
+    siblings = [make_seq(3, first=10 * i, request_id="many", index=i) for i in range(5)]
+    other = make_seq(3, first=100, request_id="other")
+    for seq in [*siblings, other]:
+        sched.add(seq)
+    run_step(sched, sched.schedule())  # the prompts (prompt chunks are never held back)
+    turns = []
+    for _ in range(5):
+        batch = sched.schedule()
+        assert other in batch.decode and len(batch.decode) == 3
+        turns.append(sorted(s.index for s in batch.decode if s.request_id == "many"))
+        run_step(sched, batch)
+    assert turns == [[0, 1], [2, 3], [0, 4], [1, 2], [3, 4]]
+    assert [len(s.output_token_ids) for s in siblings] == [3, 3, 3, 3, 3] and len(other.output_token_ids) == 6

@@ -220,3 +220,20 @@ def test_one_llm_serves_calls_from_several_threads(llm):
     assert results["a"] == results["b"] == [alone] * 3
     assert results["stream"] == [streamed_alone] * 3
     assert_idle(llm)
+
+
+def test_answers_of_a_large_n_take_turns_and_get_their_tokens(tiny_dir):
+    """n answers past max_seqs_per_request_step decode in turns: every answer gets the tokens it gets when all
+    run in every step (seeded: each answer's draws are its own), and a step never holds more of them."""
+    params = SamplingParams(n=11, temperature=1.0, seed=5, max_tokens=7, ignore_eos=True, logprobs=2,
+                            presence_penalty=0.5)
+    together = make_llm(tiny_dir, max_seqs_per_request_step=16).generate(PROMPTS[0], params, use_tqdm=False)[0]
+    llm = make_llm(tiny_dir, max_seqs_per_request_step=3)
+    steps = []
+    execute = llm.llm_engine.runner.execute
+    llm.llm_engine.runner.execute = lambda batch: steps.append(len(batch.decode)) or execute(batch)
+    turns = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in turns.outputs] == [c.token_ids for c in together.outputs]
+    assert len({tuple(c.token_ids) for c in turns.outputs}) > 5  # real draws
+    assert max(steps) == 3 and sum(steps) == 11 * 6  # (the prompt's step samples each answer's first token)
+    assert_idle(llm)

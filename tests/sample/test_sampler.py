@@ -13,8 +13,11 @@ from nanoqwen.sample.sampler import (
     ARGMAX_BLOCK,
     SamplerOutput,
     apply_penalties,
+    apply_penalties_reference,
     argmax,
     block_stop_tokens,
+    exponential_noise,
+    exponential_race_reference,
     filter_probs,
     sample,
     top_p_threshold,
@@ -236,6 +239,20 @@ def test_penalties_flip_the_greedy_argmax():
                   prompts=[[0]]) == [0]
 
 
+def test_penalties_on_seen_tokens_only_equal_the_dense_reference():
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, 300, generator=g) * 3
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(presence_penalty=0.7, frequency_penalty=-0.4),
+              SamplingParams(), SamplingParams(repetition_penalty=0.8, presence_penalty=-1.5, frequency_penalty=2.0),
+              SamplingParams(frequency_penalty=1.0), SamplingParams(repetition_penalty=1.1)]
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (40, 5, 9, 0, 12, 3)]
+    outputs = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (30, 60, 4, 25, 0, 7)]
+    expected = apply_penalties_reference(logits, params, prompts, outputs)
+    got = apply_penalties(logits, params, prompts, outputs)
+    assert not torch.equal(expected, logits)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_penalties_apply_only_to_rows_that_ask_for_them():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
     params = [SamplingParams(repetition_penalty=1.7), SamplingParams(),
@@ -402,6 +419,47 @@ def test_top_p_threshold_kernel_is_the_sorting_reference():
     exact = torch.tensor([[0.5, 0.25, 0.25, 0.0]] * 3)  # sums exact in binary: the cut at equality
     for threshold in (top_p_threshold_reference, cpu_kernels.top_p_threshold):
         assert threshold(exact, torch.tensor([0.5, 0.4999, 0.75])).tolist() == [0.25, 0.5, 0.25]
+
+
+def test_exponential_noise_is_splitmix64_of_key_and_token():
+    """The tensor version (int64 arithmetic that wraps) against splitmix64 written with Python's integers."""
+    mask = (1 << 64) - 1
+
+    def splitmix64(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    keys, tokens = [0, 1, 2**62 - 1, 123456789], [0, 1, 5000, 151935]
+    noise = exponential_noise(torch.tensor(keys), torch.tensor([tokens] * len(keys)))
+    for r, key in enumerate(keys):
+        for c, token in enumerate(tokens):
+            z = splitmix64((key + (token + 1) * 0x9E3779B97F4A7C15) & mask)
+            u = torch.tensor(((z >> 40) + 0.5) / 2**24, dtype=torch.float64).float()
+            assert noise[r, c].item() == -u.log().item()
+    draws = exponential_noise(torch.tensor([7]), torch.arange(200000)[None])[0]
+    assert abs(draws.mean().item() - 1) < 0.01 and abs(draws.var().item() - 1) < 0.02  # Exp(1)
+
+
+def test_exponential_race_kernel_is_the_reference():
+    """The same column as probs / exponential_noise's argmax: whole-vocabulary rows, candidate columns with
+    their token ids, zeros, a row of zeros (column 0, as torch's argmax) and a NaN (the first)."""
+    from nanoqwen.ops.cpu import kernels as cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("nanoqwen's CPU kernels cannot be built here")
+    g = torch.Generator().manual_seed(9)
+    probs = torch.randn(6, 5000, generator=g).mul(2).softmax(-1)
+    probs[1, ::3] = 0.0
+    probs[2] = 0.0
+    probs[3, [40, 70]] = float("nan")
+    keys = torch.randint(0, 2**62, (6,), generator=g)
+    got = cpu_kernels.exponential_race(probs, None, keys)
+    assert torch.equal(got, exponential_race_reference(probs, None, keys))
+    assert got[2] == 0 and got[3] == 40
+    ids = torch.randint(0, 151936, (6, 5000), generator=g)
+    assert torch.equal(cpu_kernels.exponential_race(probs, ids, keys), exponential_race_reference(probs, ids, keys))
+    assert not torch.equal(cpu_kernels.exponential_race(probs, ids, keys), got)  # the ids set the noise
 
 
 # --- batch invariance -----------------------------------------------------------------------------

@@ -241,6 +241,14 @@ def top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return _ext.top_p_threshold(probs, top_p)
 
 
+def exponential_race(probs: torch.Tensor, token_ids: torch.Tensor | None, keys: torch.Tensor) -> torch.Tensor:
+    """probs float32 [B, K] (>= 0), token_ids int64 [B, K] (None: each column's own index), keys int64 [B] ->
+    int64 [B]: sample.sampler.exponential_race_reference's choice, without a [B, K] noise tensor."""
+    if _ext is None:
+        _require()
+    return _ext.exponential_race(probs, token_ids, keys)
+
+
 def loaded() -> bool:
     """Whether the kernels are built and loaded in this process (False before the first available(): never builds)."""
     return _ext is not None

@@ -1,5 +1,6 @@
-"""What the server tests share: /metrics read as numbers, a real `nanoqwen serve` process, and
-ScriptedEngine (LLMEngine's interface with scripted answers, for what a random model cannot show)."""
+"""What the server tests share: /metrics read as numbers, an app served by uvicorn in a thread, a real
+`nanoqwen serve` process, and ScriptedEngine (LLMEngine's interface with scripted answers, for what a random
+model cannot show)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
+import uvicorn
+from fastapi import FastAPI
 
 from nanoqwen import SamplingParams
 from nanoqwen.distributed import free_port
@@ -42,6 +45,23 @@ def wait_idle(base: str, timeout: float = 5.0) -> dict[str, float]:
         if all(m[k] == 0 for k in keys) or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
+
+
+@contextmanager
+def serve_app(app: FastAPI, timeout: float = 60) -> Iterator[str]:
+    """`app` served by uvicorn in a thread on a free port, for the block: its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 @contextmanager

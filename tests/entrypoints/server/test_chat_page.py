@@ -8,18 +8,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
-from server_testing import ScriptedEngine, metrics, nanoqwen_serve, wait_idle
+from server_testing import ScriptedEngine, metrics, nanoqwen_serve, serve_app, wait_idle
 
-from nanoqwen.distributed import free_port
 from nanoqwen.entrypoints.server import build_app
 from nanoqwen.tokenizer import Tokenizer
 
@@ -92,17 +88,8 @@ def scripted(checkpoint):
     """An in-process server (with an API key) over a ScriptedEngine, on a free port."""
     engine = ScriptedEngine(Tokenizer.from_pretrained(checkpoint("tiny", dtype="float32")), script,
                             chunk=2, step_seconds=0.01)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "scripted", api_key=API_KEY),
-                                           host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield SimpleNamespace(engine=engine, base=f"http://127.0.0.1:{server.config.port}")
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_app(build_app(engine, "scripted", api_key=API_KEY), timeout=30) as base:
+        yield SimpleNamespace(engine=engine, base=base)
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +123,12 @@ def page(browser, scripted) -> Iterator:
     yield page
     assert page.errors == [], page.errors  # no uncaught JavaScript error
     page.context.close()
+
+
+def set_max_tokens(page, n: int) -> None:
+    page.get_by_role("button", name="Settings", exact=True).click()
+    page.get_by_label("Max tokens", exact=True).fill(str(n))
+    page.get_by_role("button", name="Save", exact=True).click()
 
 
 def ask(page, text: str) -> None:
@@ -184,9 +177,7 @@ def test_serve_prints_the_page_url_and_serves_it(served):
 def test_an_answer_streams_into_the_page_with_its_speed(browser, served):
     page = open_page(browser, served.base, api_key=None)
     page.get_by_text("tiny", exact=True).wait_for()
-    page.get_by_role("button", name="Settings", exact=True).click()
-    page.get_by_label("Max tokens", exact=True).fill("400")
-    page.get_by_role("button", name="Save", exact=True).click()
+    set_max_tokens(page, 400)
     record_answer_text(page)
     ask(page, "Hello")
     wait_answered(page)
@@ -222,9 +213,7 @@ def test_stop_ends_the_request_on_the_server(browser, served):
 def test_the_conversation_survives_a_reload(browser, served):
     page = open_page(browser, served.base, api_key=None)
     page.get_by_text("tiny", exact=True).wait_for()
-    page.get_by_role("button", name="Settings", exact=True).click()
-    page.get_by_label("Max tokens", exact=True).fill("8")
-    page.get_by_role("button", name="Save", exact=True).click()
+    set_max_tokens(page, 8)
     ask(page, "Remember me")
     wait_answered(page)
     before = last_answer(page).locator(".content").inner_text()

@@ -6,17 +6,15 @@ checkpoint."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
+from server_testing import serve_app
 
 from nanoqwen import LLM
-from nanoqwen.distributed import free_port
 from nanoqwen.entrypoints.server import build_app
 from nanoqwen.worker import model_runner
 
@@ -29,18 +27,8 @@ MAX_TOKENS = 12
 def served(checkpoint):
     engine = LLM(checkpoint("tiny", dtype="float32"), dtype="float32", device="cpu", max_model_len=512,
                  kv_cache_memory=64 << 20, seed=0, enforce_eager=True, num_scheduler_steps=4).llm_engine
-    app = build_app(engine, "tiny")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield SimpleNamespace(engine=engine, base=f"http://127.0.0.1:{port}")
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_app(build_app(engine, "tiny")) as base:
+        yield SimpleNamespace(engine=engine, base=base)
 
 
 def neighbour_body(i: int) -> dict:

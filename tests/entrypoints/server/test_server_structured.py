@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Literal
@@ -23,11 +22,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
 from pydantic import BaseModel, Field
+from server_testing import serve_app
 
 from nanoqwen import LLM
-from nanoqwen.distributed import free_port
 from nanoqwen.entrypoints.server import build_app
 from nanoqwen.entrypoints.server.chat import render_prompt
 from nanoqwen.entrypoints.server.protocol import ChatCompletionRequest
@@ -69,17 +67,8 @@ def served(checkpoint):
     engine = LLM(checkpoint("tiny", dtype="float32"), dtype="float32", device="cpu",
                  max_model_len=1024, kv_cache_memory=32 << 20, seed=0).llm_engine
     app = build_app(engine, "tiny")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield SimpleNamespace(engine=engine, state=app.state.server, base=f"http://127.0.0.1:{port}")
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_app(app) as base:
+        yield SimpleNamespace(engine=engine, state=app.state.server, base=base)
 
 
 @pytest.fixture(scope="module")

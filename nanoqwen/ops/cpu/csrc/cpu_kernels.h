@@ -7,7 +7,8 @@
 //                   prefill_attention: a prompt chunk's attention, its two products through the same kernel
 //   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill)
 //   decode_ops.cpp  rms_norm, add_rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a
-//                   decode step's rest; argmax: the sampler's greedy choice; top_p_threshold: its top-p filter
+//                   decode step's rest; argmax: the sampler's greedy choice; top_p_threshold, exponential_race:
+//                   its top-p filter and its draw
 //   module.cpp      decode_model (a decode step's whole forward in one call) and the Python bindings
 #pragma once
 
@@ -304,6 +305,8 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 at::Tensor swiglu(const at::Tensor& gate_up);
 at::Tensor argmax(const at::Tensor& values);
 at::Tensor top_p_threshold(const at::Tensor& probs, const at::Tensor& top_p);
+at::Tensor exponential_race(const at::Tensor& probs, const std::optional<at::Tensor>& token_ids,
+                            const at::Tensor& keys);
 at::Tensor attention_inputs(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
                             double eps, int64_t num_heads, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& k_cache, const at::Tensor& v_cache,

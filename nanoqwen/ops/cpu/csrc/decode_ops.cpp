@@ -399,6 +399,72 @@ at::Tensor top_p_threshold(const at::Tensor& probs_in, const at::Tensor& top_p_i
   return out;
 }
 
+// exponential_race: each row's sample from its probabilities p [B, K] (float32, >= 0): the column k of the largest
+// p[k] / E, E an Exp(1) draw made from the row's key [B] (int64) and the column's token id (token_ids [B, K], or the
+// column itself where None) by a counter-based hash, so that a token's noise depends on nothing but its request's
+// key and its id (sample/sampler.py's exponential_noise computes the same noise with tensor operations). A zero p
+// is skipped (its ratio is 0); a NaN p is taken at once, as torch.argmax takes the first NaN. Most logs are never
+// taken: a column whose uniform shows it cannot beat the best ratio so far is passed over.
+namespace {
+inline uint64_t splitmix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// The uniform in (0, 1) behind a token's draw; its Exp(1) draw is -log(u).
+inline float race_uniform(uint64_t key, int64_t token) {
+  const uint64_t z = splitmix64(key + static_cast<uint64_t>(token + 1) * 0x9E3779B97F4A7C15ull);
+  return static_cast<float>((static_cast<double>(z >> 40) + 0.5) * (1.0 / 16777216.0));
+}
+}  // namespace
+
+at::Tensor exponential_race(const at::Tensor& probs_in, const std::optional<at::Tensor>& token_ids_in,
+                            const at::Tensor& keys_in) {
+  at::Tensor probs = probs_in.contiguous();
+  at::Tensor keys = keys_in.to(at::kLong).contiguous();
+  TORCH_CHECK(probs.device().is_cpu() && probs.scalar_type() == at::kFloat && probs.dim() == 2,
+              "probs must be a CPU float32 [B, K] tensor, got ", probs.scalar_type(), " ", probs.sizes());
+  TORCH_CHECK(keys.dim() == 1 && keys.size(0) == probs.size(0), "keys must be [B], got ", keys.sizes());
+  const int64_t B = probs.size(0), K = probs.size(1);
+  at::Tensor token_ids;
+  if (token_ids_in.has_value()) {
+    token_ids = token_ids_in->to(at::kLong).contiguous();
+    TORCH_CHECK(token_ids.sizes() == probs.sizes(), "token_ids must be shaped as probs, got ", token_ids.sizes());
+  }
+  const int64_t* tp = token_ids.defined() ? token_ids.data_ptr<int64_t>() : nullptr;
+  at::Tensor out = at::empty({B}, keys.options());
+  const float* pp = probs.data_ptr<float>();
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* p = pp + b * K;
+      const uint64_t key = static_cast<uint64_t>(kp[b]);
+      float best = -INFINITY;
+      int64_t choice = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const float x = p[k];
+        if (std::isnan(x)) {
+          choice = k;
+          break;
+        }
+        if (!(x > 0.0f)) {
+          if (best < 0.0f) best = 0.0f, choice = k;  // (a ratio of 0)
+          continue;
+        }
+        // -log(u) >= 1 - u: where x <= (1 - u) * best, x / -log(u) cannot beat best, and the log is not needed
+        const float u = race_uniform(key, tp ? tp[b * K + k] : k);
+        if (static_cast<double>(x) <= (1.0 - static_cast<double>(u)) * static_cast<double>(best)) continue;
+        const float ratio = x / -std::log(u);
+        if (ratio > best) best = ratio, choice = k;
+      }
+      op[b] = choice;
+    }
+  });
+  return out;
+}
+
 // Decode attention over the paged KV cache, in place (no gather): q [B, Hq, D]; k_cache, v_cache
 // [num_blocks, block_size, Hkv, D]; block_tables [B, W] int32; context_lens [B] int32 -> [B, Hq, D].
 // Row b's query attends to positions 0 .. context_lens[b] - 1 (position p: slot p % block_size of block

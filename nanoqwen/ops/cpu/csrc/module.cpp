@@ -212,6 +212,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("top_p_threshold", &top_p_threshold, "each row's top-p threshold: the smallest positive value whose greater "
         "values sum to at most top_p", py::arg("probs"), py::arg("top_p"), py::call_guard<py::gil_scoped_release>());
+  m.def("exponential_race", &exponential_race, "each row's sample: the column of the largest p / Exp(1) noise made "
+        "from the row's key and the column's token id", py::arg("probs"), py::arg("token_ids"), py::arg("keys"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "h = x + y (bf16) and rms_norm(h): a residual add and the norm after it",
         py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("attention_inputs", &attention_inputs, "q, k normed and rotated, k and v stored: decode_layer's step "
