@@ -35,9 +35,10 @@ class EngineConfig:
     core/scheduler.py): less Python per token, but tokens arrive k at a time and a new request
     waits up to k steps to start. 1 (the default) schedules every step.
     max_seqs_per_request_step: the most sequences of one request (its n answers) that decode in one step;
-    its others wait their turn (fewest tokens first). A step, and so what other requests wait for,
-    then grows with n only up to this many sampled rows (each a few passes over the vocabulary);
-    a request with a larger n runs its answers in turns, also when it is alone.
+    its others wait their turn (fewest tokens first). A decode step, and so what other requests wait
+    for, then grows with n only up to this many rows (a sampled row costs a few passes over the
+    vocabulary); a request with a larger n runs its answers in turns, also when it is alone. (The
+    step that finishes its prompt still samples every answer's first token.)
     max_stop_sequences, max_stop_token_ids: the most stop strings and stop token ids one request may
     give (each generated token is checked against them all); a request with more is refused.
     """

@@ -6,13 +6,14 @@ prefilling, then of waiting requests admitted while max_num_seqs and free blocks
 cached prefix is skipped). A long prompt is thus split over several steps (chunked prefill)
 and never stalls the others' decoding for more than one step: a step that can admit a waiting
 request runs those admissions alone (their first chunks, no decode rows), unless the step before
-did, so that a new request's first token waits for no one's decoding and decoding waits at most
-one step.
+did (or preempted), so that a new request's first token waits for no one's decoding and decoding
+waits at most one step (with requests arriving all the time, it runs every other step).
 
 One request's sequences (its n answers) decode at most max_seqs_per_request_step rows a step; the
 others of it sit the step out, those with the fewest tokens going first, so that siblings take turns.
-A step then never grows with one request's n, and another request's first token waits for short
-steps only (bench/bench_noisy_neighbour.py measures it).
+A decode step then grows with one request's n only up to that cap, and another request's first token
+waits for short steps only (bench/bench_noisy_neighbour.py measures it); the one step not capped is
+the one that finishes an n request's prompt, which samples the first token of all its answers.
 
 When the blocks run out, the newest running sequence is preempted: its blocks are freed and it
 goes back to the front of the queue, to be recomputed (prompt and answer so far) later.
@@ -114,6 +115,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
         self.admitted_alone = False  # whether the last step was admissions only (then the next decodes)
+        self.preempted_last_step = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -122,7 +124,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        if self.waiting and not self.admitted_alone:
+        # (not after a step that preempted: the sequence it preempted, first in the queue, would come back
+        # before the running ones reserve their next slots, only to be preempted again)
+        if self.waiting and not self.admitted_alone and not self.preempted_last_step:
             batch = ScheduledBatch()
             self.admit(batch, self.max_num_batched_tokens)
             if batch.prefill:
@@ -166,7 +170,8 @@ class Scheduler:
         # No admissions in a step that had to preempt: the blocks are short, and the
         # sequence just preempted (now first in the queue) would be readmitted at once,
         # only to be preempted again.
-        if self.num_preemptions == preemptions:
+        self.preempted_last_step = self.num_preemptions != preemptions
+        if not self.preempted_last_step:
             self.admit(batch, budget)
         # shortest first: attention groups similar lengths
         batch.decode.sort(key=lambda s: s.num_tokens)

@@ -105,7 +105,8 @@ def filter_probs(logits: torch.Tensor, params: list[SamplingParams],
         kth = best.gather(1, torch.tensor(top_k, device=device)[:, None] - 1)  # [B, 1]
         # When every row has a top_k, only the K best can stay: K from k on, doubled while some
         # row's tie with its k-th value runs past them (bf16 logits tie often).
-        while k < vocab and not bool((best[:, k:] < kth).all()):
+        # (a k-th value of -inf, as a grammar allowing fewer than k tokens leaves, is no tie to follow)
+        while k < vocab and not bool(((best[:, k:] < kth) | kth.isneginf()).all()):
             k = min(2 * k, vocab)
             best, best_ids = logits.topk(min(k + 1, vocab), dim=-1)
         if k < vocab:
@@ -184,7 +185,7 @@ _GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1
 
 
 def exponential_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """keys [R] int64, token_ids [R, K] -> Exp(1) noise [R, K] float32: -log(u), u uniform in (0, 1) from
+    """keys [R] int64, token_ids [R, K] -> Exp(1) noise [R, K] float32: -log(u), u = race_uniform of
     splitmix64 of key + (token id + 1) * golden ratio (a counter-based generator: any token's draw is
     computed alone)."""
     def shift(z: torch.Tensor, bits: int) -> torch.Tensor:  # a logical right shift of int64 bits
@@ -193,9 +194,13 @@ def exponential_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
     z = keys[:, None] + (token_ids + 1) * _GOLDEN
     z = (z ^ shift(z, 30)) * _MIX1
     z = (z ^ shift(z, 27)) * _MIX2
-    z = z ^ shift(z, 31)
-    u = (shift(z, 40).double() + 0.5) * 2.0**-24  # 24 random bits, in (0, 1)
-    return -u.float().log()
+    return -race_uniform(z ^ shift(z, 31)).log()
+
+
+def race_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """64 random bits (int64) -> a float32 uniform in (0, 1) from the top 23: (m + 0.5) / 2^23, exact in
+    float32 (with 24 bits the largest would round up to 1, whose noise is 0)."""
+    return ((((bits >> 41) & ((1 << 23) - 1)).double() + 0.5) * 2.0**-23).float()
 
 
 def token_counts(token_ids: list[list[int]], vocab: int, device: torch.device | str,
@@ -205,7 +210,8 @@ def token_counts(token_ids: list[list[int]], vocab: int, device: torch.device | 
     width = max((len(t) for t in token_ids), default=0)
     # pad with `vocab`, an extra column dropped at the end (ids out of range land there too)
     padded_rows = [[*t, *[vocab] * (width - len(t))] for t in token_ids]
-    padded = torch.tensor(padded_rows, dtype=torch.long).clamp_(0, vocab)
+    padded = torch.tensor(padded_rows, dtype=torch.long)
+    padded = padded.masked_fill((padded < 0) | (padded > vocab), vocab)
     padded = padded.view(len(token_ids), width).to(device)  # [R, W]
     counts = torch.zeros(len(token_ids), vocab + 1, device=device, dtype=dtype)
     counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device, dtype=dtype))

@@ -302,6 +302,27 @@ def test_a_step_that_preempts_admits_nothing():
     assert preempting_steps >= 1  # the scenario does preempt (else this test proves nothing)
 
 
+def test_the_step_after_a_preemption_admits_only_after_the_running_ones():
+    """The sequence just preempted, first in the queue, is not admitted alone in the next step (ahead of the
+    running ones' next slots, to be preempted again): that step decodes first."""
+    sched = make_scheduler(num_blocks=4, max_num_batched_tokens=4)
+    for seq in (make_seq(5), make_seq(2, first=100), make_seq(5, first=200)):
+        sched.add(seq)
+    preemptions, after_preempting = 0, False
+    for _ in range(40):
+        before, waiting = sched.num_preemptions, set(map(id, sched.waiting))
+        batch = sched.schedule()
+        admitted = [p.seq for p in batch.prefill if id(p.seq) in waiting]
+        if after_preempting:
+            assert not admitted or batch.decode, "the step after a preemption admitted alone"
+        after_preempting = sched.num_preemptions > before
+        preemptions += after_preempting
+        if batch.empty:
+            break
+        run_step(sched, batch)
+    assert preemptions >= 1
+
+
 def test_one_requests_answers_take_turns_past_max_seqs_per_request_step():
     """A request's decoding sequences beyond the cap sit a step out, fewest tokens first; another
     request's sequence decodes every step."""

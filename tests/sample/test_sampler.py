@@ -19,6 +19,7 @@ from nanoqwen.sample.sampler import (
     exponential_noise,
     exponential_race_reference,
     filter_probs,
+    race_uniform,
     sample,
     top_p_threshold,
     top_p_threshold_reference,
@@ -247,6 +248,7 @@ def test_penalties_on_seen_tokens_only_equal_the_dense_reference():
               SamplingParams(frequency_penalty=1.0), SamplingParams(repetition_penalty=1.1)]
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (40, 5, 9, 0, 12, 3)]
     outputs = [torch.randint(0, 50, (n,), generator=g).tolist() for n in (30, 60, 4, 25, 0, 7)]
+    prompts[0] += [-3, 300, 10**6]  # ids outside the vocabulary count for nothing, in both
     expected = apply_penalties_reference(logits, params, prompts, outputs)
     got = apply_penalties(logits, params, prompts, outputs)
     assert not torch.equal(expected, logits)
@@ -392,6 +394,10 @@ def test_top_k_rows_keep_the_same_candidates_alone_or_beside_whole_vocabulary_ro
     compact = torch.zeros(2, 200).scatter_(1, ids, probs)
     torch.testing.assert_close(compact, dense_all[:2])
     assert (compact[1] > 0).sum() == 2 and compact[1, 7] == compact[1, 150]
+    allowed = torch.full((2, 5000), float("-inf"))
+    allowed[:, [10, 20]] = torch.tensor([1.0, 2.0])  # a grammar allowing 2 tokens, top_k 20: no tie to follow
+    probs, ids = filter_probs(allowed, [SamplingParams(top_k=20)] * 2)
+    assert ids.shape[1] == 20 and {int(i) for p, i in zip(probs[0], ids[0], strict=True) if p > 0} == {10, 20}
     tied = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 1.0, 0.0, -1.0, -2.0, -3.0]])  # a tie past the 3 best
     probs, ids = filter_probs(tied, [SamplingParams(top_k=3)])
     assert ids.shape[1] == 6 and {int(i) for p, i in zip(probs[0], ids[0], strict=True) if p > 0} == {0, 1, 2, 3, 4}
@@ -435,8 +441,10 @@ def test_exponential_noise_is_splitmix64_of_key_and_token():
     for r, key in enumerate(keys):
         for c, token in enumerate(tokens):
             z = splitmix64((key + (token + 1) * 0x9E3779B97F4A7C15) & mask)
-            u = torch.tensor(((z >> 40) + 0.5) / 2**24, dtype=torch.float64).float()
+            u = torch.tensor(((z >> 41) + 0.5) / 2**23, dtype=torch.float64).float()
             assert noise[r, c].item() == -u.log().item()
+    # the extreme bits give a uniform inside (0, 1): noise never 0 (a ratio of inf or NaN) nor inf
+    assert 0 < race_uniform(torch.tensor([0])).item() and race_uniform(torch.tensor([-1])).item() < 1
     draws = exponential_noise(torch.tensor([7]), torch.arange(200000)[None])[0]
     assert abs(draws.mean().item() - 1) < 0.01 and abs(draws.var().item() - 1) < 0.02  # Exp(1)
 

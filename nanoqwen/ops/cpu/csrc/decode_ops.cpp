@@ -412,10 +412,11 @@ inline uint64_t splitmix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-// The uniform in (0, 1) behind a token's draw; its Exp(1) draw is -log(u).
+// The uniform in (0, 1) behind a token's draw, (m + 0.5) / 2^23 from the hash's top 23 bits (exact in float32:
+// with 24 bits the largest would round up to 1); its Exp(1) draw is -log(u).
 inline float race_uniform(uint64_t key, int64_t token) {
   const uint64_t z = splitmix64(key + static_cast<uint64_t>(token + 1) * 0x9E3779B97F4A7C15ull);
-  return static_cast<float>((static_cast<double>(z >> 40) + 0.5) * (1.0 / 16777216.0));
+  return static_cast<float>((static_cast<double>(z >> 41) + 0.5) * (1.0 / 8388608.0));
 }
 }  // namespace
 
