@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -32,35 +31,13 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_model  # noqa: E402  (bench/ is not a package)
+from bench_serving import start_server  # noqa: E402
 
 from nanoqwen import LLM, SamplingParams  # noqa: E402
 from nanoqwen.config import EngineConfig  # noqa: E402
-from nanoqwen.distributed import free_port  # noqa: E402
 from nanoqwen.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LENGTH  # noqa: E402
 
 DEFAULT_DIR = bench_model.ROOT / "bench" / ".models" / "tiny-random"
-
-
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "nanoqwen", "serve", "--model", str(args.model), "--port", str(port),
-           "--dtype", args.dtype, "--max-model-len", "256", "--max-num-seqs", str(args.max_num_seqs),
-           "--max-seqs-per-request-step", str(args.max_seqs_per_request_step),
-           "--max-stop-sequences", str(args.max_stop_sequences), "--max-stop-token-ids",
-           str(args.max_stop_token_ids), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            sys.exit("the server did not start")
-        time.sleep(0.2)
 
 
 def first_token_seconds(base: str, body: dict) -> float:
@@ -177,7 +154,10 @@ def main() -> None:
             from nanoqwen.model_loader.init_random import write_random_model
 
             write_random_model(args.model, "tiny", dtype="bfloat16")
-    proc, base = start_server(args)
+    proc, base = start_server(
+        args.model, "--dtype", args.dtype, "--max-model-len", "256", "--max-num-seqs", str(args.max_num_seqs),
+        "--max-seqs-per-request-step", str(args.max_seqs_per_request_step), "--max-stop-sequences",
+        str(args.max_stop_sequences), "--max-stop-token-ids", str(args.max_stop_token_ids), "--log-level", "warning")
     try:
         text = report(args, measure(args, base))
     finally:

@@ -36,12 +36,12 @@ from nanoqwen.distributed import free_port  # noqa: E402
 SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 
 
-def start_server(args: argparse.Namespace, model_dir: Path, max_seqs: int) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`nanoqwen serve --model model_dir FLAGS` on a free loopback port, in its own process, once /health answers:
+    (the process, its base URL). Exits the benchmark if it does not start within 10 minutes."""
     port = free_port()
-    cmd = [sys.executable, "-m", "nanoqwen", "serve", "--model", str(model_dir), "--port", str(port),
-           "--dtype", args.dtype, "--device", args.device, "--max-model-len", str(args.input_len + args.output_len + 8),
-           "--max-num-seqs", str(max(max_seqs, 1)), "--max-waiting", "100000", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen([sys.executable, "-m", "nanoqwen", "serve", "--model", str(model_dir), "--port",
+                             str(port), *flags])
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:
@@ -127,7 +127,9 @@ def main() -> None:
         print(f"writing a random Qwen3-0.6B-shaped checkpoint to {model_dir} ...", file=sys.stderr)
         write_random_model(model_dir, "qwen3-0.6b", dtype="bfloat16", std=0.02)
     rng = random.Random(args.seed)
-    proc, base = start_server(args, model_dir, max(levels))
+    proc, base = start_server(model_dir, "--dtype", args.dtype, "--device", args.device, "--max-model-len",
+                              str(args.input_len + args.output_len + 8), "--max-num-seqs", str(max(max(levels), 1)),
+                              "--max-waiting", "100000", "--log-level", "warning")
     rows = []
     try:
         warmup = [[rng.randrange(10000) for _ in range(args.input_len)] for _ in range(2)]

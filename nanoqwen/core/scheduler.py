@@ -114,8 +114,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
-        self.admitted_alone = False  # whether the last step was admissions only (then the next decodes)
-        self.preempted_last_step = False
+        # whether the next step schedules the running sequences before any admission (after a step of
+        # admissions alone, or one that preempted)
+        self.running_first = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -124,15 +125,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        # (not after a step that preempted: the sequence it preempted, first in the queue, would come back
-        # before the running ones reserve their next slots, only to be preempted again)
-        if self.waiting and not self.admitted_alone and not self.preempted_last_step:
+        if self.waiting and not self.running_first:
             batch = ScheduledBatch()
             self.admit(batch, self.max_num_batched_tokens)
             if batch.prefill:
-                self.admitted_alone = True
+                self.running_first = True
                 return batch
-        self.admitted_alone = False
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preemptions = self.num_preemptions
@@ -167,11 +165,11 @@ class Scheduler:
                 batch.decode.append(seq)
             budget -= n
             i += 1
-        # No admissions in a step that had to preempt: the blocks are short, and the
-        # sequence just preempted (now first in the queue) would be readmitted at once,
-        # only to be preempted again.
-        self.preempted_last_step = self.num_preemptions != preemptions
-        if not self.preempted_last_step:
+        # No admissions in a step that had to preempt, nor alone in the next: the blocks are short, and the
+        # sequence just preempted (now first in the queue) would be readmitted ahead of the running ones'
+        # next slots, only to be preempted again.
+        self.running_first = self.num_preemptions != preemptions
+        if not self.running_first:
             self.admit(batch, budget)
         # shortest first: attention groups similar lengths
         batch.decode.sort(key=lambda s: s.num_tokens)
@@ -198,6 +196,8 @@ class Scheduler:
     def sitting_out(self) -> set[int]:
         """The ids of the decoding sequences that wait this step: of each request, those past its first
         max_seqs_per_request_step by fewest tokens (then admission order)."""
+        if len(self.running) <= self.max_seqs_per_request_step:
+            return set()
         decoding: dict[str, list[Sequence]] = defaultdict(list)
         for seq in self.running:
             if not seq.is_prefilling:

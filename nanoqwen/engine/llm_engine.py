@@ -371,10 +371,9 @@ class LLMEngine:
                 self.block_manager.trim(seq)
         outputs = []
         for state in touched.values():
-            error = next((s.error for s in state.seqs if s.error is not None), None)
-            if error is not None:  # the model gave an answer no token to pick: the whole request ends
+            if state.error is not None:  # the model gave an answer no token to pick: the whole request ends
                 self._warn_broken_logits()
-                outputs.append(self._end_with_error(state.request_id, error))
+                outputs.append(self._end_with_error(state.request_id, state.error))
                 continue
             outputs.append(self.output_processor.make_output(state))
             if state.finished:

@@ -48,6 +48,11 @@ class RequestState:
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs)
 
+    @property
+    def error(self) -> str | None:
+        """Why the request ended with an error (the first answer's that did), or None."""
+        return next((s.error for s in self.seqs if s.error is not None), None)
+
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
@@ -148,9 +153,8 @@ class OutputProcessor:
         finished = state.finished
         if finished and m.finished_time is None:
             m.finished_time = time.perf_counter()
-        error = next((s.error for s in state.seqs if s.error is not None), None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, state.seqs[0].num_cached_tokens, m, error)
+                             finished, state.seqs[0].num_cached_tokens, m, state.error)
 
     @staticmethod
     def make_error_output(state: RequestState, error: str) -> RequestOutput | PoolingRequestOutput:

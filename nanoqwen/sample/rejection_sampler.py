@@ -28,14 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from nanoqwen.sample.sampler import (
-    BROKEN_ROW,
-    TokenLogprobs,
-    adjust_logits,
-    compute_logprobs,
-    dense_probs,
-    greedy_tokens,
-)
+from nanoqwen.sample.penalties import adjust_logits
+from nanoqwen.sample.sampler import BROKEN_ROW, TokenLogprobs, compute_logprobs, dense_probs, greedy_tokens
 from nanoqwen.sampling_params import SamplingParams
 
 

@@ -23,7 +23,8 @@ d. greedy rows (temperature 0) take the argmax of these logits; the others are f
    its sorting reference (top_p_threshold_reference); the race runs in one pass
    (ops/cpu: exponential_race) beside exponential_race_reference.
 
-Steps b and c cost nothing (no copy, no [B, V] count tensor) when no row of the batch uses them.
+Steps b and c live in nanoqwen/sample/penalties.py; they cost nothing (no copy) when no row of the batch
+uses them.
 
 A row left with nothing to pick (its logits NaN, +inf or all -inf, so the chosen token's logit, or
 its probability, is not a finite positive one) gets BROKEN_ROW instead of a token: an answer ends
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoqwen.ops.cpu import kernels as cpu_kernels
+from nanoqwen.sample.penalties import adjust_logits
 from nanoqwen.sample.structured_outputs import apply_bitmasks
 from nanoqwen.sampling_params import SamplingParams
 
@@ -203,109 +205,6 @@ def race_uniform(bits: torch.Tensor) -> torch.Tensor:
     return ((((bits >> 41) & ((1 << 23) - 1)).double() + 0.5) * 2.0**-23).float()
 
 
-def token_counts(token_ids: list[list[int]], vocab: int, device: torch.device | str,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """How often each token occurs in each row's list: [R, V], built with one scatter_add for
-    all rows."""
-    width = max((len(t) for t in token_ids), default=0)
-    # pad with `vocab`, an extra column dropped at the end (ids out of range land there too)
-    padded_rows = [[*t, *[vocab] * (width - len(t))] for t in token_ids]
-    padded = torch.tensor(padded_rows, dtype=torch.long)
-    padded = padded.masked_fill((padded < 0) | (padded > vocab), vocab)
-    padded = padded.view(len(token_ids), width).to(device)  # [R, W]
-    counts = torch.zeros(len(token_ids), vocab + 1, device=device, dtype=dtype)
-    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device, dtype=dtype))
-    return counts[:, :vocab]
-
-
-def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
-                    prompt_token_ids: list[list[int]],
-                    output_token_ids: list[list[int]]) -> torch.Tensor:
-    """logits [B, V] -> a penalised copy (or `logits` itself when no row has a penalty); see
-    step c. Only the tokens a row has seen change: they are found as (row, token) keys with their
-    output counts, so the work grows with the tokens seen, not with rows times the vocabulary
-    (apply_penalties_reference counts densely)."""
-    rows = [i for i, p in enumerate(params)
-            if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0]
-    if not rows:
-        return logits
-    device, vocab = logits.device, logits.shape[1]
-    out = logits.clone()
-    flat = out.view(-1)  # [B * V]: entry row * V + token
-
-    def keys(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The distinct (row, token) pairs of lists (one a penalised row) as flat indices into
-        `flat`, with how often each occurs."""
-        ids = torch.tensor([t for i in rows for t in lists[i]], dtype=torch.long)
-        row = torch.repeat_interleave(torch.tensor(rows), torch.tensor([len(lists[i]) for i in rows]))
-        inside = (ids >= 0) & (ids < vocab)
-        found, count = torch.unique(row[inside] * vocab + ids[inside], return_counts=True)
-        return found.to(device), count.to(device, logits.dtype)
-
-    outputs, output_counts = keys(output_token_ids)
-    if any(params[i].repetition_penalty != 1 for i in rows):
-        prompts = [prompt_token_ids[i] if params[i].repetition_penalty != 1 else [] for i in range(len(params))]
-        seen = torch.unique(torch.cat([keys(prompts)[0], outputs]))  # prompt or output, once
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device,
-                               dtype=logits.dtype)[seen // vocab]
-        value = flat[seen]
-        flat[seen] = torch.where(value > 0, value / penalty, value * penalty)
-    presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)
-    row = outputs // vocab
-    flat[outputs] = flat[outputs] - presence[row] - frequency[row] * output_counts  # (the reference's order)
-    return out
-
-
-def apply_penalties_reference(logits: torch.Tensor, params: list[SamplingParams],
-                    prompt_token_ids: list[list[int]],
-                    output_token_ids: list[list[int]]) -> torch.Tensor:
-    """apply_penalties by dense counts: [R, V] tensors of each row's prompt and output counts, the
-    penalties applied over the whole vocabulary (the definition apply_penalties is tested against)."""
-    rows = [i for i, p in enumerate(params)
-            if p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0]
-    if not rows:
-        return logits
-    device, vocab = logits.device, logits.shape[1]
-    rows_t = torch.tensor(rows, device=device)
-    sub = logits[rows_t]  # [R, V]
-    outputs = [output_token_ids[i] for i in rows]
-    output_counts = token_counts(outputs, vocab, device, logits.dtype)  # [R, V]
-    rep = [params[i].repetition_penalty for i in rows]
-    if any(r != 1 for r in rep):
-        # only rows with a repetition penalty need their prompt counted
-        prompts = [prompt_token_ids[i] if params[i].repetition_penalty != 1 else [] for i in rows]
-        prompt_counts = token_counts(prompts, vocab, device, logits.dtype)
-        seen = (prompt_counts > 0) | (output_counts > 0)  # [R, V]
-        penalty = torch.tensor(rep, device=device, dtype=logits.dtype)[:, None]  # [R, 1]
-        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
-    presence = torch.tensor([params[i].presence_penalty for i in rows], device=device,
-                            dtype=logits.dtype)
-    frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=device,
-                             dtype=logits.dtype)
-    sub = sub - presence[:, None] * (output_counts > 0) - frequency[:, None] * output_counts
-    return logits.index_copy(0, rows_t, sub)
-
-
-def block_stop_tokens(logits: torch.Tensor, params: list[SamplingParams],
-                      output_token_ids: list[list[int]],
-                      stop_token_ids: list[set[int]]) -> torch.Tensor:
-    """logits [B, V] -> a copy with each row's stop ids at -inf while it is short of min_tokens,
-    except in a row that this would leave with no token to sample; see step b."""
-    vocab = logits.shape[1]
-    index = [(i, t) for i, p in enumerate(params) if len(output_token_ids[i]) < p.min_tokens
-             for t in stop_token_ids[i] if 0 <= t < vocab]
-    if not index:
-        return logits
-    rows, cols = torch.tensor(index, device=logits.device).unbind(1)
-    minus_inf = torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype)
-    blocked = logits.index_put((rows, cols), minus_inf)
-    touched = rows.unique()
-    left_empty = touched[torch.isneginf(blocked[touched]).all(dim=-1)]  # only stops were allowed
-    blocked[left_empty] = logits[left_empty]
-    return blocked
-
-
 def compute_logprobs(raw_logits: torch.Tensor, params: list[SamplingParams],
                      tokens: torch.Tensor) -> list[TokenLogprobs | None]:
     """The sampled tokens' log-probabilities, ranks and top alternatives under the raw logits;
@@ -346,21 +245,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         logits = apply_bitmasks(logits, bitmasks)
     raw_logits = logits
     logits = adjust_logits(logits, params, prompt_token_ids, output_token_ids, stop_token_ids)
-    tokens = argmax(logits)  # [B]
-    broken = ~torch.isfinite(logits.gather(1, tokens[:, None])[:, 0])  # [B]: a greedy row's max is NaN or inf
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        row_params = [params[i] for i in rows]
-        probs, token_ids = filter_probs(logits[rows] if len(rows) < len(params) else logits,
-                                        row_params, normalize=False)  # [R, K], [R, K]
+    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)  # [B]
+    for greedy in (True, False):
+        rows = [i for i, p in enumerate(params) if p.greedy == greedy]
+        if not rows:
+            continue
+        row_logits = logits[rows] if len(rows) < len(params) else logits
+        if greedy:
+            tokens[rows] = greedy_tokens(row_logits)
+            continue
+        probs, token_ids = filter_probs(row_logits, [params[i] for i in rows], normalize=False)  # [R, K], [R, K]
         whole = token_ids.shape[1] == logits.shape[1]  # (then column k is token k)
         choice = draw(probs, None if whole else token_ids, [generators[i] for i in rows])[:, None]  # [R, 1]
-        tokens[rows] = token_ids.gather(1, choice).squeeze(1)
-        broken[rows] = ~(probs.gather(1, choice)[:, 0] > 0)  # no distribution to sample from (NaN or 0)
-    logprobs = compute_logprobs(raw_logits, params, tokens)
+        # no distribution to sample from (NaN or all 0): BROKEN_ROW
+        tokens[rows] = token_ids.gather(1, choice)[:, 0].masked_fill(~(probs.gather(1, choice)[:, 0] > 0),
+                                                                      BROKEN_ROW)
+    broken = tokens == BROKEN_ROW
+    logprobs = compute_logprobs(raw_logits, params, tokens.clamp(min=0))
     if broken.any():
         logprobs = [None if bad else lp for bad, lp in zip(broken.tolist(), logprobs, strict=True)]
-        tokens = tokens.masked_fill(broken, BROKEN_ROW)
     return SamplerOutput(tokens, logprobs)
 
 
@@ -369,15 +272,6 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     -inf): the sampler's choice for a greedy row with nothing to adjust."""
     tokens = argmax(logits)
     return tokens.masked_fill(~torch.isfinite(logits.gather(1, tokens[:, None])[:, 0]), BROKEN_ROW)
-
-
-def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
-                  prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
-                  stop_token_ids: list[set[int]]) -> torch.Tensor:
-    """Steps b and c: stop tokens blocked while short of min_tokens, then the penalties (a copy, or
-    `logits` itself when no row needs either)."""
-    logits = block_stop_tokens(logits, params, output_token_ids, stop_token_ids)
-    return apply_penalties(logits, params, prompt_token_ids, output_token_ids)
 
 
 def dense_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
