@@ -130,7 +130,7 @@ def prompt_logits(model, token_ids: list[int]) -> torch.Tensor:
     cache)."""
     cache, table = fresh_cache(model, len(token_ids))
     meta = AttentionMetadata.build([], [PrefillRow(table, 0, len(token_ids))], cache.block_size,
-                                   model.embed_tokens.weight.device)
+                                   model.device)
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), meta.positions, cache, meta)
         return model.compute_logits(hidden)
@@ -146,7 +146,7 @@ def fresh_cache(model, num_tokens: int, block_size: int = 4, num_seqs: int = 1,
     c = model.config
     per_seq = -(-num_tokens // block_size)
     cache = KVCache(c.num_hidden_layers, per_seq * num_seqs, block_size, c.num_key_value_heads,
-                    c.head_dim, model.embed_tokens.weight.dtype, model.embed_tokens.weight.device)
+                    c.head_dim, model.dtype, model.device)
     if scatter:
         tables = [list(range(i, per_seq * num_seqs, num_seqs)) for i in range(num_seqs)]
     else:

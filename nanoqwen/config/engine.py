@@ -44,6 +44,8 @@ class EngineConfig:
     """
 
     model: str | Path = DEFAULT_MODEL
+    # with a hub id for `model`: the GGUF file of that repo to load (as vLLM's and transformers' gguf_file)
+    gguf_file: str | None = None
     # "bfloat16", "float16", "float32", a torch.dtype, or None/"auto"
     dtype: str | Any | None = None
     # "cpu", "cuda", a torch.device, or None (cuda when available)

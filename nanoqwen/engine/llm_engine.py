@@ -26,7 +26,6 @@ import torch
 
 from nanoqwen.config.device import resolve_device, resolve_dtype
 from nanoqwen.config.engine import EngineConfig
-from nanoqwen.config.model import GenerationConfig
 from nanoqwen.config.pooling import SentenceTransformersConfig, resolve_task
 from nanoqwen.config.speculative import DEFAULT_SPEC_MAX_BATCH, SpeculativeConfig
 from nanoqwen.core.block_manager import BlockManager
@@ -36,8 +35,9 @@ from nanoqwen.engine.input_processor import InputProcessor
 from nanoqwen.engine.output_processor import OutputProcessor, RequestState
 from nanoqwen.errors import ConfigError, EngineDeadError, InvalidRequestError
 from nanoqwen.layers.pooler import make_pooler
+from nanoqwen.model_loader.gguf import is_gguf
 from nanoqwen.model_loader.hub import resolve_model_path
-from nanoqwen.model_loader.loader import load_config
+from nanoqwen.model_loader.loader import load_config, load_generation_config, load_tokenizer
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
 from nanoqwen.pooling_params import PoolingParams
@@ -46,7 +46,7 @@ from nanoqwen.sample.structured_outputs import GrammarCompiler
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.spec_decode.proposer import DraftModelProposer, NgramProposer, check_same_tokenizer
 from nanoqwen.spec_decode.spec_switch import SpecDecodeSwitch
-from nanoqwen.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoqwen.tokenizer import IncrementalDetokenizer
 from nanoqwen.worker.kernel_selection import describe_kernels
 from nanoqwen.worker.loading import load_model_with_kernels
 from nanoqwen.worker.memory import kv_cache_blocks, kv_cache_budget
@@ -62,16 +62,18 @@ class LLMEngine:
         any."""
         self.engine_config = config
         self.quantization = config.quantization
-        self.model_dir = resolve_model_path(str(config.model))
+        self.model_dir = resolve_model_path(str(config.model), config.gguf_file)
+        if is_gguf(self.model_dir) and config.tensor_parallel_size > 1:
+            raise ConfigError(f"--model {self.model_dir}: tensor parallelism does not load GGUF files yet; use "
+                              "tensor_parallel_size 1, or the model's safetensors checkpoint")
         self.config = load_config(self.model_dir)
         # "generate", or a pooling task ("embed", "score": nanoqwen/config/pooling.py)
         self.task = resolve_task(self.model_dir, config.task)
         config.check_for_model(self.config, self.task, self.model_dir / "config.json")
-        self.generation_config = GenerationConfig.from_file(
-            self.model_dir / "generation_config.json", fallback_eos=self.config.eos_token_id)
+        self.generation_config = load_generation_config(self.model_dir, self.config.eos_token_id)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.config.torch_dtype, self.device)
-        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = frozenset(self.generation_config.eos_token_id or self.config.eos_token_id)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = frozenset({self.tokenizer.eos_token_id})
@@ -181,7 +183,7 @@ class LLMEngine:
         else:
             draft_dir = resolve_model_path(str(spec.model))
             draft_config = load_config(draft_dir)
-            check_same_tokenizer(self.tokenizer, Tokenizer.from_pretrained(draft_dir),
+            check_same_tokenizer(self.tokenizer, load_tokenizer(draft_dir),
                                  self.config.vocab_size, draft_config.vocab_size, draft_dir)
         draft = load_model_with_kernels(draft_dir, draft_config, self.dtype, self.device, max_model_len,
                                         self.engine_config.enforce_eager, spec.quantization)

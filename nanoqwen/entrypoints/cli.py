@@ -142,7 +142,7 @@ def build_pooling_llm(args: argparse.Namespace, task: str) -> LLM:
         raise ConfigError(f"--task {args.task} does not go with {command}: leave --task out, or "
                           f"give --task {task}")
     if args.task == "auto":
-        found = resolve_task(resolve_model_path(str(args.model)), "auto")
+        found = resolve_task(resolve_model_path(str(args.model), args.gguf_file), "auto")
         if found != task:
             raise ConfigError(
                 f"--model {args.model} is {TASK_KINDS[found]} (read from its files), not "

@@ -16,7 +16,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The command-line flags of every EngineConfig field (read back by engine_config_from_args)."""
     default = EngineConfig()
     p.add_argument("--model", default=default.model,
-                   help=f"model folder or Hugging Face hub id (default: {default.model})")
+                   help="model folder, GGUF file (or a folder holding one), or Hugging Face hub id "
+                        f"(default: {default.model})")
+    p.add_argument("--gguf-file", default=None, metavar="NAME",
+                   help="with a hub id for --model: the GGUF file of that repo to load, e.g. Qwen3-8B-Q4_K_M.gguf")
     p.add_argument("--dtype", choices=["auto", *DTYPE_NAMES], default="auto",
                    help="weights and activations dtype "
                         "(auto: the checkpoint's on GPU, bfloat16 on CPU)")

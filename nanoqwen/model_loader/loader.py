@@ -21,11 +21,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from nanoqwen.config.model import Qwen3Config
+from nanoqwen.config.model import GenerationConfig, Qwen3Config
 from nanoqwen.errors import ConfigError, WeightsError
+from nanoqwen.model_loader.gguf import GGUFCheckpoint, is_gguf, load_gguf_weights, type_name
 from nanoqwen.model_loader.weight_files import Part, iter_checkpoint, safetensors_files
 from nanoqwen.models.qwen3 import PLAIN_KERNELS, Kernels, Qwen3ForCausalLM
+from nanoqwen.ops.gguf_quants import FLOAT_TYPES
 from nanoqwen.quantization import check_quantization, quantize_model, quantize_module
+from nanoqwen.tokenizer import Tokenizer
 
 PROGRESS_BAR_MIN_BYTES = 1 << 30  # show a loading bar for checkpoints of 1 GiB and more
 
@@ -64,9 +67,26 @@ Shard = int | tuple[int, int | None] | None
 
 
 def load_config(model_dir: Path) -> Qwen3Config:
+    """The model's config: config.json of a folder, or a GGUF file's metadata."""
+    if is_gguf(model_dir):
+        return GGUFCheckpoint(model_dir).config()
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"{model_dir} has no config.json: is this a Qwen3 model folder?")
     return Qwen3Config.from_file(model_dir / "config.json")
+
+
+def load_generation_config(model_dir: Path, fallback_eos: list[int]) -> GenerationConfig:
+    """generation_config.json of a folder (fallback_eos where it has none), or a GGUF file's sampling metadata."""
+    if is_gguf(model_dir):
+        return GGUFCheckpoint(model_dir).generation_config()
+    return GenerationConfig.from_file(model_dir / "generation_config.json", fallback_eos=fallback_eos)
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    """The tokenizer of a folder (tokenizer.json and its config), or one rebuilt from a GGUF file's metadata."""
+    if is_gguf(model_dir):
+        return GGUFCheckpoint(model_dir).tokenizer()
+    return Tokenizer.from_pretrained(model_dir)
 
 
 def checkpoint_to_param(name: str) -> tuple[str, Shard] | None:
@@ -284,6 +304,9 @@ def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device:
     task="embed": no LM head; "score": the head stays unquantised (a reranker reads two of its rows:
     nanoqwen/layers/pooler.py). kernels: what the model computes with (the plain functions by default;
     an engine's choice: nanoqwen/worker/kernel_selection.py)."""
+    if is_gguf(model_dir):
+        return load_gguf_model(model_dir, config, dtype, device, max_model_len, tp_size, quantization, task,
+                               kernels)
     files = safetensors_files(model_dir)
     with _default_dtype(dtype), torch.device(device):
         model = Qwen3ForCausalLM(config, max_model_len, tp_rank, tp_size, lm_head=task != "embed",
@@ -297,3 +320,29 @@ def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device:
     if task == "generate":
         quantize_model(model, quantization)  # what is left: the LM head
     return model.eval()
+
+
+def load_gguf_model(path: Path, config: Qwen3Config, dtype: torch.dtype, device: torch.device,
+                    max_model_len: int | None, tp_size: int, quantization: str | None, task: str,
+                    kernels: Kernels) -> Qwen3ForCausalLM:
+    """load_model for a GGUF file (nanoqwen/model_loader/gguf.py): its quantised matrices kept as the file holds
+    them; quantization applies only to a file of float matrices."""
+    if tp_size > 1:
+        raise ConfigError(f"--model {path}: tensor parallelism does not load GGUF files yet; use "
+                          "tensor_parallel_size 1, or the model's safetensors checkpoint")
+    ckpt = GGUFCheckpoint(path)
+    kinds = sorted({type_name(t.ggml_type) for t in ckpt.tensors.values()
+                    if len(t.shape) > 1 and t.ggml_type not in FLOAT_TYPES})
+    if kinds and check_quantization(quantization) is not None:
+        raise ConfigError(f"--model {path} is already quantized ({', '.join(kinds)}): leave out "
+                          f"--quantization {quantization} (nanoqwen computes with the file's own weights)")
+    with _default_dtype(dtype), torch.device("cpu"):  # (parameters left unwritten are never committed)
+        model = Qwen3ForCausalLM(config, max_model_len, 0, 1, lm_head=task != "embed", kernels=kernels)
+    load_gguf_weights(model, ckpt)
+    ckpt.close()
+    if check_quantization(quantization) is not None:  # a file of float matrices: as load_model quantises
+        for name in [n for n, _ in model.named_modules() if n and n.partition(".")[0] != "lm_head"]:
+            quantize_module(model, name, quantization)
+        if task == "generate":
+            quantize_model(model, quantization)  # the LM head
+    return model.to(device).eval()

@@ -308,6 +308,15 @@ class Qwen3ForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_model_len or config.max_position_embeddings)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The model dtype: activations and the KV cache (the final norm's weight is always in it)."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
     def is_tied(self) -> bool:
         return self.lm_head is not None and self.lm_head.weight is self.embed_tokens.weight
 

@@ -86,10 +86,21 @@ def quantize_int4(weight: torch.Tensor, group_size: int | None = None
         s = scale_rounded_up(s32, dtype)  # 15 steps span hi
         o = lo.to(dtype)
         q = ((w - o.float()[..., None]) / s.float()[..., None]).round_().clamp_(0, 15).to(torch.uint8)
-        low, high = q.view(-1, groups, 2, g // 2).unbind(2)  # elements j and j + G/2 of each group
-        packed[rows] = int4_rows_to_lanes((low | (high << 4)).view(-1, in_features // 2), 4)
-        scale[rows], offset[rows] = int4_rows_to_lanes(s, 1), int4_rows_to_lanes(o, 1)
+        packed[rows], scale[rows], offset[rows] = pack_int4(q.view(-1, in_features), s, o)
     return packed, scale, offset
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q uint8 in 0..15 [out, in], scale and offset [out, in/G] (any dtype) -> the int4 format's (packed,
+    scale, offset): two q a byte (element j low, j + G/2 high in each group), rows stored lane by lane in blocks
+    of INT4_BLOCK_ROWS (the module docstring). The rows go as whole blocks: pack rows [16 i, 16 j) at a time."""
+    out_features, in_features = q.shape
+    groups = scale.shape[1]
+    g = in_features // groups
+    low, high = q.view(out_features, groups, 2, g // 2).unbind(2)  # elements j and j + G/2 of each group
+    packed = int4_rows_to_lanes((low | (high << 4)).view(out_features, in_features // 2), 4)
+    return packed, int4_rows_to_lanes(scale, 1), int4_rows_to_lanes(offset, 1)
 
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor

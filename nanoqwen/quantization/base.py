@@ -44,8 +44,13 @@ class QuantizedLinear(Linear):
     def from_linear(cls, linear: Linear) -> QuantizedLinear:
         """The quantised version of a Linear (scales and bias in the Linear's dtype); the Linear is
         left as it is."""
-        version = cls.VERSIONS[type(linear)]
-        quantized = version(*version.quantize(linear.weight), bias=linear.bias)
+        return cls.from_buffers(linear, *cls.VERSIONS[type(linear)].quantize(linear.weight))
+
+    @classmethod
+    def from_buffers(cls, linear: Linear, *buffers: torch.Tensor | None) -> QuantizedLinear:
+        """The quantised version of a Linear with these BUFFERS (already in this format: a checkpoint's own
+        quantised matrix), the Linear's bias and its other attributes; the Linear is left as it is."""
+        quantized = cls.VERSIONS[type(linear)](*buffers, bias=linear.bias)
         quantized.matmul_path = linear.matmul_path
         for name in ("output_sizes", "tp_size"):  # a tensor-parallel linear's own attributes
             if hasattr(linear, name):

@@ -105,6 +105,19 @@ class Int4Experts(Experts):
             self.register_buffer(f"{name}_offset", torch.stack(offset))
         self.matmul_path = experts.matmul_path
 
+    @classmethod
+    def from_buffers(cls, matrices: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                     matmul_path: MatmulPath) -> Int4Experts:
+        """Experts already in this format (a checkpoint's own): {name: (packed [E, out, in/2], scale, offset
+        [E, out, in/G])} for gate_up_proj and down_proj, each expert packed on its own."""
+        experts = cls.__new__(cls)
+        nn.Module.__init__(experts)
+        for name in ("gate_up_proj", "down_proj"):
+            for suffix, tensor in zip(("", "_scale", "_offset"), matrices[name], strict=True):
+                experts.register_buffer(name + suffix, tensor)
+        experts.matmul_path = matmul_path
+        return experts
+
     def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         return int4_linear(x, getattr(self, name)[e], getattr(self, f"{name}_scale")[e],
                            getattr(self, f"{name}_offset")[e], self.matmul_path)
@@ -115,7 +128,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs
     """x @ W4.T: nanoqwen's int4 kernel for bf16 rows on CPU (any number of them: one function for every
     step), else W4 unpacked block by block (module docstring). The kernel is used whatever the CPU's matmul
     path: torch has no int4 kernel that reads near the bandwidth."""
-    if x.device.type == "cpu" and x.dtype == scale.dtype == torch.bfloat16 and cpu_kernels.available():
+    if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and scale.dtype in (torch.bfloat16, torch.float32)
+            and cpu_kernels.available()):
         return cpu_kernels.int4_gemv(x, packed, scale, offset)
     return int4_dequantized_linear(x, packed, scale, offset, torch.float32 if path.upcast_16bit(x) else None)
 

@@ -31,20 +31,33 @@ import torch
 
 from nanoqwen.attention.kv_cache import KVCache
 from nanoqwen.attention.metadata import AttentionMetadata
+from nanoqwen.layers.embedding import VocabParallelEmbedding
 from nanoqwen.layers.linear import Linear
 from nanoqwen.models.qwen3 import MLP, DecoderLayer, Qwen3ForCausalLM
 from nanoqwen.ops.cpu import kernels as cpu_kernels
+from nanoqwen.ops.quantize import INT4_BLOCK_ROWS
 from nanoqwen.quantization import Int4Linear, Int8Linear
+from nanoqwen.quantization.gguf import QuantizedEmbedding
+from nanoqwen.quantization.int8_group import Int8GroupLinear
 
 
 def linear_tensors(linear: Linear) -> list[torch.Tensor]:
-    """What decode_model takes for a linear: (weight) bf16, (weight, scale) int8, (weight, scale, offset)
-    int4."""
+    """What decode_model takes for a linear: (weight) bf16, (weight, scale) int8, (weight, scale[, offset]) grouped
+    int8, (weight, scale, offset) int4."""
     if isinstance(linear, Int4Linear):
         return [linear.weight, linear.scale, linear.offset]
     if isinstance(linear, Int8Linear):
         return [linear.weight, linear.scale]
+    if isinstance(linear, Int8GroupLinear):
+        return [t for t in (linear.weight, linear.scale, linear.offset) if t is not None]
     return [linear.weight]
+
+
+def embedding_tensors(embedding: VocabParallelEmbedding | QuantizedEmbedding) -> list[torch.Tensor]:
+    """What decode_model takes for the embedding table: its bf16 matrix, or a quantised table's tensors."""
+    if isinstance(embedding, QuantizedEmbedding):
+        return linear_tensors(embedding.table)
+    return [embedding.weight]
 
 
 class FusedDecoder:
@@ -54,14 +67,17 @@ class FusedDecoder:
     def __init__(self, model: Qwen3ForCausalLM) -> None:
         layers = [cpu_kernels.decoder_layer_weights(**self._layer_weights(layer)) for layer in model.layers]
         self.weights = cpu_kernels.decoder_model_weights(
-            embed=model.embed_tokens.weight, cos=model.rotary.cos, sin=model.rotary.sin, layers=layers,
+            embed=embedding_tensors(model.embed_tokens), cos=model.rotary.cos, sin=model.rotary.sin, layers=layers,
             norm=model.norm.weight, eps=model.norm.eps, lm_head=linear_tensors(model.lm_head))
 
     @staticmethod
     def supports(model: Qwen3ForCausalLM, attention_backend: str | None) -> bool:
         c = model.config
         return (os.environ.get("NANOQWEN_FUSED_DECODE", "1") != "0" and attention_backend == "cpu"
-                and model.tp_size == 1 and model.embed_tokens.weight.dtype == torch.bfloat16
+                and model.tp_size == 1 and model.dtype == torch.bfloat16
+                and (type(model.embed_tokens) is VocabParallelEmbedding
+                     or isinstance(model.embed_tokens, QuantizedEmbedding)
+                     and model.embed_tokens.weight.shape[0] % INT4_BLOCK_ROWS == 0)
                 and model.lm_head is not None and model.lm_head.bias is None
                 and not c.attention_bias and all(isinstance(layer.mlp, MLP) for layer in model.layers)
                 and all(linear.bias is None for layer in model.layers

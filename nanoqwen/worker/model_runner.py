@@ -78,12 +78,12 @@ class ModelRunner:
                  enforce_eager: bool = False, pooler: Pooler | None = None) -> None:
         self.model = model
         self.pooler = pooler
-        self.device = model.embed_tokens.weight.device
+        self.device = model.device
         if self.device.type == "cpu":  # each decode step streams every weight: 2 MiB pages (worker/huge_pages.py)
             move_to_huge_pages(model)
         c = model.config
         # None: the CPU grouped gather path; "cpu": nanoqwen's kernel reading the CPU cache in place
-        self.attention_backend = attention_backend(self.device, block_size, model.embed_tokens.weight.dtype,
+        self.attention_backend = attention_backend(self.device, block_size, model.dtype,
                                                    cpu_kernels_on=model.kernels.matmul.gemv)
         # Graphs need the paged kernels; on CPU they are never captured
         # (NANOQWEN_PAGED_ATTENTION=torch runs the same padded static-buffer steps eagerly there,
@@ -98,7 +98,7 @@ class ModelRunner:
         # One extra block, never handed out by the block manager: graph padding rows write their
         # keys/values there.
         self.kv_cache = KVCache(c.num_hidden_layers, num_blocks + use_runner, block_size,
-                                model.num_kv_heads, c.head_dim, model.embed_tokens.weight.dtype,
+                                model.num_kv_heads, c.head_dim, model.dtype,
                                 self.device)
         # made since the last step, for the other ranks
         self._block_copies: list[tuple[int, int]] = []

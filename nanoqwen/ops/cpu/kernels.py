@@ -115,6 +115,18 @@ def quantize_activations(x: torch.Tensor, block: int, levels: int = 127) -> torc
     return ((xb * inverse).round() * d).flatten(-2)[..., :k]
 
 
+def int8_group_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+                              ) -> torch.Tensor:
+    """What int8_group_gemv computes: x quantised to int16 per group of the weights' G (quantize_activations),
+    times q * scale + offset in float32, rounded to bf16 once."""
+    group = q.shape[1] // scale.shape[1]
+    x_read = quantize_activations(x, group, levels=32767)
+    w = q.float().view(q.shape[0], -1, group) * scale[..., None]
+    if offset is not None:
+        w = w + offset[..., None]
+    return (x_read @ w.view(q.shape).T).to(torch.bfloat16)
+
+
 def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                         offset: torch.Tensor) -> torch.Tensor:
     """What int4_gemv computes: x' @ W.T in float32, rounded to bf16 once, where W = offset + scale * q
@@ -168,6 +180,16 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     if x.dim() == 2:
         return _ext.int8_gemv(x, q, scale)
     return _ext.int8_gemv(x.reshape(-1, x.shape[-1]), q, scale).view(*x.shape[:-1], q.shape[0])
+
+
+def int8_group_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """y = x' @ (q * scale + offset).T for bf16 x [..., K] (few rows), int8 q [N, K], float32 scale and
+    offset [N, K/G] (G 16 or 32; offset None: none); y bf16 [..., N] (int8_group_gemv_reference)."""
+    if _ext is None:
+        _require()
+    y = _ext.int8_group_gemv(x.reshape(-1, x.shape[-1]), q, scale, offset)
+    return y.view(*x.shape[:-1], q.shape[0])
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

@@ -753,3 +753,41 @@ def test_paged_decode_attention_long_contexts(kernels):
     want = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, d**-0.5)
     torch.testing.assert_close(got, want, atol=4e-3, rtol=8e-3)  # 1 bf16 ulp
     assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+# ---- a GGUF file's formats: int4 with float32 scales, grouped int8 (nanoqwen/quantization/gguf.py)
+
+
+@pytest.mark.parametrize("m", (1, 3, 9, 40))  # the streaming passes and the panels
+@pytest.mark.parametrize("n", (16, 40))
+def test_int4_gemv_with_float32_scales(kernels, m, n):
+    """Scales and offsets in float32 (a GGUF file's exact ones, groups of 32): the same function as the reference,
+    and the bf16-scale kernels' result where the scales are bf16 values."""
+    x, packed, scale, offset = make_int4(m, 256, n, 32)
+    got = check_int4(kernels, x, packed, scale.float(), offset.float())
+    assert torch.equal(got, kernels.int4_gemv(x, packed, scale, offset))
+    g = torch.Generator().manual_seed(m + n)  # scales that bf16 cannot hold
+    scale32 = torch.rand(scale.shape, generator=g) * 1e-2
+    check_int4(kernels, x, packed, scale32, -scale32 * 8)
+
+
+def make_int8_group(m: int, k: int, n: int, group: int, offset: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed + m * 100 + k + n + group)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=g) * 4e-3
+    return x, q, scale, (torch.randn(n, k // group, generator=g) * 1e-2 if offset else None)
+
+
+@pytest.mark.parametrize("offset", [False, True], ids=["symmetric", "offset"])
+@pytest.mark.parametrize("group", (16, 32))
+@pytest.mark.parametrize("m", (1, 2, 3, 4, 5, 16))
+def test_int8_group_gemv_matches_reference(kernels, m, group, offset):
+    x, q, scale, off = make_int8_group(m, 1024, 67, group, offset)
+    got = kernels.int8_group_gemv(x, q, scale, off)
+    w = q.float().view(67, -1, group) * scale[..., None] + (0 if off is None else off[..., None])
+    magnitude = x.float().abs() @ w.view(67, -1).abs().T
+    assert_within_one_ulp(got, kernels.int8_group_gemv_reference(x, q, scale, off), magnitude)
+    assert torch.equal(kernels.int8_group_gemv(x.view(m, 1, 1024), q, scale, off).view(m, 67), got)
+    with pytest.raises(RuntimeError, match="group size is 16 or 32"):
+        kernels.int8_group_gemv(x, q, scale[:, :8].contiguous(), None)

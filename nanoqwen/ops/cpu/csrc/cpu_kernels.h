@@ -128,6 +128,7 @@ inline int32_t hsum_epi32(__m256i v) {
 
 inline float to_float(uint16_t v) { return bf16_to_float(v); }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
+inline float to_float(float v) { return v; }
 
 // max |x[i]| for i < n (bf16 x): the scale of a block of x quantised to integers (int4_gemv, int8_gemv).
 inline float absmax_bf16(const uint16_t* x, int64_t n) {
@@ -287,6 +288,8 @@ inline void check_vector(const at::Tensor& t, const char* name, int64_t N) {
 // gemv.cpp
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
+at::Tensor int8_group_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                           const std::optional<at::Tensor>& offset);
 // gemm.cpp
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);

@@ -1,6 +1,6 @@
 // int4 weights times few or many rows of bf16 x, on CPUs with AVX2 + FMA (AVX-512 VNNI where present).
 //
-//   int4_gemv(x [M,K] bf16, packed [N,K/2] uint8, scale, offset [N,K/G] bf16) -> y [M,N] bf16,
+//   int4_gemv(x [M,K] bf16, packed [N,K/2] uint8, scale, offset [N,K/G] bf16 or float32) -> y [M,N] bf16,
 //             y = x' @ (offset + scale * q).T per group, x' = x quantised to int8 per group (below);
 //             any M: above 8 rows a small GEMM on unpacked panels of W (int4_gemm)
 //
@@ -166,9 +166,9 @@ constexpr int kDecodeTile = kVnni ? 4 : 2;
 // y[m0 .. m0 + T - 1, n0 .. n0 + 15] for one whole block of packed weights (w, scale, offset: the block's). C is
 // the number of 4-byte chunks in a group (G / 8) where known at compile time (8 for the default G = 64: the
 // chunk loop unrolls), 0 to take it from G.
-template <int T, int C>
-void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* w, const uint16_t* scale,
-                const uint16_t* offset, int64_t N, int64_t n0, at::BFloat16* y) {
+template <int T, int C, typename Scale>
+void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* w, const Scale* scale,
+                const Scale* offset, int64_t N, int64_t n0, at::BFloat16* y) {
 #ifdef NANOQWEN_AVX2
   const int64_t groups = K / G, chunks = C > 0 ? C : G / 8;
   const __m256i nibble = _mm256_set1_epi8(0xF);
@@ -232,8 +232,9 @@ void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
 // y[m, n0 + lane] for rows m0 .. m0 + rows - 1 of x and a block of L packed rows, one value at a time, with the
 // vector loop's float operations in its order (so the same bits): the last block when N % 16 != 0 (the vector
 // loop above takes whole blocks), and every block without AVX2.
+template <typename S>
 void block_scalar(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, int rows, const uint8_t* w,
-                  const uint16_t* scale, const uint16_t* offset, int L, int64_t N, int64_t n0, at::BFloat16* y) {
+                  const S* scale, const S* offset, int L, int64_t N, int64_t n0, at::BFloat16* y) {
   const int64_t groups = K / G, chunks = G / 8;
   for (int64_t m = m0; m < m0 + rows; ++m)
     for (int lane = 0; lane < L; ++lane) {
@@ -246,23 +247,25 @@ void block_scalar(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, int 
             const int8_t* xg = x.xq + m * K + g * G + 4 * c + i;
             isum += (byte & 0xF) * xg[0] + (byte >> 4) * xg[G / 2];
           }
-        const float sd = bf16_to_float(scale[g * L + lane]) * x.d[m * groups + g];  // as add_group, lane by lane
+        const float sd = to_float(scale[g * L + lane]) * x.d[m * groups + g];  // as add_group, lane by lane
         total = std::fma(static_cast<float>(isum), sd, total);
-        total = std::fma(bf16_to_float(offset[g * L + lane]), x.xs[m * groups + g], total);
+        total = std::fma(to_float(offset[g * L + lane]), x.xs[m * groups + g], total);
       }
       y[m * N + n0 + lane] = at::BFloat16(total);  // one rounding, RNE
     }
 }
 
 // block_tile for T = rows (1 .. kDecodeTile) rows of x.
-template <int T = kDecodeTile>
+template <typename S, int T = kDecodeTile>
 void block_tiles(int rows, const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* w,
-                 const uint16_t* scale, const uint16_t* offset, int64_t N, int64_t n0, at::BFloat16* y) {
+                 const S* scale, const S* offset, int64_t N, int64_t n0, at::BFloat16* y) {
   if constexpr (T > 1) {
-    if (rows < T) return block_tiles<T - 1>(rows, x, K, G, m0, w, scale, offset, N, n0, y);
+    if (rows < T) return block_tiles<S, T - 1>(rows, x, K, G, m0, w, scale, offset, N, n0, y);
   }
   if (G == 64)
     block_tile<T, 8>(x, K, G, m0, w, scale, offset, N, n0, y);
+  else if (G == 32)
+    block_tile<T, 4>(x, K, G, m0, w, scale, offset, N, n0, y);
   else
     block_tile<T, 0>(x, K, G, m0, w, scale, offset, N, n0, y);
 }
@@ -275,11 +278,13 @@ int64_t check_int4(const at::Tensor& packed, const at::Tensor& scale, const at::
   TORCH_CHECK(packed.dim() == 2, "packed must be 2-D [N, K/2], got ", packed.sizes());
   for (const auto* t : {&scale, &offset}) {
     const char* name = t == &scale ? "scale" : "offset";
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t->scalar_type());
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 || t->scalar_type() == at::kFloat, name,
+                " must be bfloat16 or float32, got ", t->scalar_type());
     TORCH_CHECK(t->dim() == 2 && t->size(0) == packed.size(0) && t->size(1) > 0, name, " must be [N, K/G] with N=",
                 packed.size(0), ", got ", t->sizes());
   }
   TORCH_CHECK(scale.sizes() == offset.sizes(), "scale and offset must have the same shape");
+  TORCH_CHECK(scale.scalar_type() == offset.scalar_type(), "scale and offset must have the same dtype");
   const int64_t K = 2 * packed.size(1), groups = scale.size(1);
   TORCH_CHECK(K % groups == 0 && (K / groups) % 16 == 0, "K=", K, " and ", groups,
               " groups per row: the group size K/groups must be a whole multiple of 16");
@@ -292,8 +297,10 @@ struct Int4Product {
   int64_t M, K, N, G;
   QuantizedX xq;
   const uint8_t* wp() const { return packed.data_ptr<uint8_t>(); }
-  const uint16_t* sp() const { return reinterpret_cast<const uint16_t*>(scale.data_ptr()); }
-  const uint16_t* op() const { return reinterpret_cast<const uint16_t*>(offset.data_ptr()); }
+  // the scales and offsets as S: uint16_t (bf16) or float, as scale's dtype says
+  template <typename S> const S* sp() const { return reinterpret_cast<const S*>(scale.data_ptr()); }
+  template <typename S> const S* op() const { return reinterpret_cast<const S*>(offset.data_ptr()); }
+  bool float_scales() const { return scale.scalar_type() == at::kFloat; }
   at::BFloat16* yp() const { return y.data_ptr<at::BFloat16>(); }
 };
 
@@ -314,6 +321,7 @@ Int4Product prepare_int4(const at::Tensor& x_in, const at::Tensor& packed_in, co
 
 // Few rows of x: the blocks of weight rows shared among the threads (parallel_rows_stealing, in claims of at least
 // kClaimBytes), each block read from memory once and run by every tile of rows of x.
+template <typename S>
 void int4_passes(const Int4Product& p) {
   const int64_t K = p.K, N = p.N, G = p.G, groups = K / G;
   const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
@@ -325,7 +333,7 @@ void int4_passes(const Int4Product& p) {
       const int64_t n0 = b * kBlockRows;
       const int L = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
       const uint8_t* w = p.wp() + n0 * (K / 2);
-      const uint16_t *s = p.sp() + n0 * groups, *o = p.op() + n0 * groups;
+      const S *s = p.sp<S>() + n0 * groups, *o = p.op<S>() + n0 * groups;
       for (int64_t m0 = 0; m0 < p.M; m0 += kDecodeTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kDecodeTile, p.M - m0));
 #ifdef NANOQWEN_AVX2
@@ -356,16 +364,17 @@ void int4_passes(const Int4Product& p) {
 constexpr int kTileRows = 4;  // rows of x per register tile (measured against 3, 5 and 6, and panels of 24, 32)
 
 // Unpacks the block of weight rows n0 .. (L = min(16, N - n0) of them) into panel, panel_scale, panel_offset.
-void pack_panel(const uint8_t* wp, const uint16_t* sp, const uint16_t* op, int64_t N, int64_t K, int64_t G,
+template <typename S>
+void pack_panel(const uint8_t* wp, const S* sp, const S* op, int64_t N, int64_t K, int64_t G,
                 int64_t n0, uint8_t* panel, float* panel_scale, float* panel_offset) {
   const int64_t groups = K / G, chunks = G / 8, quads = G / 4;
   const int L = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
   const uint8_t* w = wp + n0 * (K / 2);
-  const uint16_t *s = sp + n0 * groups, *o = op + n0 * groups;
+  const S *s = sp + n0 * groups, *o = op + n0 * groups;
   for (int64_t g = 0; g < groups; ++g)
     for (int lane = 0; lane < kBlockRows; ++lane) {
-      panel_scale[g * kBlockRows + lane] = lane < L ? bf16_to_float(s[g * L + lane]) : 0.0f;
-      panel_offset[g * kBlockRows + lane] = lane < L ? bf16_to_float(o[g * L + lane]) : 0.0f;
+      panel_scale[g * kBlockRows + lane] = lane < L ? to_float(s[g * L + lane]) : 0.0f;
+      panel_offset[g * kBlockRows + lane] = lane < L ? to_float(o[g * L + lane]) : 0.0f;
     }
 #ifdef NANOQWEN_AVX2
   if (L == kBlockRows) {
@@ -447,10 +456,11 @@ void panel_tiles(int rows, const QuantizedRows& x, int64_t K, int64_t G, int64_t
   panel_tile<T>(x, K, G, m0, panel, panel_scale, panel_offset, N, n0, cols, y);
 }
 
+template <typename S>
 void int4_panels(const Int4Product& p) {
 #ifndef NANOQWEN_AVX2
   // without AVX2 every block of weight rows goes through block_scalar: the same bits, with nothing to unpack
-  int4_passes(p);
+  int4_passes<S>(p);
 #else
   const int64_t M = p.M, K = p.K, N = p.N, G = p.G, groups = K / G;
   const QuantizedRows rows{p.xq.xq.data(), p.xq.d.data(), p.xq.xs.data()};
@@ -461,7 +471,7 @@ void int4_panels(const Int4Product& p) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * kBlockRows;
       const int cols = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
-      pack_panel(p.wp(), p.sp(), p.op(), N, K, G, n0, panel.data(), panel_scale.data(), panel_offset.data());
+      pack_panel(p.wp(), p.sp<S>(), p.op<S>(), N, K, G, n0, panel.data(), panel_scale.data(), panel_offset.data());
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
         panel_tiles(static_cast<int>(std::min<int64_t>(kTileRows, M - m0)), rows, K, G, m0, panel.data(),
                     panel_scale.data(), panel_offset.data(), N, n0, cols, p.yp());
@@ -478,10 +488,11 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
                      const at::Tensor& offset) {
   const Int4Product p = prepare_int4(x, packed, scale, offset);
   if (p.M == 0 || p.N == 0) return p.y;
+  const bool f32 = p.float_scales();
   if (p.M <= kMaxRowsInt4)
-    int4_passes(p);
+    f32 ? int4_passes<float>(p) : int4_passes<uint16_t>(p);
   else
-    int4_panels(p);
+    f32 ? int4_panels<float>(p) : int4_panels<uint16_t>(p);
   return p.y;
 }
 
@@ -490,7 +501,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const at::Tensor& offset) {
   const Int4Product p = prepare_int4(x, packed, scale, offset);
-  if (p.M > 0 && p.N > 0) int4_panels(p);
+  if (p.M > 0 && p.N > 0) p.float_scales() ? int4_panels<float>(p) : int4_panels<uint16_t>(p);
   return p.y;
 }
 

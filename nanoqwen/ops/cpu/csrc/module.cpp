@@ -23,7 +23,8 @@ struct DecoderLayerWeights {
 // The whole model as decode_model takes it: the embedding table, RotaryEmbedding's cos and sin tables (float32,
 // [max_len, D]), the decoder layers, the final norm and the LM head (a linear's tensors, as above).
 struct DecoderModelWeights {
-  at::Tensor embed, cos, sin;
+  std::vector<at::Tensor> embed;  // the table as a linear's tensors (embed_rows below)
+  at::Tensor cos, sin;
   std::vector<DecoderLayerWeights> layers;
   at::Tensor norm;
   double eps;
@@ -32,13 +33,43 @@ struct DecoderModelWeights {
 
 namespace {
 
+// A linear's tensors: (weight) bf16; (q, scale) int8 with a bf16 scale per row; (q, scale[, offset]) int8 with
+// float32 scales (and offsets) per group; (packed, scale, offset) int4 (packed uint8).
 at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& t) {
-  switch (t.size()) {
-    case 1: return bf16_gemv(x, t[0], std::nullopt);
-    case 2: return int8_gemv(x, t[0], t[1]);
-    case 3: return int4_gemv(x, t[0], t[1], t[2]);
-    default: TORCH_CHECK(false, "a linear is 1 (bf16), 2 (int8) or 3 (int4) tensors, got ", t.size());
+  TORCH_CHECK(!t.empty() && t.size() <= 3, "a linear is 1 to 3 tensors, got ", t.size());
+  if (t.size() == 1) return bf16_gemv(x, t[0], std::nullopt);
+  if (t[0].scalar_type() == at::kByte) return int4_gemv(x, t[0], t[1], t[2]);
+  if (t[1].scalar_type() == at::kFloat)
+    return int8_group_gemv(x, t[0], t[1], t.size() == 3 ? std::optional<at::Tensor>(t[2]) : std::nullopt);
+  return int8_gemv(x, t[0], t[1]);
+}
+
+// The embedding rows of ids [M] as bf16 [M, H], from a table held as a linear's tensors (above): a bf16 table's rows,
+// or a quantised table's rows dequantised in float32 and rounded to bf16 once, with the operations (a product,
+// then a sum) of quantization/gguf.py's QuantizedEmbedding, so the same bits.
+at::Tensor embed_rows(const std::vector<at::Tensor>& t, const at::Tensor& ids) {
+  if (t.size() == 1) return t[0].index_select(0, ids);
+  const int64_t M = ids.numel(), groups = t[1].size(1);
+  if (t[0].scalar_type() == at::kChar) {  // int8 with float32 scales (and offsets) per group
+    at::Tensor w = t[0].index_select(0, ids).to(at::kFloat).view({M, groups, -1}) *
+                   t[1].index_select(0, ids).unsqueeze(-1);
+    if (t.size() == 3) w = w + t[2].index_select(0, ids).unsqueeze(-1);
+    return w.view({M, -1}).to(at::kBFloat16);
   }
+  // int4, rows stored lane by lane in blocks of 16 (quantization/int4.py): each id's block, then its lane
+  constexpr int64_t kLanes = 16;
+  const int64_t N = t[0].size(0);
+  TORCH_CHECK(N % kLanes == 0, "an int4 embedding table needs whole blocks of 16 rows, got ", N);
+  const at::Tensor block = at::floor_divide(ids, kLanes), lane = at::remainder(ids, kLanes);
+  auto pick = [&](const at::Tensor& x, int64_t width) {  // [N, c * width] lanes -> the ids' rows [M, c, width]
+    at::Tensor blocks = x.view({N / kLanes, -1, kLanes, width}).index_select(0, block);  // [M, c, 16, width]
+    at::Tensor at_lane = lane.view({M, 1, 1, 1}).expand({M, blocks.size(1), 1, width});
+    return blocks.gather(2, at_lane).squeeze(2);
+  };
+  const at::Tensor bytes = pick(t[0], 4).reshape({M, groups, -1});  // [M, groups, G/2]
+  const at::Tensor q = at::cat({at::bitwise_and(bytes, 15), at::bitwise_right_shift(bytes, 4)}, -1).to(at::kFloat);
+  const at::Tensor scale = pick(t[1], 1).to(at::kFloat), offset = pick(t[2], 1).to(at::kFloat);  // [M, groups]
+  return (offset.unsqueeze(-1) + scale.unsqueeze(-1) * q).view({M, -1}).to(at::kBFloat16);
 }
 
 // One layer of a decode step, as DecoderLayer.forward computes it on this path (the same kernels in the same order,
@@ -69,7 +100,7 @@ at::Tensor decode_logits(const DecoderModelWeights& model, const at::Tensor& inp
               " and ", v_caches.sizes());
   TORCH_CHECK(!layers.empty(), "a model without decoder layers");
   const RecycledOutputs recycled(input_ids.numel());  // the kernels' outputs: the last step's (cpu_kernels.h)
-  at::Tensor x = model.embed.index_select(0, input_ids);  // [M, H]
+  at::Tensor x = embed_rows(model.embed, input_ids);  // [M, H]
   at::Tensor x_normed = rms_norm(x, layers[0].input_norm, layers[0].eps);
   const at::Tensor cos = model.cos.index_select(0, positions).to(at::kBFloat16);  // [M, D]
   const at::Tensor sin = model.sin.index_select(0, positions).to(at::kBFloat16);
@@ -198,6 +229,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "a prompt chunk's causal attention in float32 from bf16 q, k, v "
         "(attention/attend.py prefill_attention_blocked's function)", py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("num_cached"), py::arg("scale"), py::arg("block"), py::call_guard<py::gil_scoped_release>());
+  m.def("int8_group_gemv", &int8_group_gemv,
+        "y = x @ (q * scale + offset).T for few rows of x (int8 weights, a float32 scale and offset per group)",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("offset") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemv", &int4_gemv, "y = x @ (offset + scale * q).T for few rows of x (group-wise int4 weights)",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, "int4_gemv's product for many rows of x: packed panels, a small GEMM",
@@ -237,7 +272,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("k_norm"), py::arg("o_proj"), py::arg("gate_up_proj"), py::arg("down_proj"), py::arg("num_heads"));
   py::class_<DecoderModelWeights>(m, "DecoderModelWeights", "a model's weights as decode_model takes them",
                                   py::module_local())
-      .def(py::init([](at::Tensor embed, at::Tensor cos, at::Tensor sin, std::vector<DecoderLayerWeights> layers,
+      .def(py::init([](std::vector<at::Tensor> embed, at::Tensor cos, at::Tensor sin, std::vector<DecoderLayerWeights> layers,
                        at::Tensor norm, double eps, std::vector<at::Tensor> lm_head) {
              return DecoderModelWeights{embed, cos, sin, std::move(layers), norm, eps, lm_head};
            }),

@@ -1,0 +1,158 @@
+// int8 weights with a float32 scale (and offset) per group of G inputs, times few rows of bf16 x (decode), on CPUs
+// with AVX2 + FMA (AVX-512 VNNI's vpdpwssd where present): the format that holds a GGUF file's Q8_0, Q5_*, Q6_K
+// matrices exactly (nanoqwen/quantization/int8_group.py).
+//
+//   int8_group_gemv(x [M,K] bf16, q [N,K] int8, scale [N,K/G] float32, offset [N,K/G] float32 or none)
+//       -> y [M,N] bf16,   y = x' @ (q * scale + offset).T,  G = 16 or 32 (meant for few rows: each weight row
+//          is read once and multiplied by every row of x; int8_group.py dequantises for prompts)
+//
+// x is quantised once per call to int16 per group of G (symmetric, one float32 scale per group: d = max|x| / 32767,
+// xq = round(x / d), half to even; xs = d * sum(xq) for the offsets), as int8_gemv quantises it per 64 (gemv.cpp),
+// so each group's dot product sum_k q[k] xq[k] is an integer one (16 weights widened to int16 and multiplied in
+// pairs into 8 int32 lanes per instruction). Per weight row n and x row m:
+//     y[m, n] = sum_g (scale[n, g] * d[m, g]) * isum[n, m, g]  +  sum_g offset[n, g] * xs[m, g]
+// the first sum kept in 8 float32 lanes (one FMA per group and x row) and added across lanes once at the end;
+// int8_group_gemv_reference (ops/cpu/kernels.py) computes the same function. Threads split the weight rows.
+
+#include "cpu_kernels.h"
+
+namespace nanoqwen {
+namespace {
+
+constexpr int kTile = 4;           // rows of x per register tile
+
+struct GroupX {
+  std::vector<int16_t> xq;
+  std::vector<float> d, xs;
+};
+
+GroupX quantize_x_groups(const uint16_t* x, int64_t M, int64_t K, int64_t G) {
+  const int64_t blocks = M * (K / G);
+  GroupX out{std::vector<int16_t>(M * K), std::vector<float>(blocks), std::vector<float>(blocks)};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint16_t* xb = x + b * G;
+    int16_t* qb = out.xq.data() + b * G;
+    const float d = absmax_bf16(xb, G) / 32767.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int64_t sum = 0;
+    for (int64_t k = 0; k < G; ++k) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(bf16_to_float(xb[k]) * inv));  // half to even
+      qb[k] = static_cast<int16_t>(v);
+      sum += v;
+    }
+    out.d[b] = d;
+    out.xs[b] = d * static_cast<float>(sum);
+  }
+  return out;
+}
+
+#ifdef NANOQWEN_AVX2
+inline __m256i dot16(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+#endif
+
+// y[m0 .. m0 + T - 1, n] for one weight row n (w: its K int8, s / o: its K / G scales and offsets, o may be null).
+template <int T, int G>
+void row_tile(const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const float* s, const float* o, int64_t N,
+              int64_t n, at::BFloat16* y) {
+  const int64_t groups = K / G;
+  float total[T];
+#ifdef NANOQWEN_AVX2
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* wg = w + g * G;
+    _mm_prefetch(reinterpret_cast<const char*>(wg) + kRowPrefetchBytes, _MM_HINT_T0);
+    __m256i wv[G / 16];
+    for (int v = 0; v < G / 16; ++v)
+      wv[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16 * v)));
+    const float sg = s[g];
+    for (int t = 0; t < T; ++t) {
+      const int16_t* xg = x.xq.data() + (m0 + t) * K + g * G;
+      __m256i isum = _mm256_setzero_si256();
+      for (int v = 0; v < G / 16; ++v)
+        isum = dot16(isum, wv[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16 * v)));
+      const __m256 sd = _mm256_set1_ps(sg * x.d[(m0 + t) * groups + g]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sd, acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) total[t] = hsum(acc[t]);
+#else
+  for (int t = 0; t < T; ++t) {
+    total[t] = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t isum = 0;
+      for (int k = 0; k < G; ++k) isum += int32_t(w[g * G + k]) * int32_t(x.xq[(m0 + t) * K + g * G + k]);
+      total[t] = std::fma(static_cast<float>(isum), s[g] * x.d[(m0 + t) * groups + g], total[t]);
+    }
+  }
+#endif
+  for (int t = 0; t < T; ++t) {
+    if (o != nullptr) {
+      const float* xs = x.xs.data() + (m0 + t) * groups;
+      for (int64_t g = 0; g < groups; ++g) total[t] = std::fma(o[g], xs[g], total[t]);
+    }
+    y[(m0 + t) * N + n] = at::BFloat16(total[t]);  // one rounding, RNE
+  }
+}
+
+template <int G, int T = kTile>
+void row_tiles(int rows, const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const float* s, const float* o,
+               int64_t N, int64_t n, at::BFloat16* y) {
+  if constexpr (T > 1) {
+    if (rows < T) return row_tiles<G, T - 1>(rows, x, K, m0, w, s, o, N, n, y);
+  }
+  row_tile<T, G>(x, K, m0, w, s, o, N, n, y);
+}
+
+template <int G>
+void group_passes(const GroupX& x, int64_t M, int64_t K, int64_t N, const int8_t* q, const float* s, const float* o,
+                  at::BFloat16* y) {
+  const int64_t groups = K / G;
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, K));
+  parallel_rows(N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m0 = 0; m0 < M; m0 += kTile)
+        row_tiles<G>(static_cast<int>(std::min<int64_t>(kTile, M - m0)), x, K, m0, q + n * K, s + n * groups,
+                     o ? o + n * groups : nullptr, N, n, y);
+  });
+}
+
+}  // namespace
+
+at::Tensor int8_group_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scale_in,
+                           const std::optional<at::Tensor>& offset_in) {
+  TORCH_CHECK(x_in.device().is_cpu() && q_in.device().is_cpu() && scale_in.device().is_cpu(),
+              "x, q and scale must be CPU tensors");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", x_in.scalar_type());
+  TORCH_CHECK(q_in.scalar_type() == at::kChar, "q must be int8, got ", q_in.scalar_type());
+  TORCH_CHECK(scale_in.scalar_type() == at::kFloat, "scale must be float32, got ", scale_in.scalar_type());
+  TORCH_CHECK(x_in.dim() == 2 && q_in.dim() == 2 && scale_in.dim() == 2, "x, q and scale must be 2-D");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = q_in.size(0);
+  TORCH_CHECK(q_in.size(1) == K, "x has K=", K, " but q has K=", q_in.size(1));
+  TORCH_CHECK(scale_in.size(0) == N && scale_in.size(1) > 0 && K % scale_in.size(1) == 0,
+              "scale must be [N, K/G] with N=", N, ", got ", scale_in.sizes());
+  const int64_t G = K / scale_in.size(1);
+  TORCH_CHECK(G == 16 || G == 32, "int8_group_gemv's group size is 16 or 32, got ", G);
+  at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), scale = scale_in.contiguous(), offset;
+  if (offset_in) {
+    TORCH_CHECK(offset_in->scalar_type() == at::kFloat && offset_in->sizes() == scale_in.sizes(),
+                "offset must be float32 shaped like scale, got ", offset_in->scalar_type(), " ", offset_in->sizes());
+    offset = offset_in->contiguous();
+  }
+  at::Tensor y = new_output({M, N}, x_in.options().dtype(at::kBFloat16));
+  if (M == 0 || N == 0) return y;
+  const GroupX xq = quantize_x_groups(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, G);
+  const float* o = offset.defined() ? offset.data_ptr<float>() : nullptr;
+  if (G == 32)
+    group_passes<32>(xq, M, K, N, q.data_ptr<int8_t>(), scale.data_ptr<float>(), o, y.data_ptr<at::BFloat16>());
+  else
+    group_passes<16>(xq, M, K, N, q.data_ptr<int8_t>(), scale.data_ptr<float>(), o, y.data_ptr<at::BFloat16>());
+  return y;
+}
+
+}  // namespace nanoqwen

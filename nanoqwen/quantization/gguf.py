@@ -1,0 +1,115 @@
+"""A GGUF file's quantised matrices in nanoqwen's formats, unchanged: each is repacked without loss, so the model
+computes with exactly the weights the file holds (never a second quantisation).
+
+- Q4_0, Q4_1, Q4_K (q in 0..15, a scale and an offset per group of 32): the int4 format (int4.py) with group
+  size 32 and float32 scales and offsets (`Int4Linear`; its kernel takes float32 scales as well as bf16 ones).
+- Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: the grouped int8 format (int8_group.py: `Int8GroupLinear`), groups of 32 (Q6_K:
+  16), float32 scales, and offsets where the type has them.
+- One fused matrix made of several GGUF tensors (q/k/v, gate/up) whose types differ (a Q4_K_M file keeps
+  attn_v and ffn_down of some layers in Q6_K): every part in the grouped int8 format, groups of the smallest
+  size (a group's scale repeated: still exact).
+
+The unpacking of each type's blocks: nanoqwen/ops/gguf_quants.py. `QuantizedEmbedding` looks up token rows of a
+quantised embedding table (dequantising just those rows), and its matrix is also the LM head where the file ties
+them: the table is held once, in its file size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoqwen.layers.linear import Linear
+from nanoqwen.ops.gguf_quants import GroupedWeights
+from nanoqwen.ops.quantize import INT4_BLOCK_ROWS, dequantize_int4, pack_int4
+from nanoqwen.quantization.base import QuantizedLinear
+from nanoqwen.quantization.int4 import Int4Experts, Int4Linear
+from nanoqwen.quantization.int8_group import Int8GroupExperts, Int8GroupLinear, dequantize_int8_group
+
+INT4_GROUP = 32
+
+
+def is_four_bit(w: GroupedWeights) -> bool:
+    """Whether the int4 format holds these weights (q in 0..15 with an offset, groups of 32)."""
+    return w.q.dtype == torch.uint8 and w.offset is not None and w.group == INT4_GROUP and int(w.q.max()) < 16
+
+
+def concat_parts(parts: list[GroupedWeights]) -> GroupedWeights:
+    """The parts' rows one after another, in one format: as they are where they share it, else every part as
+    grouped int8 with the smallest group size (module docstring)."""
+    if len(parts) == 1:
+        return parts[0]
+    four_bit = all(is_four_bit(p) for p in parts)
+    group = min(p.group for p in parts)
+
+    def regroup(t: torch.Tensor, p: GroupedWeights) -> torch.Tensor:
+        return t.repeat_interleave(p.group // group, dim=1)
+
+    def q_of(p: GroupedWeights) -> torch.Tensor:
+        return p.q if four_bit or p.q.dtype == torch.int8 else p.q.to(torch.int8)  # 0..31 fits int8
+
+    offsets = None
+    if any(p.offset is not None for p in parts):
+        offsets = torch.cat([regroup(p.offset if p.offset is not None else torch.zeros_like(p.scale), p)
+                             for p in parts])
+    return GroupedWeights(torch.cat([q_of(p) for p in parts]), torch.cat([regroup(p.scale, p) for p in parts]),
+                          offsets, group)
+
+
+def quantized_linear(linear: Linear, w: GroupedWeights) -> QuantizedLinear:
+    """The quantised version of `linear` holding w (its shape: the linear's)."""
+    if is_four_bit(w):
+        return Int4Linear.from_buffers(linear, *pack_int4(w.q, w.scale, w.offset))
+    q = w.q if w.q.dtype == torch.int8 else w.q.to(torch.int8)
+    return Int8GroupLinear.from_buffers(linear, q, w.scale, w.offset)
+
+
+def quantized_experts(matrices: dict[str, list[GroupedWeights]], matmul_path) -> nn.Module:
+    """Qwen3-MoE experts from each expert's gate_up_proj and down_proj (a GroupedWeights per expert and name), in
+    the int4 format where every matrix fits it, else grouped int8."""
+    if all(is_four_bit(w) for ws in matrices.values() for w in ws):
+        packed = {name: tuple(torch.stack(t) for t in zip(*(pack_int4(w.q, w.scale, w.offset) for w in ws),
+                                                          strict=True))
+                  for name, ws in matrices.items()}
+        return Int4Experts.from_buffers(packed, matmul_path)
+    int8 = {}
+    for name, ws in matrices.items():
+        whole = concat_parts(ws)  # every expert in one format, then split again
+        count = len(ws)
+        q = (whole.q if whole.q.dtype == torch.int8 else whole.q.to(torch.int8)).view(count, -1, whole.q.shape[1])
+        scale = whole.scale.view(count, -1, whole.scale.shape[1])
+        offset = None if whole.offset is None else whole.offset.view(count, -1, whole.offset.shape[1])
+        int8[name] = (q, scale, offset)
+    return Int8GroupExperts(int8, matmul_path)
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table held in a quantised format (`table`: an Int4Linear or Int8GroupLinear [V, H]): a lookup
+    dequantises just the rows it reads, to `dtype`. `weight` is the table's matrix, so a tied LM head (the same
+    `table` module) is recognised as tied."""
+
+    def __init__(self, table: QuantizedLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        self.tp_size = 1
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        t = self.table
+        if isinstance(t, Int4Linear):  # rows stored lane by lane in blocks of 16: dequantise each id's block
+            n, rows = t.weight.shape[0], INT4_BLOCK_ROWS
+            blocks = input_ids // rows
+            full = n // rows * rows  # ids in the last, partial block take it whole
+            if bool((input_ids >= full).any()) or n % rows:
+                w = dequantize_int4(t.weight, t.scale, t.offset)
+                return F.embedding(input_ids, w).to(self.dtype)
+            pick = lambda b: b.view(n // rows, -1)[blocks].view(-1, b.shape[1])  # noqa: E731 (the ids' blocks)
+            w = dequantize_int4(pick(t.weight), pick(t.scale), pick(t.offset)).view(-1, rows, 2 * t.weight.shape[1])
+            return w[torch.arange(len(input_ids), device=input_ids.device), input_ids % rows].to(self.dtype)
+        offset = None if t.offset is None else t.offset[input_ids]
+        return dequantize_int8_group(t.weight[input_ids], t.scale[input_ids], offset).to(self.dtype)

@@ -1,0 +1,222 @@
+"""GGUF files: the reader against the `gguf` package's, every block type's unpacking against
+gguf.quants.dequantize, the tokenizer and chat template rebuilt from metadata against Qwen's files, logits against
+transformers running the dequantised weights, the CPU decode kernels against the plain path, and the errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import hf_model, prompt_logits, run_cli, tiny_config
+from gguf_files import T, random_blocks, write_gguf
+
+from nanoqwen import LLM, ConfigError, SamplingParams, WeightsError
+from nanoqwen.model_loader.gguf import GGUFCheckpoint
+from nanoqwen.model_loader.hub import resolve_model_path
+from nanoqwen.model_loader.init_random import ASSETS
+from nanoqwen.model_loader.loader import load_config, load_model, load_tokenizer
+from nanoqwen.ops.gguf_quants import BLOCK_SIZES, unpack
+from nanoqwen.quantization import Int4Linear
+from nanoqwen.quantization.gguf import QuantizedEmbedding
+from nanoqwen.quantization.int8_group import Int8GroupLinear
+from nanoqwen.tokenizer import Tokenizer
+
+PROMPT = [9707, 11, 847, 829, 374, 1207, 16948, 13, 358, 1075, 311, 3270, 2038]
+# K-quant blocks hold 256 weights: every matrix's columns a multiple of 256
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+# what a llama.cpp Q4_K_M file holds (attn_v and ffn_down of some layers Q6_K, the tied table Q6_K), and a mix of
+# every other type
+Q4_K_M = {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K, "token_embd.weight": T.Q6_K}
+MIXED = {"attn_q.weight": T.Q4_0, "attn_k.weight": T.Q4_1, "attn_v.weight": T.Q5_0, "attn_output.weight": T.Q5_1,
+         "ffn_gate.weight": T.Q5_K, "ffn_up.weight": T.Q8_0, "ffn_down.weight": T.BF16, "token_embd.weight": T.Q8_0,
+         "output.weight": T.Q4_K}
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory):
+    """gguf_model(name, types, default, **config) -> (file, dequantised folder), written once per module."""
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def make(name: str, types: dict, default: T = T.Q4_K, **overrides) -> tuple[Path, Path]:
+        if name not in cache:
+            raw = tiny_config(**{**SHAPE, **overrides})
+            cache[name] = write_gguf(tmp_path_factory.mktemp(name), raw, types, default)
+        return cache[name]
+
+    return make
+
+
+@pytest.mark.parametrize("qtype", list(BLOCK_SIZES), ids=lambda t: t.name)
+def test_unpack_equals_gguf_dequantize(qtype):
+    """Every block type unpacks to exactly the weights gguf's reference gives (a wrong nibble, bit plane or scale
+    order changes values)."""
+    rng = np.random.default_rng(int(qtype))
+    blocks = random_blocks(rng, T(int(qtype)), rows=24, cols=512)
+    ours = unpack(torch.from_numpy(blocks), int(qtype), 512).dequantize().numpy()
+    np.testing.assert_array_equal(ours, gguf.quants.dequantize(blocks, T(int(qtype))).astype(np.float32))
+
+
+def test_reader_equals_gguf_reader(gguf_model):
+    path, _ = gguf_model("mixed", MIXED, untied=True, tie_word_embeddings=False)
+    ours, theirs = GGUFCheckpoint(path), gguf.GGUFReader(path)
+    keys = [k for k in theirs.fields if not k.startswith("GGUF.")]
+    assert set(keys) == set(ours.fields)
+    for key in keys:
+        value = theirs.fields[key].contents()
+        assert ours.fields[key] == pytest.approx(value) if isinstance(value, float) else ours.fields[key] == value
+    assert [t.name for t in theirs.tensors] == list(ours.tensors)
+    for t in theirs.tensors:
+        mine = ours.tensors[t.name]
+        assert mine.ggml_type == int(t.tensor_type) and mine.shape == tuple(reversed(t.shape.tolist()))
+        assert np.array(mine.data).tobytes() == t.data.tobytes()
+
+
+@pytest.mark.parametrize("name,types,default,overrides", [
+    ("q4_k_m", Q4_K_M, T.Q4_K, {}),
+    ("mixed", MIXED, T.Q4_K, {"untied": True, "tie_word_embeddings": False}),
+    ("f16", {"token_embd.weight": T.F16}, T.F16, {}),
+], ids=["q4_k_m", "every-type-untied", "f16"])
+def test_logits_equal_transformers_on_dequantised_weights(gguf_model, name, types, default, overrides):
+    """float32: nanoqwen on the GGUF file computes what transformers computes on the file's weights dequantised by
+    gguf's reference, and the greedy tokens are the same."""
+    path, ref = gguf_model(name, types, default, **overrides)
+    model = load_model(path, load_config(path), torch.float32, torch.device("cpu"))
+    theirs_model = hf_model(ref, torch.float32)
+    with torch.no_grad():
+        theirs = theirs_model(torch.tensor([PROMPT])).logits[0]
+    ours = prompt_logits(model, PROMPT)
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    if name != "f16":  # the file's quantised matrices are held as they are, not as model-dtype copies
+        assert isinstance(model.embed_tokens, QuantizedEmbedding)
+        assert isinstance(model.layers[0].self_attn.o_proj, Int4Linear | Int8GroupLinear)
+
+
+def test_q4_k_m_layout_and_memory(gguf_model):
+    """Q4_K matrices as int4 (groups of 32, float32 scales), Q6_K ones as grouped int8; a tied head shares the
+    embedding table; weights in memory stay near the file's tensor bytes."""
+    path, _ = gguf_model("q4_k_m", Q4_K_M, T.Q4_K)
+    model = load_model(path, load_config(path), torch.bfloat16, torch.device("cpu"))
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert isinstance(mlp.gate_up_proj, Int4Linear) and mlp.gate_up_proj.scale.dtype == torch.float32
+    assert mlp.gate_up_proj.scale.shape[1] == 256 // 32
+    assert isinstance(mlp.down_proj, Int8GroupLinear) and mlp.down_proj.offset is None
+    assert isinstance(attn.qkv_proj, Int8GroupLinear)  # q, k Q4_K with v Q6_K: one format for the fused matrix
+    assert model.lm_head is model.embed_tokens.table and model.is_tied
+    from nanoqwen.quantization import weight_bytes
+
+    file_bytes = GGUFCheckpoint(path).tensor_bytes()
+    assert weight_bytes(model) < 1.6 * file_bytes
+
+
+def test_moe_gguf_equals_transformers(gguf_model):
+    """A Qwen3-MoE GGUF (stacked ffn_*_exps tensors, the router ffn_gate_inp in F32)."""
+    path, ref = gguf_model("moe", {"ffn_down_exps.weight": T.Q8_0}, T.Q4_K, **{
+        **json.loads(json.dumps(_moe())), "hidden_size": 256})
+    model = load_model(path, load_config(path), torch.float32, torch.device("cpu"))
+    assert model.config.is_moe and model.config.num_experts == 8
+    with torch.no_grad():
+        theirs = hf_model(ref, torch.float32)(torch.tensor([PROMPT])).logits[0]
+    ours = prompt_logits(model, PROMPT)
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+
+
+def _moe() -> dict:
+    from nanoqwen.model_loader.init_random import preset_config
+
+    raw = preset_config("qwen3-moe-tiny")
+    return {k: raw[k] for k in ("architectures", "model_type", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+                                "decoder_sparse_step", "mlp_only_layers", "num_hidden_layers")} | {
+        "moe_intermediate_size": 256}
+
+
+def test_tokenizer_and_chat_template_from_metadata(gguf_model):
+    """Token ids equal those of Qwen's tokenizer.json; the chat prompt (thinking, tools) equals the folder's."""
+    path, _ = gguf_model("q4_k_m", Q4_K_M, T.Q4_K)
+    ours, official = load_tokenizer(path), Tokenizer.from_pretrained(ASSETS / "qwen3-0.6b")
+    texts = ["Hello, world!", "  leading spaces\n\nand\ttabs  ", "数学题：1+1=？ Ünïcödé ✓ 🙂",
+             "<|im_start|>user\nhi<|im_end|>", "<think>\nhm\n</think>\n\n<tool_call>{}</tool_call>",
+             "def f(x):\n    return x ** 2  # comment\r\n", "I'm, you're, we'll, they'd 123456789"]
+    for text in texts:
+        assert ours.encode(text) == official.encode(text), text
+        assert ours.decode(official.encode(text)) == text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    for kwargs in ({}, {"enable_thinking": False}, {"tools": tools}):
+        assert ours.apply_chat_template(messages, add_generation_prompt=True, **kwargs) == \
+            official.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+    assert ours.eos_token == "<|im_end|>" and ours.pad_token == "<|endoftext|>"
+
+
+def test_llm_runs_the_file_alone(gguf_model, tmp_path):
+    """LLM(file.gguf): stop tokens and sampling defaults from the metadata; the fused CPU decode step (quantised
+    embedding rows, int4 with float32 scales, grouped int8) gives the tokens the plain path gives; a folder holding
+    one .gguf is that file."""
+    path, _ = gguf_model("q4_k_m", Q4_K_M, T.Q4_K)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory=32 << 20)
+    engine = llm.llm_engine
+    assert engine.eos_token_ids == {151645, 151643}
+    assert (engine.generation_config.top_k, engine.generation_config.temperature) == (20, pytest.approx(0.6))
+    assert engine.runner.fused_decoder is not None
+    fused = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    os.environ["NANOQWEN_FUSED_DECODE"] = "0"
+    try:
+        plain_llm = LLM(str(path), max_model_len=128, kv_cache_memory=32 << 20)
+        assert plain_llm.llm_engine.runner.fused_decoder is None
+        plain = plain_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        del os.environ["NANOQWEN_FUSED_DECODE"]
+    assert fused == plain and len(fused) == 16
+    folder = tmp_path / "only-gguf"
+    folder.mkdir()
+    shutil.copy(path, folder / "qwen3-q4_k_m.gguf")
+    assert resolve_model_path(str(folder)) == folder / "qwen3-q4_k_m.gguf"
+    assert resolve_model_path(str(folder), "qwen3-q4_k_m.gguf") == folder / "qwen3-q4_k_m.gguf"
+
+
+def test_cli_generate_with_a_gguf(gguf_model):
+    path, _ = gguf_model("q4_k_m", Q4_K_M, T.Q4_K)
+    r = run_cli("generate", "--model", str(path), "--prompt", "Hello", "--max-tokens", "4", "--temperature", "0",
+                "--kv-cache-memory", "32MiB", "--max-model-len", "128")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+
+
+def test_errors_name_the_problem(gguf_model, tmp_path):
+    path, _ = gguf_model("q4_k_m", Q4_K_M, T.Q4_K)
+    with pytest.raises(ConfigError, match="already quantized .*Q4_K.*leave out --quantization int8"):
+        LLM(str(path), quantization="int8", max_model_len=128, kv_cache_memory=32 << 20)
+    # an unsupported type names the tensor, its type and the supported list
+    raw = bytearray(path.read_bytes())
+    ckpt = GGUFCheckpoint(path)
+    bad = tmp_path / "iq4.gguf"
+    _retype(raw, ckpt, "blk.0.attn_output.weight", 23)  # IQ4_XS
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(WeightsError, match=r"'blk\.0\.attn_output\.weight' has type IQ4_XS.*supported types: F32"):
+        load_model(bad, load_config(bad), torch.float32, torch.device("cpu"))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[: 1 << 20])
+    with pytest.raises(WeightsError, match="truncated.gguf is not a readable GGUF file"):
+        load_config(truncated)
+    with pytest.raises(Exception, match="holds 2 GGUF files"):
+        folder = tmp_path / "two"
+        folder.mkdir()
+        for name in ("a.gguf", "b.gguf"):
+            shutil.copy(path, folder / name)
+        resolve_model_path(str(folder))
+
+
+def _retype(raw: bytearray, ckpt: GGUFCheckpoint, name: str, new_type: int) -> None:
+    """Rewrite tensor `name`'s type id in the file's tensor infos (its data stays: only the type is checked)."""
+    key = name.encode()
+    at = bytes(raw).index(len(key).to_bytes(8, "little") + key) + 8 + len(key)
+    dims = int.from_bytes(raw[at: at + 4], "little")
+    at += 4 + 8 * dims
+    raw[at: at + 4] = new_type.to_bytes(4, "little")
