@@ -5,6 +5,7 @@ batch-1 decode, at 16, 8 and 4 bits (bf16, int8 / q8_0, int4 / q4_0), each as a 
     python bench/bench_llamacpp.py --write    # also record the table in BENCHMARKS.md
     python bench/bench_llamacpp.py --rounds 9 # more rounds (default 5)
     python bench/bench_llamacpp.py --num-scheduler-steps 1   # nanoqwen decodes one step a call (default 8)
+    python bench/bench_llamacpp.py --gguf     # both systems on the same Q8_0 and Q4_K_M files (--write: its table)
 
 Needs llama-cpp-python (an optional benchmark dependency, never a test one): build it once with
 `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python` (a long build on few cores; pip keeps the wheel),
@@ -63,7 +64,7 @@ import bench_model  # noqa: E402  (its checkpoint, children and ceilings)
 ROOT = bench_model.ROOT
 GGUF_DIR = ROOT / "bench" / ".models" / "gguf"
 SRC_DIR = ROOT / "bench" / ".models" / "llama-cpp-src"
-FORMATS = ("bf16", "q8_0", "q4_0")
+FORMATS = ("bf16", "q8_0", "q4_0", "q4_k_m")
 DECODE_PROMPT, DECODE_TOKENS = 32, 64
 
 
@@ -106,7 +107,7 @@ def gguf_files(model_dir: Path) -> dict[str, Path]:
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "bf16",
                         "--outfile", str(files["bf16"])], check=True, env=env)
-    for fmt in ("q8_0", "q4_0"):
+    for fmt in ("q8_0", "q4_0", "q4_k_m"):
         if not files[fmt].exists():
             ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{fmt.upper()}")
             params = llama_cpp.llama_model_quantize_default_params()
@@ -115,6 +116,13 @@ def gguf_files(model_dir: Path) -> dict[str, Path]:
             if llama_cpp.llama_model_quantize(str(files["bf16"]).encode(), str(files[fmt]).encode(), params):
                 sys.exit(f"llama_model_quantize to {fmt} failed")
     return files
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    """The bytes of a GGUF file's tensors (what its weights take as the file holds them)."""
+    from nanoqwen.model_loader.gguf import GGUFCheckpoint
+
+    return GGUFCheckpoint(path).tensor_bytes()
 
 
 def load_llama(gguf: str):
@@ -169,7 +177,9 @@ def load_nanoqwen(model: str, quantization: str | None, num_scheduler_steps: int
 def child(system: str, model: str, num_scheduler_steps: int) -> None:
     """Load one system, warm it up, print READY and its facts, then time what each line of stdin names
     ("prefill", "decode" or, nanoqwen only, "decode16"), one RESULT line each, until stdin closes."""
-    if system.startswith("nanoqwen"):
+    if system.startswith("nanoqwen-gguf"):  # the GGUF file itself: its own weights, no --quantization
+        prefill, decode, decode16, info = load_nanoqwen(model, None, num_scheduler_steps)
+    elif system.startswith("nanoqwen"):
         prefill, decode, decode16, info = load_nanoqwen(model, system.partition("-")[2] or None, num_scheduler_steps)
     else:
         prefill, decode, decode16, info = load_llama(model)
@@ -354,6 +364,32 @@ def table(results: dict[str, dict], bandwidth: list[float], huge: list[float], c
     return "\n".join(lines)
 
 
+def gguf_table(results: dict[str, dict], pairs: list[tuple[str, str]], rounds: int) -> str:
+    """--gguf: both systems on each file: speeds, nanoqwen's ratios to llama.cpp, and the weights in memory."""
+    lines = ["| file | system | prefill 512 (tok/s) | / llama.cpp | decode b1 (tok/s) | / llama.cpp | "
+             "weights in memory (MiB) | / file's tensor bytes |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for llama, ours in pairs:
+        fmt = llama.partition("-")[2].upper()
+        tensor_bytes = results.get(ours, {}).get("gguf_tensor_bytes")
+        for label, key in ((f"llama.cpp {fmt}", llama), (f"nanoqwen {fmt}", ours)):
+            r = results.get(key)
+            if r is None:
+                lines.append(f"| {fmt} | {label} | – | | – | | | |")
+                continue
+            paired = r.get("paired", {})
+            ratio = {k: f"{statistics.median(paired[k]):.2f}×" if k in paired else ""
+                     for k in ("prefill_tok_s", "decode_b1_tok_s")}
+            held = r.get("weight_bytes", r.get("file_bytes"))
+            share = f"{held / tensor_bytes:.2f}" if tensor_bytes and "weight_bytes" in r else ""
+            lines.append(f"| {fmt} | {label} | {r['prefill_tok_s']:.1f} | {ratio['prefill_tok_s']} | "
+                         f"{r['decode_b1_tok_s']:.1f} | {ratio['decode_b1_tok_s']} | {held / 2**20:.0f} | {share} |")
+    lines += ["", f"Each system's figure is its best of {rounds} rounds; each \"/ llama.cpp\" is the median of the "
+              "rounds' ratios, each of two timings taken back to back. Weights in memory: nanoqwen's weight tensors "
+              "(LLMEngine.weight_bytes), llama.cpp's file size (it maps the file)."]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder (default: bench_model's random Qwen3-0.6B)")
@@ -361,6 +397,8 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
     parser.add_argument("--num-scheduler-steps", type=int, default=8, metavar="K",
                         help="nanoqwen's greedy decode steps in one go (EngineConfig.num_scheduler_steps; default 8)")
+    parser.add_argument("--gguf", action="store_true",
+                        help="nanoqwen loads the same Q8_0 and Q4_K_M GGUF files llama.cpp runs (its own table)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -376,22 +414,44 @@ def main() -> None:
     print("running ceilings ...", file=sys.stderr)
     ceil = bench_model.run_child("ceilings", model_dir, "cpu", 3)
     pairs = [("llama-bf16", "nanoqwen"), ("llama-q8_0", "nanoqwen-int8"), ("llama-q4_0", "nanoqwen-int4")]
+    if args.gguf:
+        pairs = [("llama-q8_0", "nanoqwen-gguf-q8_0"), ("llama-q4_k_m", "nanoqwen-gguf-q4_k_m")]
     children = {}
     try:
         for llama, ours in pairs:
-            for name, model in ((llama, str(files[llama.partition("-")[2]])), (ours, str(model_dir))):
+            fmt = llama.partition("-")[2]
+            for name, model in ((llama, str(files[fmt])),
+                                (ours, str(files[fmt] if args.gguf else model_dir))):
                 print(f"loading {name} ...", file=sys.stderr, flush=True)
                 try:
                     children[name] = Child(name, model, args.num_scheduler_steps)
                 except SystemExit as e:  # a system that fails to load does not stop the others (its row: –)
                     print(e, file=sys.stderr)
-        if "nanoqwen" not in children:
+        if not any(name.startswith("nanoqwen") for name in children):
             sys.exit("no table: nanoqwen failed to load")
         results, bandwidth, huge = run_rounds(children, pairs, args.rounds)
     finally:
         for c in children.values():
             c.close()
     instructions = llama_instructions()
+    if args.gguf:
+        for _, ours in pairs:
+            if ours in results:
+                fmt = ours.rpartition("-gguf-")[2]
+                results[ours]["gguf_tensor_bytes"] = gguf_tensor_bytes(files[fmt])
+        body = (f"### nanoqwen vs llama.cpp on the same GGUF files (llama-cpp-python {llama_cpp.__version__}), CPU\n\n"
+                f"llama.cpp built for: {' '.join(instructions)}.\n\n"
+                f"`python bench/bench_llamacpp.py --gguf`: "
+                f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}, "
+                "converted to GGUF bf16 and quantised with llama.cpp's llama_model_quantize to Q8_0 and Q4_K_M; "
+                "nanoqwen loads each file (`--model FILE.gguf`) and computes with its weights as they are. "
+                f"{os.cpu_count()} threads for both, nanoqwen decodes with num_scheduler_steps "
+                f"{args.num_scheduler_steps}; timed in rounds as the script's docstring says.\n\n"
+                f"{bench_model.machine_line('cpu')}\n\n" + gguf_table(results, pairs, args.rounds))
+        print(body)
+        if args.write:
+            bench_model.write_benchmarks(bench_model.section_name("bench_llamacpp", "cpu") + "-gguf", body)
+        return
     body = (f"### nanoqwen vs llama.cpp (llama-cpp-python {llama_cpp.__version__}), CPU\n\n"
             f"llama.cpp built for: {' '.join(instructions)}.\n\n"
             f"`python bench/bench_llamacpp.py` on "

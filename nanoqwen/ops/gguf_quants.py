@@ -56,17 +56,33 @@ SUPPORTED_TYPES = (*FLOAT_TYPES, *BLOCK_SIZES)
 
 
 @dataclass(frozen=True)
+class TwoLevelScales:
+    """The K types' scales as the file holds them: a small integer per group (sub_scale: Q4_K's 6-bit uint8,
+    Q6_K's int8; sub_offset: Q4_K's 6-bit mins) times a float32 per super-block of `groups` groups (super_scale: d;
+    super_offset: -dmin), each [rows, ...]. scale = super_scale * sub_scale exactly (a float16 times a small
+    integer), so nanoqwen can hold these instead of float32 scales: 4.625 bits a Q4_K weight, not 6."""
+
+    sub_scale: torch.Tensor
+    sub_offset: torch.Tensor | None
+    super_scale: torch.Tensor
+    super_offset: torch.Tensor | None
+    groups: int
+
+
+@dataclass(frozen=True)
 class GroupedWeights:
     """A matrix as integers with a scale (and offset) per group: weight = q * scale + offset.
 
     q [rows, cols] (uint8 for the 4- and 5-bit types with an offset, int8 otherwise), scale and offset
-    [rows, cols / group] float32; offset None where the type has none (the symmetric types).
+    [rows, cols / group] float32; offset None where the type has none (the symmetric types). two_level: the same
+    scales as Q4_K and Q6_K hold them (None for the other types).
     """
 
     q: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None
     group: int
+    two_level: TwoLevelScales | None = None
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix [rows, cols]."""
@@ -110,6 +126,7 @@ def unpack(data: torch.Tensor, ggml_type: GGMLType | int, cols: int) -> GroupedW
     b = data.reshape(rows, cols // weights, nbytes)  # [rows, blocks, bytes]
     group = GROUP_SIZES[t]
     offset: torch.Tensor | None = None
+    two_level = None
     if t == GGMLType.Q8_0:
         scale, q = _f16(b[..., 0:2]), b[..., 2:].contiguous().view(torch.int8)
     elif t == GGMLType.Q4_0:
@@ -127,6 +144,9 @@ def unpack(data: torch.Tensor, ggml_type: GGMLType | int, cols: int) -> GroupedW
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = _k_scales(b[..., 4:16])
         scale, offset = d[..., None] * sc, -(dmin[..., None] * mn)  # [rows, blocks, 8]
+        if t == GGMLType.Q4_K:  # (-dmin) * m is -(dmin * m) exactly
+            two_level = TwoLevelScales(sc.to(torch.uint8).reshape(rows, -1), mn.to(torch.uint8).reshape(rows, -1),
+                                       d.contiguous(), (-dmin).contiguous(), 8)
         qs = b[..., -128:].reshape(rows, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
         q = torch.stack([qs & 15, qs >> 4], dim=3)  # [rows, blocks, 4, 2, 32]
         if t == GGMLType.Q5_K:  # bit 2c + h of qh[l]: the fifth bit of element l of sub-block 2c + h
@@ -137,6 +157,7 @@ def unpack(data: torch.Tensor, ggml_type: GGMLType | int, cols: int) -> GroupedW
         ql, qh = b[..., 0:128], b[..., 128:192]
         scales, d = b[..., 192:208].contiguous().view(torch.int8).float(), _f16(b[..., 208:210])
         scale = d[..., None] * scales  # [rows, blocks, 16]
+        two_level = TwoLevelScales(scales.to(torch.int8).reshape(rows, -1), None, d.contiguous(), None, 16)
         shifts4 = torch.tensor([0, 4], dtype=torch.uint8, device=data.device).view(2, 1)
         low = ((ql.reshape(rows, -1, 2, 1, 64) >> shifts4) & 15).reshape(rows, -1, 8, 32)
         shifts2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=data.device).view(4, 1)
@@ -148,7 +169,7 @@ def unpack(data: torch.Tensor, ggml_type: GGMLType | int, cols: int) -> GroupedW
     q = q.reshape(rows, cols)
     scale = scale.reshape(rows, groups)
     offset = None if offset is None else offset.reshape(rows, groups).contiguous()
-    return GroupedWeights(q.contiguous(), scale.contiguous(), offset, group)
+    return GroupedWeights(q.contiguous(), scale.contiguous(), offset, group, two_level)
 
 
 def row_bytes(ggml_type: GGMLType | int, cols: int) -> int:

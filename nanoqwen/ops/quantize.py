@@ -5,7 +5,10 @@ compute with it: nanoqwen/quantization/int8.py and int4.py.
 - int8: symmetric, one int8 value a weight and one scale per output row (`quantize_weight`,
   `dequantize_weight`).
 - int4: asymmetric, two weights a byte with a scale and an offset per group of INT4_GROUP_SIZE inputs of a
-  row, rows stored lane by lane in blocks of INT4_BLOCK_ROWS (`quantize_int4`, `dequantize_int4`).
+  row, rows stored lane by lane in blocks of INT4_BLOCK_ROWS (`quantize_int4`, `dequantize_int4`; `pack_int4` for
+  a GGUF file's, whose scales may come in two levels).
+- grouped int8: int8 values with a float32 scale (and offset) per group (`dequantize_int8_group`): a GGUF file's
+  Q8_0, Q5_* and Q6_K, unpacked by ops/gguf_quants.py.
 """
 
 from __future__ import annotations
@@ -90,30 +93,57 @@ def quantize_int4(weight: torch.Tensor, group_size: int | None = None
     return packed, scale, offset
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q uint8 in 0..15 [out, in], scale and offset [out, in/G] (any dtype) -> the int4 format's (packed,
-    scale, offset): two q a byte (element j low, j + G/2 high in each group), rows stored lane by lane in blocks
-    of INT4_BLOCK_ROWS (the module docstring). The rows go as whole blocks: pack rows [16 i, 16 j) at a time."""
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, *supers: torch.Tensor
+              ) -> tuple[torch.Tensor, ...]:
+    """q uint8 in 0..15 [out, in], scale and offset [out, in/G] (any dtype), and any super-scales [out, ...] (two
+    levels: quantization/int4.py) -> the int4 format's (packed, scale, offset, *supers): two q a byte (element j
+    low, j + G/2 high in each group), rows stored lane by lane in blocks of INT4_BLOCK_ROWS (the module docstring).
+    The rows go as whole blocks: pack rows [16 i, 16 j) at a time."""
     out_features, in_features = q.shape
     groups = scale.shape[1]
     g = in_features // groups
     low, high = q.view(out_features, groups, 2, g // 2).unbind(2)  # elements j and j + G/2 of each group
     packed = int4_rows_to_lanes((low | (high << 4)).view(out_features, in_features // 2), 4)
-    return packed, int4_rows_to_lanes(scale, 1), int4_rows_to_lanes(offset, 1)
+    return packed, *(int4_rows_to_lanes(t, 1) for t in (scale, offset, *supers))
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                    super_scale: torch.Tensor | None = None, super_offset: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """offset + scale * q in float32 [out, in]: the weight an Int4Linear computes with (plain
     torch: the reference for the kernels). Any whole blocks of rows (rows [16 i, 16 j), or to the
-    end) dequantise on their own."""
+    end) dequantise on their own. Two levels (uint8 scale and offset with super_scale and super_offset): a group's
+    scale is super_scale * scale, its offset super_offset * offset (two_level_scales)."""
     packed, scale, offset = int4_lanes_to_rows(packed, 4), int4_lanes_to_rows(scale, 1), int4_lanes_to_rows(offset, 1)
+    if super_scale is not None:
+        scale = two_level_scales(scale, int4_lanes_to_rows(super_scale, 1))
+        offset = two_level_scales(offset, int4_lanes_to_rows(super_offset, 1))
     out_features, groups = scale.shape
     q = torch.stack([packed & 15, packed >> 4], dim=1)  # [out, 2, in/2]: low nibbles, high nibbles
     q = q.view(out_features, 2, groups, -1).transpose(1, 2)  # [out, groups, 2, G/2]
     w = offset.float()[..., None] + scale.float()[..., None] * q.reshape(out_features, groups, -1)
     return w.view(out_features, -1)
+
+
+def two_level_scales(sub: torch.Tensor, super_: torch.Tensor) -> torch.Tensor:
+    """Per-group float32 values [rows, groups] from sub-values [rows, groups] (small integers) and one float32 per
+    super-block of groups [rows, groups / S]: super * sub, exact in float32 for a GGUF file's."""
+    return super_.repeat_interleave(sub.shape[1] // super_.shape[1], dim=1) * sub.float()
+
+
+def dequantize_int8_group(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                          super_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q * scale + offset in float32 [out, in] (scale and offset per group of in/groups inputs): the weight an
+    Int8GroupLinear computes with (quantization/int8_group.py). Two levels (int8 scale with super_scale): a group's
+    scale is super_scale * scale (two_level_scales)."""
+    out_features, in_features = q.shape
+    groups = scale.shape[1]
+    if super_scale is not None:
+        scale = two_level_scales(scale, super_scale)
+    w = q.float().view(out_features, groups, -1) * scale[..., None]
+    if offset is not None:
+        w = w + offset[..., None]
+    return w.view(out_features, in_features)
 
 
 def int4_rows_to_lanes(t: torch.Tensor, width: int) -> torch.Tensor:

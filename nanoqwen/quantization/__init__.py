@@ -12,6 +12,9 @@ Two formats:
 - int4 (int4.py: `Int4Linear`, `Int4Experts`): asymmetric, two weights a byte with a scale and an offset per
   group of 64 inputs of a row (32 or 16 where 64 does not divide it; 4.5 bits a weight at 64).
 
+A GGUF file's quantised matrices are held in int4 (groups of 32, float32 scales) and in the grouped int8 format of
+int8_group.py, repacked from the file without loss (gguf.py).
+
 Each format's module docstring gives its numerics and the kernels that compute with it; base.py holds what
 the two share (`QuantizedLinear`, the row blocks of the dequantise paths).
 """

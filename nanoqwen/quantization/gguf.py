@@ -2,9 +2,12 @@
 computes with exactly the weights the file holds (never a second quantisation).
 
 - Q4_0, Q4_1, Q4_K (q in 0..15, a scale and an offset per group of 32): the int4 format (int4.py) with group
-  size 32 and float32 scales and offsets (`Int4Linear`; its kernel takes float32 scales as well as bf16 ones).
+  size 32 and float32 scales and offsets (`Int4Linear`; its kernel takes float32 scales as well as bf16 ones); Q4_K's
+  in two levels as the file holds them (6-bit sub-scales and mins, a float32 pair per 8 groups): 4.625 bits a
+  weight.
 - Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: the grouped int8 format (int8_group.py: `Int8GroupLinear`), groups of 32 (Q6_K:
-  16), float32 scales, and offsets where the type has them.
+  16), float32 scales, and offsets where the type has them; Q6_K's scales in two levels (int8 sub-scales, a float32
+  per 16 groups): 8.625 bits a weight.
 - One fused matrix made of several GGUF tensors (q/k/v, gate/up) whose types differ (a Q4_K_M file keeps
   attn_v and ffn_down of some layers in Q6_K): every part in the grouped int8 format, groups of the smallest
   size (a group's scale repeated: still exact).
@@ -21,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoqwen.layers.linear import Linear
-from nanoqwen.ops.gguf_quants import GroupedWeights
-from nanoqwen.ops.quantize import INT4_BLOCK_ROWS, dequantize_int4, pack_int4
+from nanoqwen.ops.gguf_quants import GroupedWeights, TwoLevelScales
+from nanoqwen.ops.quantize import INT4_BLOCK_ROWS, dequantize_int4, dequantize_int8_group, pack_int4
 from nanoqwen.quantization.base import QuantizedLinear
 from nanoqwen.quantization.int4 import Int4Experts, Int4Linear
-from nanoqwen.quantization.int8_group import Int8GroupExperts, Int8GroupLinear, dequantize_int8_group
+from nanoqwen.quantization.int8_group import Int8GroupExperts, Int8GroupLinear
 
 INT4_GROUP = 32
 
@@ -53,16 +56,32 @@ def concat_parts(parts: list[GroupedWeights]) -> GroupedWeights:
     if any(p.offset is not None for p in parts):
         offsets = torch.cat([regroup(p.offset if p.offset is not None else torch.zeros_like(p.scale), p)
                              for p in parts])
+    two_level = None
+    levels = [p.two_level for p in parts]
+    if all(t is not None for t in levels) and len({(t.groups, t.sub_scale.dtype, t.sub_offset is None, p.group)
+                                                    for t, p in zip(levels, parts, strict=True)}) == 1:
+        def cat(name: str) -> torch.Tensor | None:
+            values = [getattr(t, name) for t in levels]
+            return None if values[0] is None else torch.cat(values)
+
+        two_level = TwoLevelScales(cat("sub_scale"), cat("sub_offset"), cat("super_scale"), cat("super_offset"),
+                                   levels[0].groups)
     return GroupedWeights(torch.cat([q_of(p) for p in parts]), torch.cat([regroup(p.scale, p) for p in parts]),
-                          offsets, group)
+                          offsets, group, two_level)
 
 
 def quantized_linear(linear: Linear, w: GroupedWeights) -> QuantizedLinear:
     """The quantised version of `linear` holding w (its shape: the linear's)."""
+    t = w.two_level
     if is_four_bit(w):
+        if t is not None:  # Q4_K: its 6-bit scales and mins with their float32 super-block pair
+            return Int4Linear.from_buffers(linear, *pack_int4(w.q, t.sub_scale, t.sub_offset, t.super_scale,
+                                                              t.super_offset))
         return Int4Linear.from_buffers(linear, *pack_int4(w.q, w.scale, w.offset))
     q = w.q if w.q.dtype == torch.int8 else w.q.to(torch.int8)
-    return Int8GroupLinear.from_buffers(linear, q, w.scale, w.offset)
+    if t is not None and t.sub_offset is None and t.sub_scale.dtype == torch.int8 and t.groups == 16:  # Q6_K
+        return Int8GroupLinear.from_buffers(linear, q, t.sub_scale, None, t.super_scale)
+    return Int8GroupLinear.from_buffers(linear, q, w.scale, w.offset, None)
 
 
 def quantized_experts(matrices: dict[str, list[GroupedWeights]], matmul_path) -> nn.Module:
@@ -106,10 +125,12 @@ class QuantizedEmbedding(nn.Module):
             blocks = input_ids // rows
             full = n // rows * rows  # ids in the last, partial block take it whole
             if bool((input_ids >= full).any()) or n % rows:
-                w = dequantize_int4(t.weight, t.scale, t.offset)
+                w = dequantize_int4(t.weight, t.scale, t.offset, *t.supers())
                 return F.embedding(input_ids, w).to(self.dtype)
             pick = lambda b: b.view(n // rows, -1)[blocks].view(-1, b.shape[1])  # noqa: E731 (the ids' blocks)
-            w = dequantize_int4(pick(t.weight), pick(t.scale), pick(t.offset)).view(-1, rows, 2 * t.weight.shape[1])
+            w = dequantize_int4(*(pick(b) for b in (t.weight, t.scale, t.offset, *t.supers())))
+            w = w.view(-1, rows, 2 * t.weight.shape[1])
             return w[torch.arange(len(input_ids), device=input_ids.device), input_ids % rows].to(self.dtype)
         offset = None if t.offset is None else t.offset[input_ids]
-        return dequantize_int8_group(t.weight[input_ids], t.scale[input_ids], offset).to(self.dtype)
+        super_scale = None if t.super_scale is None else t.super_scale[input_ids]
+        return dequantize_int8_group(t.weight[input_ids], t.scale[input_ids], offset, super_scale).to(self.dtype)

@@ -57,10 +57,21 @@ from nanoqwen.quantization.base import QuantizedLinear, block_rows
 
 class Int4Linear(QuantizedLinear):
     """y = x @ W4.T + bias with W4 = offset + scale * q per group: `weight` packed uint8
-    [out, in/2], `scale` and `offset` [out, in/G] (model dtype), rows stored lane by lane in blocks
-    of INT4_BLOCK_ROWS; see the module docstring."""
+    [out, in/2], `scale` and `offset` [out, in/G] (model dtype; float32 for a GGUF file's, whose exact
+    scales bf16 cannot hold: quantization/gguf.py), rows stored lane by lane in blocks of INT4_BLOCK_ROWS;
+    see the module docstring."""
 
-    BUFFERS = ("weight", "scale", "offset")
+    BUFFERS = ("weight", "scale", "offset", "super_scale", "super_offset")
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                 super_scale: torch.Tensor | None = None, super_offset: torch.Tensor | None = None,
+                 bias: nn.Parameter | None = None) -> None:
+        """Two levels (a GGUF file's Q4_K): uint8 scale and offset (6-bit) with float32 super_scale and super_offset
+        [out, in/(8G)], a group's scale super_scale * scale (ops/quantize.py two_level_scales); else None."""
+        nn.Module.__init__(self)  # not Linear.__init__: no model-dtype weight to allocate
+        for name, tensor in zip(self.BUFFERS, (weight, scale, offset, super_scale, super_offset), strict=True):
+            self.register_buffer(name, tensor)  # (None: not a buffer, not in the state dict)
+        self.bias = bias
 
     @staticmethod
     def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,8 +81,12 @@ class Int4Linear(QuantizedLinear):
     def in_features(self) -> int:
         return 2 * self.weight.shape[1]
 
+    def supers(self) -> tuple[torch.Tensor, ...]:
+        """(super_scale, super_offset) for two-level scales, else ()."""
+        return () if self.super_scale is None else (self.super_scale, self.super_offset)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = int4_linear(x, self.weight, self.scale, self.offset, self.matmul_path)
+        y = int4_linear(x, self.weight, self.scale, self.offset, self.matmul_path, *self.supers())
         return y if bias is None else y + bias
 
 
@@ -124,18 +139,18 @@ class Int4Experts(Experts):
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                path: MatmulPath) -> torch.Tensor:
+                path: MatmulPath, *supers: torch.Tensor) -> torch.Tensor:
     """x @ W4.T: nanoqwen's int4 kernel for bf16 rows on CPU (any number of them: one function for every
     step), else W4 unpacked block by block (module docstring). The kernel is used whatever the CPU's matmul
     path: torch has no int4 kernel that reads near the bandwidth."""
-    if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and scale.dtype in (torch.bfloat16, torch.float32)
-            and cpu_kernels.available()):
-        return cpu_kernels.int4_gemv(x, packed, scale, offset)
-    return int4_dequantized_linear(x, packed, scale, offset, torch.float32 if path.upcast_16bit(x) else None)
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and cpu_kernels.available():
+        return cpu_kernels.int4_gemv(x, packed, scale, offset, *supers)
+    return int4_dequantized_linear(x, packed, scale, offset, torch.float32 if path.upcast_16bit(x) else None,
+                                   *supers)
 
 
 def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                            compute: torch.dtype | None = None) -> torch.Tensor:
+                            compute: torch.dtype | None = None, *supers: torch.Tensor) -> torch.Tensor:
     """x @ W4.T with W4 unpacked in row blocks (block_rows), multiplied in the compute dtype: the one the
     matmuls of this CPU run fastest in, as int8.py's dequantized_linear does: float32 where bf16 matmuls are
     slow (the product rounds once), else the activation dtype (the default; W4 rounded to it)."""
@@ -145,7 +160,8 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
 
     def product(start: int, end: int) -> torch.Tensor:  # x @ W4[start:end].T, W4 unpacked to the compute dtype
         rows = slice(start, end)
-        return F.linear(xc, dequantize_int4(packed[rows], scale[rows], offset[rows]).to(compute))
+        return F.linear(xc, dequantize_int4(packed[rows], scale[rows], offset[rows],
+                                            *(t[rows] for t in supers)).to(compute))
 
     rows_per_block = max(1, block_rows(xc, in_features) // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS  # whole blocks
     return linear_in_row_blocks(x, out_features, rows_per_block, product)

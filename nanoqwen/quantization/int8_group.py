@@ -10,7 +10,9 @@ For W [out, in] in groups of G consecutive inputs of a row (G = 32, or 16 for Q6
                                                        the activation dtype once
 
 The scales stay float32 because the file's are float16 times a small integer (exact in float32, not in bf16):
-nanoqwen computes with the file's own weights. Bytes per weight: 1 + 4 / G (+ 4 / G with an offset).
+nanoqwen computes with the file's own weights. Bytes per weight: 1 + 4 / G (+ 4 / G with an offset). Q6_K's come in
+two levels, as the file holds them: an int8 `scale` a group of 16 and a float32 `super_scale` per 16 groups (a
+group's scale is their product, exact in float32): 1 + 1 / 16 + 4 / 256 bytes a weight (8.625 bits, not 10).
 
 Kernels: for up to 16 bf16 rows on a CPU with nanoqwen's kernels (decode), `int8_group_gemv`
 (ops/cpu/kernels.py): x rounded to int16 per group (as int8_gemv rounds it per 64), integer dot products per
@@ -29,6 +31,7 @@ from nanoqwen.layers.experts import Experts
 from nanoqwen.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from nanoqwen.ops.cpu import kernels as cpu_kernels
 from nanoqwen.ops.cpu.matmul import MatmulPath, linear_in_row_blocks
+from nanoqwen.ops.quantize import dequantize_int8_group
 from nanoqwen.quantization.base import QuantizedLinear, block_rows
 
 GEMV_MAX_ROWS = 16  # rows of x the kernel takes; more dequantise (a prompt: the dequantised product is faster)
@@ -36,16 +39,18 @@ GEMV_MAX_ROWS = 16  # rows of x the kernel takes; more dequantise (a prompt: the
 
 class Int8GroupLinear(QuantizedLinear):
     """y = x @ W.T + bias with W = q * scale + offset per group: `weight` int8 [out, in], `scale` and `offset`
-    float32 [out, in/G] (`offset` None for a symmetric type); see the module docstring."""
+    float32 [out, in/G] (`offset` None for a symmetric type), or two levels: `scale` int8 with `super_scale`
+    float32 [out, in/(16G)] (Q6_K); see the module docstring."""
 
-    BUFFERS = ("weight", "scale", "offset")
+    BUFFERS = ("weight", "scale", "offset", "super_scale")
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                 bias: nn.Parameter | None = None) -> None:
+                 super_scale: torch.Tensor | None = None, bias: nn.Parameter | None = None) -> None:
         nn.Module.__init__(self)
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_buffer("offset", offset)  # (None: not a buffer, not in the state dict)
+        self.register_buffer("super_scale", super_scale)
         self.bias = bias
 
     @property
@@ -53,7 +58,7 @@ class Int8GroupLinear(QuantizedLinear):
         return self.weight.shape[1]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = int8_group_linear(x, self.weight, self.scale, self.offset, self.matmul_path)
+        y = int8_group_linear(x, self.weight, self.scale, self.offset, self.super_scale, self.matmul_path)
         return y if bias is None else y + bias
 
 
@@ -88,32 +93,24 @@ class Int8GroupExperts(Experts):
     def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         offset = getattr(self, f"{name}_offset")
         return int8_group_linear(x, getattr(self, name)[e], getattr(self, f"{name}_scale")[e],
-                                 None if offset is None else offset[e], self.matmul_path)
+                                 None if offset is None else offset[e], None, self.matmul_path)
 
 
 def int8_group_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                      path: MatmulPath) -> torch.Tensor:
+                      super_scale: torch.Tensor | None, path: MatmulPath) -> torch.Tensor:
     """x @ W.T: nanoqwen's kernel for few bf16 rows on CPU, else W dequantised block by block (module
     docstring)."""
     rows = x.numel() // max(q.shape[1], 1)
     if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= GEMV_MAX_ROWS
             and cpu_kernels.available()):
-        return cpu_kernels.int8_group_gemv(x, q, scale, offset)
-    return int8_group_dequantized_linear(x, q, scale, offset, torch.float32 if path.upcast_16bit(x) else None)
-
-
-def dequantize_int8_group(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-    """q * scale + offset in float32 [out, in]: the weight an Int8GroupLinear computes with."""
-    out_features, in_features = q.shape
-    groups = scale.shape[1]
-    w = q.float().view(out_features, groups, -1) * scale[..., None]
-    if offset is not None:
-        w = w + offset[..., None]
-    return w.view(out_features, in_features)
+        return cpu_kernels.int8_group_gemv(x, q, scale, offset, super_scale)
+    return int8_group_dequantized_linear(x, q, scale, offset, super_scale,
+                                         torch.float32 if path.upcast_16bit(x) else None)
 
 
 def int8_group_dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                                  compute: torch.dtype | None = None) -> torch.Tensor:
+                                  super_scale: torch.Tensor | None = None, compute: torch.dtype | None = None
+                                  ) -> torch.Tensor:
     """x @ W.T with W dequantised in row blocks (block_rows) to the compute dtype (x's by default; float32 where
     this CPU's bf16 matmuls are slow), as int4.py's int4_dequantized_linear does."""
     out_features, in_features = q.shape
@@ -121,7 +118,8 @@ def int8_group_dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch
 
     def product(start: int, end: int) -> torch.Tensor:
         rows = slice(start, end)
-        w = dequantize_int8_group(q[rows], scale[rows], None if offset is None else offset[rows])
+        w = dequantize_int8_group(q[rows], scale[rows], None if offset is None else offset[rows],
+                                  None if super_scale is None else super_scale[rows])
         return F.linear(xc, w.to(xc.dtype))
 
     return linear_in_row_blocks(x, out_features, block_rows(xc, in_features), product)

@@ -42,14 +42,14 @@ from nanoqwen.quantization.int8_group import Int8GroupLinear
 
 
 def linear_tensors(linear: Linear) -> list[torch.Tensor]:
-    """What decode_model takes for a linear: (weight) bf16, (weight, scale) int8, (weight, scale[, offset]) grouped
-    int8, (weight, scale, offset) int4."""
+    """What decode_model takes for a linear: (weight) bf16, (weight, scale) int8, (weight, scale[, offset]) or
+    (weight, scale, super_scale) grouped int8, (weight, scale, offset[, super_scale, super_offset]) int4."""
     if isinstance(linear, Int4Linear):
-        return [linear.weight, linear.scale, linear.offset]
+        return [linear.weight, linear.scale, linear.offset, *linear.supers()]
     if isinstance(linear, Int8Linear):
         return [linear.weight, linear.scale]
     if isinstance(linear, Int8GroupLinear):
-        return [t for t in (linear.weight, linear.scale, linear.offset) if t is not None]
+        return [t for t in (linear.weight, linear.scale, linear.offset, linear.super_scale) if t is not None]
     return [linear.weight]
 
 

@@ -22,7 +22,7 @@ from nanoqwen.model_loader.hub import resolve_model_path
 from nanoqwen.model_loader.init_random import ASSETS
 from nanoqwen.model_loader.loader import load_config, load_model, load_tokenizer
 from nanoqwen.ops.gguf_quants import BLOCK_SIZES, unpack
-from nanoqwen.quantization import Int4Linear
+from nanoqwen.quantization import Int4Linear, weight_bytes
 from nanoqwen.quantization.gguf import QuantizedEmbedding
 from nanoqwen.quantization.int8_group import Int8GroupLinear
 from nanoqwen.tokenizer import Tokenizer
@@ -99,20 +99,27 @@ def test_logits_equal_transformers_on_dequantised_weights(gguf_model, name, type
 
 
 def test_q4_k_m_layout_and_memory(gguf_model):
-    """Q4_K matrices as int4 (groups of 32, float32 scales), Q6_K ones as grouped int8; a tied head shares the
-    embedding table; weights in memory stay near the file's tensor bytes."""
+    """Q4_K matrices as int4 with the file's two-level scales (6-bit sub-scales, float32 per 8 groups): 152 bytes
+    a block of 256 weights for the file's 144; Q6_K ones as grouped int8 with theirs (8.625 bits a weight for the
+    file's 6.5625); a tied head shares the embedding table; q/k (Q4_K) with v (Q6_K) in one format."""
     path, _ = gguf_model("q4_k_m", Q4_K_M, T.Q4_K)
     model = load_model(path, load_config(path), torch.bfloat16, torch.device("cpu"))
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    assert isinstance(mlp.gate_up_proj, Int4Linear) and mlp.gate_up_proj.scale.dtype == torch.float32
-    assert mlp.gate_up_proj.scale.shape[1] == 256 // 32
+    gate_up = mlp.gate_up_proj
+    assert isinstance(gate_up, Int4Linear) and gate_up.scale.dtype == torch.uint8
+    assert gate_up.scale.shape[1] == 256 // 32 and gate_up.super_scale.shape[1] == 1
     assert isinstance(mlp.down_proj, Int8GroupLinear) and mlp.down_proj.offset is None
+    assert mlp.down_proj.scale.dtype == torch.int8 and mlp.down_proj.super_scale.shape[1] == 512 // 256
     assert isinstance(attn.qkv_proj, Int8GroupLinear)  # q, k Q4_K with v Q6_K: one format for the fused matrix
     assert model.lm_head is model.embed_tokens.table and model.is_tied
-    from nanoqwen.quantization import weight_bytes
+    ckpt = GGUFCheckpoint(path)
 
-    file_bytes = GGUFCheckpoint(path).tensor_bytes()
-    assert weight_bytes(model) < 1.6 * file_bytes
+    def file_bytes(*names: str) -> int:
+        return sum(ckpt.tensors[f"blk.0.{name}.weight"].data.nbytes for name in names)
+
+    assert weight_bytes(gate_up) <= 152 / 144 * file_bytes("ffn_gate", "ffn_up")  # bytes a block of 256
+    assert weight_bytes(mlp.down_proj) <= 8.625 / 6.5625 * file_bytes("ffn_down")
+    assert weight_bytes(model) <= 1.35 * ckpt.tensor_bytes()  # (here the Q6_K table is most of the model)
 
 
 def test_moe_gguf_equals_transformers(gguf_model):
@@ -154,11 +161,15 @@ def test_tokenizer_and_chat_template_from_metadata(gguf_model):
     assert ours.eos_token == "<|im_end|>" and ours.pad_token == "<|endoftext|>"
 
 
-def test_llm_runs_the_file_alone(gguf_model, tmp_path):
+@pytest.mark.parametrize("name,types,default", [
+    ("q4_k_m", Q4_K_M, T.Q4_K),
+    ("int4-table", {"token_embd.weight": T.Q4_0, "attn_v.weight": T.Q5_1, "ffn_down.weight": T.Q5_K}, T.Q8_0),
+], ids=["q4_k_m", "int4-table"])
+def test_llm_runs_the_file_alone(gguf_model, tmp_path, name, types, default):
     """LLM(file.gguf): stop tokens and sampling defaults from the metadata; the fused CPU decode step (quantised
-    embedding rows, int4 with float32 scales, grouped int8) gives the tokens the plain path gives; a folder holding
-    one .gguf is that file."""
-    path, _ = gguf_model("q4_k_m", Q4_K_M, T.Q4_K)
+    embedding rows from a grouped int8 or an int4 table, int4 with float32 scales, grouped int8 with and without
+    offsets) gives the tokens the plain path gives; a folder holding one .gguf is that file."""
+    path, _ = gguf_model(name, types, default)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = LLM(str(path), max_model_len=128, kv_cache_memory=32 << 20)
     engine = llm.llm_engine

@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.ops.cpu import build as cpu_build
-from nanoqwen.ops.quantize import dequantize_int4
+from nanoqwen.ops.quantize import dequantize_int4, dequantize_int8_group
 
 logger = logging.getLogger("nanoqwen")
 ENV = "NANOQWEN_CPU_GEMV"  # "0" disables the kernels (no build)
@@ -115,25 +115,24 @@ def quantize_activations(x: torch.Tensor, block: int, levels: int = 127) -> torc
     return ((xb * inverse).round() * d).flatten(-2)[..., :k]
 
 
-def int8_group_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
-                              ) -> torch.Tensor:
+def int8_group_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                              super_scale: torch.Tensor | None = None) -> torch.Tensor:
     """What int8_group_gemv computes: x quantised to int16 per group of the weights' G (quantize_activations),
-    times q * scale + offset in float32, rounded to bf16 once."""
+    times the weights dequantised (quantization/int8_group.py's dequantize_int8_group) in float32, rounded to bf16
+    once."""
     group = q.shape[1] // scale.shape[1]
     x_read = quantize_activations(x, group, levels=32767)
-    w = q.float().view(q.shape[0], -1, group) * scale[..., None]
-    if offset is not None:
-        w = w + offset[..., None]
-    return (x_read @ w.view(q.shape).T).to(torch.bfloat16)
+    return (x_read @ dequantize_int8_group(q, scale, offset, super_scale).T).to(torch.bfloat16)
 
 
-def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                        offset: torch.Tensor) -> torch.Tensor:
+def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                        *supers: torch.Tensor) -> torch.Tensor:
     """What int4_gemv computes: x' @ W.T in float32, rounded to bf16 once, where W = offset + scale * q
-    (quantization/int4.py) and x' is x quantised to int8 in blocks of the group size G (quantize_activations)."""
+    (quantization/int4.py; supers: two-level scales' super_scale, super_offset) and x' is x quantised to int8 in
+    blocks of the group size G (quantize_activations)."""
     group = 2 * packed.shape[-1] // scale.shape[-1]
     x_rounded = quantize_activations(x, group)
-    return F.linear(x_rounded, dequantize_int4(packed, scale, offset)).to(torch.bfloat16)
+    return F.linear(x_rounded, dequantize_int4(packed, scale, offset, *supers)).to(torch.bfloat16)
 
 
 def bf16_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,39 +181,44 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return _ext.int8_gemv(x.reshape(-1, x.shape[-1]), q, scale).view(*x.shape[:-1], q.shape[0])
 
 
-def int8_group_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
-                    ) -> torch.Tensor:
+def int8_group_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                    super_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y = x' @ (q * scale + offset).T for bf16 x [..., K] (few rows), int8 q [N, K], float32 scale and
-    offset [N, K/G] (G 16 or 32; offset None: none); y bf16 [..., N] (int8_group_gemv_reference)."""
+    offset [N, K/G] (G 16 or 32; offset None: none), or two levels: int8 scale [N, K/G] with float32 super_scale
+    [N, K/(16G)] (a group's scale super_scale * scale, no offset); y bf16 [..., N] (int8_group_gemv_reference)."""
     if _ext is None:
         _require()
-    y = _ext.int8_group_gemv(x.reshape(-1, x.shape[-1]), q, scale, offset)
+    y = _ext.int8_group_gemv(x.reshape(-1, x.shape[-1]), q, scale, offset, super_scale)
     return y.view(*x.shape[:-1], q.shape[0])
 
 
-def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """y = x' @ W.T for bf16 x [..., K] and int4 W (packed [N, K/2], scale and offset [N, K/G]); y bf16 [..., N].
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+              *supers: torch.Tensor) -> torch.Tensor:
+    """y = x' @ W.T for bf16 x [..., K] and int4 W (packed [N, K/2], scale and offset [N, K/G]: bf16 or float32, or
+    uint8 with supers = (super_scale, super_offset) float32 [N, K/(8G)]: two levels); y bf16 [..., N].
     x' is x quantised to int8 in blocks of W's group size (int4_gemv_reference): the dot products are integer
     ones. Any number of rows: up to 8 stream the weights (decode), more go through int4_gemm's panels
     (prefill)."""
     if _ext is None:
         _require()
-    return _int4(_ext.int4_gemv, x, packed, scale, offset)
+    return _int4(_ext.int4_gemv, x, packed, scale, offset, *supers)
 
 
-def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+              *supers: torch.Tensor) -> torch.Tensor:
     """int4_gemv's product computed on unpacked panels of W (a small GEMM, as int4_gemv computes more than 8
     rows) whatever the row count: the same function, up to the order of float32 additions."""
     if _ext is None:
         _require()
-    return _int4(_ext.int4_gemm, x, packed, scale, offset)
+    return _int4(_ext.int4_gemm, x, packed, scale, offset, *supers)
 
 
-def _int4(kernel, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """kernel(x, packed, scale, offset) for x [..., K]: leading dims flattened to rows and restored."""
+def _int4(kernel, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+          *supers: torch.Tensor) -> torch.Tensor:
+    """kernel(x, packed, scale, offset, *supers) for x [..., K]: leading dims flattened to rows and restored."""
     if x.dim() == 2:
-        return kernel(x, packed, scale, offset)
-    return kernel(x.reshape(-1, x.shape[-1]), packed, scale, offset).view(*x.shape[:-1], packed.shape[0])
+        return kernel(x, packed, scale, offset, *supers)
+    return kernel(x.reshape(-1, x.shape[-1]), packed, scale, offset, *supers).view(*x.shape[:-1], packed.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

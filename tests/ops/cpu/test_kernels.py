@@ -24,7 +24,13 @@ from nanoqwen.models import qwen3
 from nanoqwen.models.qwen3 import attention_reference
 from nanoqwen.ops.cpu import build as cpu_build
 from nanoqwen.ops.cpu import kernels as cpu_kernels
-from nanoqwen.ops.quantize import dequantize_int4, quantize_int4
+from nanoqwen.ops.quantize import (
+    dequantize_int4,
+    dequantize_int8_group,
+    pack_int4,
+    quantize_int4,
+    two_level_scales,
+)
 
 MS = (1, 2, 3, 5, 8)
 KS = (16, 17, 100, 1024 + 7)
@@ -595,8 +601,12 @@ def test_int4_wrong_inputs_raise(kernels):
         kernels.int4_gemv(x, packed, scale.repeat(1, 4), offset.repeat(1, 4))
     with pytest.raises(RuntimeError, match="K=32"):
         kernels.int4_gemv(x[:, :32], packed, scale, offset)
-    with pytest.raises(RuntimeError, match="offset must be bfloat16"):
+    with pytest.raises(RuntimeError, match="scale and offset must have the same dtype"):
         kernels.int4_gemv(x, packed, scale, offset.float())
+    with pytest.raises(RuntimeError, match="scale must be bfloat16, float32 or"):
+        kernels.int4_gemv(x, packed, scale.half(), offset.half())
+    with pytest.raises(RuntimeError, match="go with super_scale and super_offset"):
+        kernels.int4_gemv(x, packed, scale.to(torch.uint8), offset.to(torch.uint8))
 
 
 # ---- the rest of a decode step
@@ -723,7 +733,7 @@ def test_decode_model_takes_one_cache_per_layer(kernels):
         input_norm=rand(h), post_norm=rand(h), eps=1e-6, qkv_proj=[rand((hq + 2 * hkv) * d, h)], q_norm=rand(d),
         k_norm=rand(d), o_proj=[rand(h, hq * d)], gate_up_proj=[rand(2 * inter, h)], down_proj=[rand(h, inter)],
         num_heads=hq) for _ in range(2)]
-    model = kernels.decoder_model_weights(embed=rand(vocab, h), cos=torch.rand(8, d), sin=torch.rand(8, d),
+    model = kernels.decoder_model_weights(embed=[rand(vocab, h)], cos=torch.rand(8, d), sin=torch.rand(8, d),
                                           layers=layers, norm=rand(h), eps=1e-6, lm_head=[rand(vocab, h)])
     step = (torch.tensor([5]), torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32))
     k_caches, v_caches = torch.zeros(2, 2, blocks, block_size, hkv, d, dtype=torch.bfloat16)
@@ -769,6 +779,38 @@ def test_int4_gemv_with_float32_scales(kernels, m, n):
     g = torch.Generator().manual_seed(m + n)  # scales that bf16 cannot hold
     scale32 = torch.rand(scale.shape, generator=g) * 1e-2
     check_int4(kernels, x, packed, scale32, -scale32 * 8)
+
+
+@pytest.mark.parametrize("m", (1, 3, 9, 40))
+def test_int4_gemv_with_two_level_scales(kernels, m):
+    """Q4_K's scales as the file holds them: 6-bit sub-scales and mins (uint8) times a float32 pair per 8 groups;
+    streaming passes and panels compute the reference's function."""
+    g = torch.Generator().manual_seed(m)
+    n, k = 40, 512
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    sub = [torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8) for _ in range(2)]
+    supers = [torch.rand(n, k // 256, generator=g) * 1e-3, -torch.rand(n, k // 256, generator=g) * 1e-3]
+    packed = pack_int4(q, *sub, *supers)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    magnitude = x.float().abs() @ dequantize_int4(*packed).abs().T
+    for kernel in (kernels.int4_gemv, kernels.int4_gemm):
+        assert_within_one_ulp(kernel(x, *packed), kernels.int4_gemv_reference(x, *packed), magnitude)
+    one_level = pack_int4(q, two_level_scales(sub[0], supers[0]), two_level_scales(sub[1], supers[1]))
+    assert torch.equal(kernels.int4_gemv(x, *packed), kernels.int4_gemv(x, *one_level))
+
+
+@pytest.mark.parametrize("m", (1, 5, 16))
+def test_int8_group_gemv_with_two_level_scales(kernels, m):
+    """Q6_K's scales as the file holds them: int8 sub-scales a group of 16 times a float32 per 16 groups."""
+    g = torch.Generator().manual_seed(m)
+    n, k = 37, 512
+    q = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8)
+    sub, super_scale = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8), torch.rand(n, 2) * 1e-4
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    got = kernels.int8_group_gemv(x, q, sub, None, super_scale)
+    magnitude = x.float().abs() @ dequantize_int8_group(q, sub, None, super_scale).abs().T
+    assert_within_one_ulp(got, kernels.int8_group_gemv_reference(x, q, sub, None, super_scale), magnitude)
+    assert torch.equal(got, kernels.int8_group_gemv(x, q, two_level_scales(sub, super_scale), None))
 
 
 def make_int8_group(m: int, k: int, n: int, group: int, offset: bool, seed: int = 0):

@@ -72,6 +72,14 @@ inline __m256 load8_int8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
+// acc + the 16 products of int16 w and x, summed in pairs into 8 int32 lanes (int8_gemv, int8_group_gemv).
+inline __m256i dot16_int16(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
 inline __m256 load8(const uint16_t* p) { return load8_bf16(p); }
 inline __m256 load8(const int8_t* p) { return load8_int8(p); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -289,7 +297,8 @@ inline void check_vector(const at::Tensor& t, const char* name, int64_t N) {
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
 at::Tensor int8_group_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                           const std::optional<at::Tensor>& offset);
+                           const std::optional<at::Tensor>& offset,
+                           const std::optional<at::Tensor>& super_scale = std::nullopt);
 // gemm.cpp
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
@@ -297,9 +306,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
                              double scale, int64_t block);
 // int4_gemv.cpp
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                     const at::Tensor& offset);
+                     const at::Tensor& offset, const std::optional<at::Tensor>& super_scale = std::nullopt,
+                     const std::optional<at::Tensor>& super_offset = std::nullopt);
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                     const at::Tensor& offset);
+                     const at::Tensor& offset, const std::optional<at::Tensor>& super_scale = std::nullopt,
+                     const std::optional<at::Tensor>& super_offset = std::nullopt);
 // decode_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,

@@ -170,16 +170,6 @@ Int16X quantize_x_int16(const uint16_t* x, int64_t M, int64_t K) {
   return out;
 }
 
-#ifdef NANOQWEN_AVX2
-// acc + the 16 products of int16 w and x, summed in pairs into 8 int32 lanes.
-inline __m256i dot16_int16(__m256i acc, __m256i w, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, w, x);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
-#endif
-}
-#endif
 
 // dots[r][m] = sum_b d[m, b] * (sum_{k in b} q[r][k] * xq[m, k]) for R int8 weight rows and M rows of an
 // Int16X: one int32 accumulator per output for a block's 4 vectors, then one conversion and FMA per block.

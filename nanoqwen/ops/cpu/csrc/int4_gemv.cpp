@@ -3,6 +3,9 @@
 //   int4_gemv(x [M,K] bf16, packed [N,K/2] uint8, scale, offset [N,K/G] bf16 or float32) -> y [M,N] bf16,
 //             y = x' @ (offset + scale * q).T per group, x' = x quantised to int8 per group (below);
 //             any M: above 8 rows a small GEMM on unpacked panels of W (int4_gemm)
+//   two-level scales, as a GGUF file's Q4_K holds them: scale, offset [N,K/G] uint8 (6-bit) and super_scale,
+//             super_offset [N,K/(8G)] float32, a group's scale super_scale * scale and offset super_offset * offset
+//             (exact in float32: nanoqwen/quantization/gguf.py), so the weights take 4.625 bits, not 6
 //
 // int4 layout (nanoqwen/quantization/int4.py): row n is cut into groups of G consecutive elements (G % 16 == 0);
 // group g has G/2 bytes, byte j holding element j in its low nibble and element j + G/2 in its high nibble,
@@ -125,13 +128,14 @@ inline __m256i broadcast4(const int8_t* p) {
 }
 
 // One group's float work for a register tile of T rows of x and 16 weight rows: acc[t][v] += (scale * d[t]) *
-// isum[t][v] + offset * xs[t]. scale and offset: the group's 16 values (bf16 from a packed block, float32 from a
-// panel); d and xs: the tile's first row's (x.d, x.xs + m0 * groups + g; the next row's groups later).
-template <int T, typename Value>
-inline void add_group(__m256 (&acc)[T][kBlockVectors], const __m256i (&isum)[T][kBlockVectors], const Value* scale,
-                      const Value* offset, const float* d, const float* xs, int64_t groups) {
+// isum[t][v] + offset * xs[t]. scale and offset: the group's 16 values as float32 (from a packed block's Scales, or
+// a panel); d and xs: the tile's first row's (x.d, x.xs + m0 * groups + g; the next row's groups later).
+template <int T>
+inline void add_group(__m256 (&acc)[T][kBlockVectors], const __m256i (&isum)[T][kBlockVectors],
+                      const __m256 (&scale)[kBlockVectors], const __m256 (&offset)[kBlockVectors], const float* d,
+                      const float* xs, int64_t groups) {
   for (int v = 0; v < kBlockVectors; ++v) {
-    const __m256 s = load8(scale + 8 * v), o = load8(offset + 8 * v);
+    const __m256 s = scale[v], o = offset[v];
     for (int t = 0; t < T; ++t) {
       const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(d[t * groups]));
       acc[t][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t][v]), sd, acc[t][v]);
@@ -157,6 +161,56 @@ inline void store_tile(const __m256 (&acc)[T][kBlockVectors], int64_t N, int64_t
 }
 #endif
 
+// ---- Where a block's group scales and offsets come from.
+//
+// One value a group and row (S = uint16_t for bf16, float), or two levels (S = uint8_t): a 6-bit sub-scale a group
+// times a float32 a super-block of kSuperGroups groups, each lane by lane as the weights are (L lanes).
+constexpr int kSuperGroups = 8;
+
+template <typename S>
+struct Scales {
+  const S* scale;
+  const S* offset;
+  const float* super_scale;  // two levels only
+  const float* super_offset;
+  int L;
+  float scale_at(int64_t g, int lane) const {
+    if constexpr (std::is_same_v<S, uint8_t>)
+      return super_scale[(g / kSuperGroups) * L + lane] * static_cast<float>(scale[g * L + lane]);
+    else
+      return to_float(scale[g * L + lane]);
+  }
+  float offset_at(int64_t g, int lane) const {
+    if constexpr (std::is_same_v<S, uint8_t>)
+      return super_offset[(g / kSuperGroups) * L + lane] * static_cast<float>(offset[g * L + lane]);
+    else
+      return to_float(offset[g * L + lane]);
+  }
+#ifdef NANOQWEN_AVX2
+  // lanes 8v .. 8v + 7 of group g (a whole block: L = kBlockRows)
+  __m256 scale8(int64_t g, int v) const { return load(scale, super_scale, g, v); }
+  __m256 offset8(int64_t g, int v) const { return load(offset, super_offset, g, v); }
+  static __m256 load(const S* sub, const float* super, int64_t g, int v) {
+    if constexpr (std::is_same_v<S, uint8_t>) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + g * kBlockRows + 8 * v));
+      return _mm256_mul_ps(load8(super + (g / kSuperGroups) * kBlockRows + 8 * v),
+                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+    } else {
+      return load8(sub + g * kBlockRows + 8 * v);
+    }
+  }
+#endif
+};
+
+// The scales of the block of rows from n0 (L of them), from the whole matrix's (groups a row).
+template <typename S>
+Scales<S> block_scales(const S* scale, const S* offset, const float* super_scale, const float* super_offset,
+                       int64_t n0, int64_t groups, int L) {
+  const int64_t supers = groups / kSuperGroups;
+  return {scale + n0 * groups, offset + n0 * groups, super_scale ? super_scale + n0 * supers : nullptr,
+          super_offset ? super_offset + n0 * supers : nullptr, L};
+}
+
 // ---- Few rows of x (decode): each block of 16 weight rows read once, its nibbles unpacked in registers.
 
 constexpr int kMaxRowsInt4 = 8;  // rows of x that stream the weights; more go through the panels below
@@ -166,9 +220,9 @@ constexpr int kDecodeTile = kVnni ? 4 : 2;
 // y[m0 .. m0 + T - 1, n0 .. n0 + 15] for one whole block of packed weights (w, scale, offset: the block's). C is
 // the number of 4-byte chunks in a group (G / 8) where known at compile time (8 for the default G = 64: the
 // chunk loop unrolls), 0 to take it from G.
-template <int T, int C, typename Scale>
-void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* w, const Scale* scale,
-                const Scale* offset, int64_t N, int64_t n0, at::BFloat16* y) {
+template <int T, int C, typename S>
+void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* w, const Scales<S>& sc,
+                int64_t N, int64_t n0, at::BFloat16* y) {
 #ifdef NANOQWEN_AVX2
   const int64_t groups = K / G, chunks = C > 0 ? C : G / 8;
   const __m256i nibble = _mm256_set1_epi8(0xF);
@@ -178,16 +232,16 @@ void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
   for (int64_t g = 0; g < groups; ++g) {
     // The scales and offsets 8 groups ahead: two slow streams of their own beside the weights', which the
     // hardware prefetcher alone lets fall behind (bench/ab_kernels.py measures it)
-    _mm_prefetch(reinterpret_cast<const char*>(scale + (g + 8) * kBlockRows), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(offset + (g + 8) * kBlockRows), _MM_HINT_T0);
-    // isum[S - 1]: the high nibbles' products. With one row of x and VNNI (S = 2) they have sums of their own,
+    _mm_prefetch(reinterpret_cast<const char*>(sc.scale + (g + 8) * kBlockRows), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(sc.offset + (g + 8) * kBlockRows), _MM_HINT_T0);
+    // isum[P - 1]: the high nibbles' products. With one row of x and VNNI (S = 2) they have sums of their own,
     // two chains of dependent dot products per vector, not one; more rows of x give the chains without them.
     // Without VNNI, sum16: the int16 sums of the last chunks' products (2 pair sums a chunk; see widen16).
-    constexpr int S = T == 1 && kVnni ? 2 : 1;
-    __m256i isum[S][T][kBlockVectors], sum16[T][kBlockVectors];
+    constexpr int P = T == 1 && kVnni ? 2 : 1;
+    __m256i isum[P][T][kBlockVectors], sum16[T][kBlockVectors];
     for (int t = 0; t < T; ++t)
       for (int v = 0; v < kBlockVectors; ++v) {
-        for (int i = 0; i < S; ++i) isum[i][t][v] = _mm256_setzero_si256();
+        for (int i = 0; i < P; ++i) isum[i][t][v] = _mm256_setzero_si256();
         sum16[t][v] = _mm256_setzero_si256();
       }
     for (int64_t c = 0; c < chunks; ++c) {  // bytes 4c.. of the group's rows: elements 4c.. and G/2 + 4c..
@@ -205,7 +259,7 @@ void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
         for (int v = 0; v < kBlockVectors; ++v) {
           if constexpr (kVnni) {
             isum[0][t][v] = dot4(isum[0][t][v], lo[v], x_lo);
-            isum[S - 1][t][v] = dot4(isum[S - 1][t][v], hi[v], x_hi);
+            isum[P - 1][t][v] = dot4(isum[P - 1][t][v], hi[v], x_hi);
           } else {
             const __m256i both = _mm256_add_epi16(pair_sums16(lo[v], x_lo), pair_sums16(hi[v], x_hi));
             sum16[t][v] = _mm256_add_epi16(sum16[t][v], both);
@@ -219,11 +273,12 @@ void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
             sum16[t][v] = _mm256_setzero_si256();
           }
     }
-    if constexpr (S == 2)
+    if constexpr (P == 2)
       for (int t = 0; t < T; ++t)
         for (int v = 0; v < kBlockVectors; ++v) isum[0][t][v] = _mm256_add_epi32(isum[0][t][v], isum[1][t][v]);
-    add_group<T>(acc, isum[0], scale + g * kBlockRows, offset + g * kBlockRows, x.d + m0 * groups + g,
-                 x.xs + m0 * groups + g, groups);
+    __m256 s[kBlockVectors], o[kBlockVectors];
+    for (int v = 0; v < kBlockVectors; ++v) s[v] = sc.scale8(g, v), o[v] = sc.offset8(g, v);
+    add_group<T>(acc, isum[0], s, o, x.d + m0 * groups + g, x.xs + m0 * groups + g, groups);
   }
   store_tile<T>(acc, N, m0, n0, kBlockRows, y);
 #endif
@@ -234,7 +289,7 @@ void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
 // loop above takes whole blocks), and every block without AVX2.
 template <typename S>
 void block_scalar(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, int rows, const uint8_t* w,
-                  const S* scale, const S* offset, int L, int64_t N, int64_t n0, at::BFloat16* y) {
+                  const Scales<S>& sc, int L, int64_t N, int64_t n0, at::BFloat16* y) {
   const int64_t groups = K / G, chunks = G / 8;
   for (int64_t m = m0; m < m0 + rows; ++m)
     for (int lane = 0; lane < L; ++lane) {
@@ -247,9 +302,9 @@ void block_scalar(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, int 
             const int8_t* xg = x.xq + m * K + g * G + 4 * c + i;
             isum += (byte & 0xF) * xg[0] + (byte >> 4) * xg[G / 2];
           }
-        const float sd = to_float(scale[g * L + lane]) * x.d[m * groups + g];  // as add_group, lane by lane
+        const float sd = sc.scale_at(g, lane) * x.d[m * groups + g];  // as add_group, lane by lane
         total = std::fma(static_cast<float>(isum), sd, total);
-        total = std::fma(to_float(offset[g * L + lane]), x.xs[m * groups + g], total);
+        total = std::fma(sc.offset_at(g, lane), x.xs[m * groups + g], total);
       }
       y[m * N + n0 + lane] = at::BFloat16(total);  // one rounding, RNE
     }
@@ -258,28 +313,41 @@ void block_scalar(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, int 
 // block_tile for T = rows (1 .. kDecodeTile) rows of x.
 template <typename S, int T = kDecodeTile>
 void block_tiles(int rows, const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* w,
-                 const S* scale, const S* offset, int64_t N, int64_t n0, at::BFloat16* y) {
+                 const Scales<S>& sc, int64_t N, int64_t n0, at::BFloat16* y) {
   if constexpr (T > 1) {
-    if (rows < T) return block_tiles<S, T - 1>(rows, x, K, G, m0, w, scale, offset, N, n0, y);
+    if (rows < T) return block_tiles<S, T - 1>(rows, x, K, G, m0, w, sc, N, n0, y);
   }
   if (G == 64)
-    block_tile<T, 8>(x, K, G, m0, w, scale, offset, N, n0, y);
+    block_tile<T, 8>(x, K, G, m0, w, sc, N, n0, y);
   else if (G == 32)
-    block_tile<T, 4>(x, K, G, m0, w, scale, offset, N, n0, y);
+    block_tile<T, 4>(x, K, G, m0, w, sc, N, n0, y);
   else
-    block_tile<T, 0>(x, K, G, m0, w, scale, offset, N, n0, y);
+    block_tile<T, 0>(x, K, G, m0, w, sc, N, n0, y);
 }
 
 // Checks of int4_gemv's weights; returns G (the group size).
-int64_t check_int4(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset) {
+int64_t check_int4(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset,
+                   const std::optional<at::Tensor>& super_scale, const std::optional<at::Tensor>& super_offset) {
   TORCH_CHECK(packed.device().is_cpu() && scale.device().is_cpu() && offset.device().is_cpu(),
               "packed, scale and offset must be CPU tensors");
   TORCH_CHECK(packed.scalar_type() == at::kByte, "packed must be uint8, got ", packed.scalar_type());
   TORCH_CHECK(packed.dim() == 2, "packed must be 2-D [N, K/2], got ", packed.sizes());
+  const bool two_level = scale.scalar_type() == at::kByte;
+  TORCH_CHECK(two_level == (super_scale.has_value() && super_offset.has_value()),
+              "uint8 scale and offset go with super_scale and super_offset (two levels), and only they do");
+  if (two_level) {
+    TORCH_CHECK(scale.size(1) % kSuperGroups == 0, "two-level scales need whole super-blocks of ", kSuperGroups,
+                " groups, got ", scale.size(1), " groups");
+    for (const auto* t : {&*super_scale, &*super_offset})
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 &&
+                      t->size(0) == packed.size(0) && t->size(1) * kSuperGroups == scale.size(1),
+                  "super_scale and super_offset must be float32 [N, groups / ", kSuperGroups, "], got ",
+                  t->scalar_type(), " ", t->sizes());
+  }
   for (const auto* t : {&scale, &offset}) {
     const char* name = t == &scale ? "scale" : "offset";
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 || t->scalar_type() == at::kFloat, name,
-                " must be bfloat16 or float32, got ", t->scalar_type());
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 || t->scalar_type() == at::kFloat || two_level, name,
+                " must be bfloat16, float32 or (two levels) uint8, got ", t->scalar_type());
     TORCH_CHECK(t->dim() == 2 && t->size(0) == packed.size(0) && t->size(1) > 0, name, " must be [N, K/G] with N=",
                 packed.size(0), ", got ", t->sizes());
   }
@@ -293,26 +361,43 @@ int64_t check_int4(const at::Tensor& packed, const at::Tensor& scale, const at::
 
 // An int4 product's inputs, checked, made contiguous, and x quantised (int4_gemv and int4_gemm share it).
 struct Int4Product {
-  at::Tensor x, packed, scale, offset, y;
+  at::Tensor x, packed, scale, offset, super_scale, super_offset, y;
   int64_t M, K, N, G;
   QuantizedX xq;
   const uint8_t* wp() const { return packed.data_ptr<uint8_t>(); }
-  // the scales and offsets as S: uint16_t (bf16) or float, as scale's dtype says
-  template <typename S> const S* sp() const { return reinterpret_cast<const S*>(scale.data_ptr()); }
-  template <typename S> const S* op() const { return reinterpret_cast<const S*>(offset.data_ptr()); }
-  bool float_scales() const { return scale.scalar_type() == at::kFloat; }
+  // the scales of the L rows from n0, as S: uint16_t (bf16), float, or uint8_t (two levels), as scale's dtype says
+  template <typename S>
+  Scales<S> scales(int64_t n0, int L) const {
+    const float* ss = super_scale.defined() ? super_scale.data_ptr<float>() : nullptr;
+    const float* so = super_offset.defined() ? super_offset.data_ptr<float>() : nullptr;
+    return block_scales(reinterpret_cast<const S*>(scale.data_ptr()), reinterpret_cast<const S*>(offset.data_ptr()),
+                        ss, so, n0, K / G, L);
+  }
   at::BFloat16* yp() const { return y.data_ptr<at::BFloat16>(); }
 };
 
+// f(std::type_identity<S>) with S the scales' type.
+template <typename F>
+void with_scale_type(const Int4Product& p, const F& f) {
+  switch (p.scale.scalar_type()) {
+    case at::kFloat: return f(std::type_identity<float>{});
+    case at::kByte: return f(std::type_identity<uint8_t>{});
+    default: return f(std::type_identity<uint16_t>{});
+  }
+}
+
 Int4Product prepare_int4(const at::Tensor& x_in, const at::Tensor& packed_in, const at::Tensor& scale_in,
-                         const at::Tensor& offset_in) {
+                         const at::Tensor& offset_in, const std::optional<at::Tensor>& super_scale,
+                         const std::optional<at::Tensor>& super_offset) {
   TORCH_CHECK(x_in.device().is_cpu(), "x must be a CPU tensor");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", x_in.scalar_type());
   TORCH_CHECK(x_in.dim() == 2, "x must be 2-D [M, K], got ", x_in.sizes());
-  const int64_t G = check_int4(packed_in, scale_in, offset_in);
+  const int64_t G = check_int4(packed_in, scale_in, offset_in, super_scale, super_offset);
   const int64_t M = x_in.size(0), K = x_in.size(1), N = packed_in.size(0);
   TORCH_CHECK(2 * packed_in.size(1) == K, "x has K=", K, " but packed holds K=", 2 * packed_in.size(1));
   Int4Product p{x_in.contiguous(), packed_in.contiguous(), scale_in.contiguous(), offset_in.contiguous(),
+                super_scale ? super_scale->contiguous() : at::Tensor(),
+                super_offset ? super_offset->contiguous() : at::Tensor(),
                 new_output({M, N}, x_in.options().dtype(at::kBFloat16)), M, K, N, G, {}};
   if (M > 0 && N > 0)  // x quantised to int8 once
     p.xq = quantize_x(reinterpret_cast<const uint16_t*>(p.x.data_ptr()), M, K, G);
@@ -333,16 +418,16 @@ void int4_passes(const Int4Product& p) {
       const int64_t n0 = b * kBlockRows;
       const int L = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
       const uint8_t* w = p.wp() + n0 * (K / 2);
-      const S *s = p.sp<S>() + n0 * groups, *o = p.op<S>() + n0 * groups;
+      const Scales<S> sc = p.scales<S>(n0, L);
       for (int64_t m0 = 0; m0 < p.M; m0 += kDecodeTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kDecodeTile, p.M - m0));
 #ifdef NANOQWEN_AVX2
         if (L == kBlockRows) {
-          block_tiles(rows, x, K, G, m0, w, s, o, N, n0, p.yp());
+          block_tiles(rows, x, K, G, m0, w, sc, N, n0, p.yp());
           continue;
         }
 #endif
-        block_scalar(x, K, G, m0, rows, w, s, o, L, N, n0, p.yp());
+        block_scalar(x, K, G, m0, rows, w, sc, L, N, n0, p.yp());
       }
     }
   });
@@ -365,16 +450,16 @@ constexpr int kTileRows = 4;  // rows of x per register tile (measured against 3
 
 // Unpacks the block of weight rows n0 .. (L = min(16, N - n0) of them) into panel, panel_scale, panel_offset.
 template <typename S>
-void pack_panel(const uint8_t* wp, const S* sp, const S* op, int64_t N, int64_t K, int64_t G,
+void pack_panel(const uint8_t* wp, const Int4Product& p, int64_t N, int64_t K, int64_t G,
                 int64_t n0, uint8_t* panel, float* panel_scale, float* panel_offset) {
   const int64_t groups = K / G, chunks = G / 8, quads = G / 4;
   const int L = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
   const uint8_t* w = wp + n0 * (K / 2);
-  const S *s = sp + n0 * groups, *o = op + n0 * groups;
+  const Scales<S> sc = p.scales<S>(n0, L);
   for (int64_t g = 0; g < groups; ++g)
     for (int lane = 0; lane < kBlockRows; ++lane) {
-      panel_scale[g * kBlockRows + lane] = lane < L ? to_float(s[g * L + lane]) : 0.0f;
-      panel_offset[g * kBlockRows + lane] = lane < L ? to_float(o[g * L + lane]) : 0.0f;
+      panel_scale[g * kBlockRows + lane] = lane < L ? sc.scale_at(g, lane) : 0.0f;
+      panel_offset[g * kBlockRows + lane] = lane < L ? sc.offset_at(g, lane) : 0.0f;
     }
 #ifdef NANOQWEN_AVX2
   if (L == kBlockRows) {
@@ -437,8 +522,10 @@ void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
             sum16[t][v] = _mm256_setzero_si256();
           }
     }
-    add_group<T>(acc, isum, panel_scale + g * kBlockRows, panel_offset + g * kBlockRows, x.d + m0 * groups + g,
-                 x.xs + m0 * groups + g, groups);
+    __m256 s[V], o[V];
+    for (int v = 0; v < V; ++v)
+      s[v] = _mm256_loadu_ps(panel_scale + g * kBlockRows + 8 * v), o[v] = _mm256_loadu_ps(panel_offset + g * kBlockRows + 8 * v);
+    add_group<T>(acc, isum, s, o, x.d + m0 * groups + g, x.xs + m0 * groups + g, groups);
   }
   store_tile<T>(acc, N, m0, n0, cols, y);
 #endif
@@ -471,7 +558,7 @@ void int4_panels(const Int4Product& p) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * kBlockRows;
       const int cols = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
-      pack_panel(p.wp(), p.sp<S>(), p.op<S>(), N, K, G, n0, panel.data(), panel_scale.data(), panel_offset.data());
+      pack_panel<S>(p.wp(), p, N, K, G, n0, panel.data(), panel_scale.data(), panel_offset.data());
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
         panel_tiles(static_cast<int>(std::min<int64_t>(kTileRows, M - m0)), rows, K, G, m0, panel.data(),
                     panel_scale.data(), panel_offset.data(), N, n0, cols, p.yp());
@@ -485,23 +572,28 @@ void int4_panels(const Int4Product& p) {
 // Few rows: passes that stream the weights; more: the panels (bench/bench_gemv.py --rows measures it: below 9
 // rows, the panels' unpacking costs more than it saves; at 16 the panels are faster than two passes).
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                     const at::Tensor& offset) {
-  const Int4Product p = prepare_int4(x, packed, scale, offset);
+                     const at::Tensor& offset, const std::optional<at::Tensor>& super_scale,
+                     const std::optional<at::Tensor>& super_offset) {
+  const Int4Product p = prepare_int4(x, packed, scale, offset, super_scale, super_offset);
   if (p.M == 0 || p.N == 0) return p.y;
-  const bool f32 = p.float_scales();
-  if (p.M <= kMaxRowsInt4)
-    f32 ? int4_passes<float>(p) : int4_passes<uint16_t>(p);
-  else
-    f32 ? int4_panels<float>(p) : int4_panels<uint16_t>(p);
+  with_scale_type(p, [&](auto type) {
+    using S = typename decltype(type)::type;
+    if (p.M <= kMaxRowsInt4)
+      int4_passes<S>(p);
+    else
+      int4_panels<S>(p);
+  });
   return p.y;
 }
 
 // int4_gemv's product through the panels whatever the row count (int4_gemv takes them above kMaxRowsInt4 rows;
 // exposed so that tests reach them with few rows too).
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                     const at::Tensor& offset) {
-  const Int4Product p = prepare_int4(x, packed, scale, offset);
-  if (p.M > 0 && p.N > 0) p.float_scales() ? int4_panels<float>(p) : int4_panels<uint16_t>(p);
+                     const at::Tensor& offset, const std::optional<at::Tensor>& super_scale,
+                     const std::optional<at::Tensor>& super_offset) {
+  const Int4Product p = prepare_int4(x, packed, scale, offset, super_scale, super_offset);
+  if (p.M > 0 && p.N > 0)
+    with_scale_type(p, [&](auto type) { int4_panels<typename decltype(type)::type>(p); });
   return p.y;
 }
 

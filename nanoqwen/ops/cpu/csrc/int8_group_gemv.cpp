@@ -2,7 +2,9 @@
 // with AVX2 + FMA (AVX-512 VNNI's vpdpwssd where present): the format that holds a GGUF file's Q8_0, Q5_*, Q6_K
 // matrices exactly (nanoqwen/quantization/int8_group.py).
 //
-//   int8_group_gemv(x [M,K] bf16, q [N,K] int8, scale [N,K/G] float32, offset [N,K/G] float32 or none)
+//   int8_group_gemv(x [M,K] bf16, q [N,K] int8, scale [N,K/G] float32, offset [N,K/G] float32 or none,
+//                   super_scale none) or, two levels as a GGUF file's Q6_K holds them, scale [N,K/G] int8 and
+//                   super_scale [N,K/(16G)] float32: a group's scale super_scale * scale (exact in float32)
 //       -> y [M,N] bf16,   y = x' @ (q * scale + offset).T,  G = 16 or 32 (meant for few rows: each weight row
 //          is read once and multiplied by every row of x; int8_group.py dequantises for prompts)
 //
@@ -45,20 +47,20 @@ GroupX quantize_x_groups(const uint16_t* x, int64_t M, int64_t K, int64_t G) {
   return out;
 }
 
-#ifdef NANOQWEN_AVX2
-inline __m256i dot16(__m256i acc, __m256i w, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, w, x);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
-#endif
-}
-#endif
+constexpr int64_t kSuperGroups = 16;  // groups a two-level super-scale covers (Q6_K: 16 groups of 16)
 
-// y[m0 .. m0 + T - 1, n] for one weight row n (w: its K int8, s / o: its K / G scales and offsets, o may be null).
+// One weight row's group scales: float32 (s), or int8 sub-scales (sub) times float32 per super-block (super).
+struct RowScales {
+  const float* s;
+  const int8_t* sub;
+  const float* super;
+  float at(int64_t g) const { return s ? s[g] : super[g / kSuperGroups] * static_cast<float>(sub[g]); }
+};
+
+// y[m0 .. m0 + T - 1, n] for one weight row n (w: its K int8, s: its K / G scales, o: offsets or null).
 template <int T, int G>
-void row_tile(const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const float* s, const float* o, int64_t N,
-              int64_t n, at::BFloat16* y) {
+void row_tile(const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const RowScales& s, const float* o,
+              int64_t N, int64_t n, at::BFloat16* y) {
   const int64_t groups = K / G;
   float total[T];
 #ifdef NANOQWEN_AVX2
@@ -70,12 +72,12 @@ void row_tile(const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const flo
     __m256i wv[G / 16];
     for (int v = 0; v < G / 16; ++v)
       wv[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16 * v)));
-    const float sg = s[g];
+    const float sg = s.at(g);
     for (int t = 0; t < T; ++t) {
       const int16_t* xg = x.xq.data() + (m0 + t) * K + g * G;
       __m256i isum = _mm256_setzero_si256();
       for (int v = 0; v < G / 16; ++v)
-        isum = dot16(isum, wv[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16 * v)));
+        isum = dot16_int16(isum, wv[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16 * v)));
       const __m256 sd = _mm256_set1_ps(sg * x.d[(m0 + t) * groups + g]);
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sd, acc[t]);
     }
@@ -87,7 +89,7 @@ void row_tile(const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const flo
     for (int64_t g = 0; g < groups; ++g) {
       int32_t isum = 0;
       for (int k = 0; k < G; ++k) isum += int32_t(w[g * G + k]) * int32_t(x.xq[(m0 + t) * K + g * G + k]);
-      total[t] = std::fma(static_cast<float>(isum), s[g] * x.d[(m0 + t) * groups + g], total[t]);
+      total[t] = std::fma(static_cast<float>(isum), s.at(g) * x.d[(m0 + t) * groups + g], total[t]);
     }
   }
 #endif
@@ -101,8 +103,8 @@ void row_tile(const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const flo
 }
 
 template <int G, int T = kTile>
-void row_tiles(int rows, const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const float* s, const float* o,
-               int64_t N, int64_t n, at::BFloat16* y) {
+void row_tiles(int rows, const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const RowScales& s,
+               const float* o, int64_t N, int64_t n, at::BFloat16* y) {
   if constexpr (T > 1) {
     if (rows < T) return row_tiles<G, T - 1>(rows, x, K, m0, w, s, o, N, n, y);
   }
@@ -110,27 +112,32 @@ void row_tiles(int rows, const GroupX& x, int64_t K, int64_t m0, const int8_t* w
 }
 
 template <int G>
-void group_passes(const GroupX& x, int64_t M, int64_t K, int64_t N, const int8_t* q, const float* s, const float* o,
-                  at::BFloat16* y) {
-  const int64_t groups = K / G;
+void group_passes(const GroupX& x, int64_t M, int64_t K, int64_t N, const int8_t* q, const float* s,
+                  const int8_t* sub, const float* super, const float* o, at::BFloat16* y) {
+  const int64_t groups = K / G, supers = groups / kSuperGroups;
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, K));
   parallel_rows(N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
+    for (int64_t n = begin; n < end; ++n) {
+      const RowScales row{s ? s + n * groups : nullptr, sub ? sub + n * groups : nullptr,
+                          super ? super + n * supers : nullptr};
       for (int64_t m0 = 0; m0 < M; m0 += kTile)
-        row_tiles<G>(static_cast<int>(std::min<int64_t>(kTile, M - m0)), x, K, m0, q + n * K, s + n * groups,
+        row_tiles<G>(static_cast<int>(std::min<int64_t>(kTile, M - m0)), x, K, m0, q + n * K, row,
                      o ? o + n * groups : nullptr, N, n, y);
+    }
   });
 }
 
 }  // namespace
 
 at::Tensor int8_group_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scale_in,
-                           const std::optional<at::Tensor>& offset_in) {
+                           const std::optional<at::Tensor>& offset_in, const std::optional<at::Tensor>& super_in) {
   TORCH_CHECK(x_in.device().is_cpu() && q_in.device().is_cpu() && scale_in.device().is_cpu(),
               "x, q and scale must be CPU tensors");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", x_in.scalar_type());
   TORCH_CHECK(q_in.scalar_type() == at::kChar, "q must be int8, got ", q_in.scalar_type());
-  TORCH_CHECK(scale_in.scalar_type() == at::kFloat, "scale must be float32, got ", scale_in.scalar_type());
+  const bool two_level = super_in.has_value();
+  TORCH_CHECK(scale_in.scalar_type() == (two_level ? at::kChar : at::kFloat), "scale must be ",
+              two_level ? "int8 (with super_scale)" : "float32", ", got ", scale_in.scalar_type());
   TORCH_CHECK(x_in.dim() == 2 && q_in.dim() == 2 && scale_in.dim() == 2, "x, q and scale must be 2-D");
   const int64_t M = x_in.size(0), K = x_in.size(1), N = q_in.size(0);
   TORCH_CHECK(q_in.size(1) == K, "x has K=", K, " but q has K=", q_in.size(1));
@@ -138,7 +145,15 @@ at::Tensor int8_group_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const
               "scale must be [N, K/G] with N=", N, ", got ", scale_in.sizes());
   const int64_t G = K / scale_in.size(1);
   TORCH_CHECK(G == 16 || G == 32, "int8_group_gemv's group size is 16 or 32, got ", G);
-  at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), scale = scale_in.contiguous(), offset;
+  at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), scale = scale_in.contiguous(), offset, super;
+  if (two_level) {
+    TORCH_CHECK(!offset_in, "two-level scales take no offset");
+    TORCH_CHECK(super_in->scalar_type() == at::kFloat && super_in->dim() == 2 && super_in->size(0) == N &&
+                    super_in->size(1) * kSuperGroups == scale_in.size(1),
+                "super_scale must be float32 [N, groups / ", kSuperGroups, "], got ", super_in->scalar_type(), " ",
+                super_in->sizes());
+    super = super_in->contiguous();
+  }
   if (offset_in) {
     TORCH_CHECK(offset_in->scalar_type() == at::kFloat && offset_in->sizes() == scale_in.sizes(),
                 "offset must be float32 shaped like scale, got ", offset_in->scalar_type(), " ", offset_in->sizes());
@@ -148,10 +163,13 @@ at::Tensor int8_group_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const
   if (M == 0 || N == 0) return y;
   const GroupX xq = quantize_x_groups(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, G);
   const float* o = offset.defined() ? offset.data_ptr<float>() : nullptr;
+  const float* s = two_level ? nullptr : scale.data_ptr<float>();
+  const int8_t* sub = two_level ? scale.data_ptr<int8_t>() : nullptr;
+  const float* sup = two_level ? super.data_ptr<float>() : nullptr;
   if (G == 32)
-    group_passes<32>(xq, M, K, N, q.data_ptr<int8_t>(), scale.data_ptr<float>(), o, y.data_ptr<at::BFloat16>());
+    group_passes<32>(xq, M, K, N, q.data_ptr<int8_t>(), s, sub, sup, o, y.data_ptr<at::BFloat16>());
   else
-    group_passes<16>(xq, M, K, N, q.data_ptr<int8_t>(), scale.data_ptr<float>(), o, y.data_ptr<at::BFloat16>());
+    group_passes<16>(xq, M, K, N, q.data_ptr<int8_t>(), s, sub, sup, o, y.data_ptr<at::BFloat16>());
   return y;
 }
 

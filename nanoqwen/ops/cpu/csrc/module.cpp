@@ -33,12 +33,15 @@ struct DecoderModelWeights {
 
 namespace {
 
-// A linear's tensors: (weight) bf16; (q, scale) int8 with a bf16 scale per row; (q, scale[, offset]) int8 with
-// float32 scales (and offsets) per group; (packed, scale, offset) int4 (packed uint8).
+// A linear's tensors: (weight) bf16; (q, scale) int8 with a bf16 scale per row; int8 with float32 scales per group:
+// (q, scale) or (q, scale, offset), and two-level (q, int8 scale, super_scale) (float32 super_scale: the last tensor);
+// int4 (packed uint8): (packed, scale, offset), or two-level (packed, scale, offset, super_scale, super_offset).
 at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& t) {
-  TORCH_CHECK(!t.empty() && t.size() <= 3, "a linear is 1 to 3 tensors, got ", t.size());
+  TORCH_CHECK(!t.empty() && t.size() <= 5, "a linear is 1 to 5 tensors, got ", t.size());
   if (t.size() == 1) return bf16_gemv(x, t[0], std::nullopt);
-  if (t[0].scalar_type() == at::kByte) return int4_gemv(x, t[0], t[1], t[2]);
+  if (t[0].scalar_type() == at::kByte)
+    return t.size() == 5 ? int4_gemv(x, t[0], t[1], t[2], t[3], t[4]) : int4_gemv(x, t[0], t[1], t[2]);
+  if (t[1].scalar_type() == at::kChar) return int8_group_gemv(x, t[0], t[1], std::nullopt, t[2]);
   if (t[1].scalar_type() == at::kFloat)
     return int8_group_gemv(x, t[0], t[1], t.size() == 3 ? std::optional<at::Tensor>(t[2]) : std::nullopt);
   return int8_gemv(x, t[0], t[1]);
@@ -50,10 +53,15 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& t) {
 at::Tensor embed_rows(const std::vector<at::Tensor>& t, const at::Tensor& ids) {
   if (t.size() == 1) return t[0].index_select(0, ids);
   const int64_t M = ids.numel(), groups = t[1].size(1);
+  // a group's scale (and offset) as float32 [rows, groups]: one level, or sub-scales times their super-block's
+  auto two_level = [](const at::Tensor& sub, const at::Tensor& super) {
+    return super.repeat_interleave(sub.size(1) / super.size(1), 1) * sub.to(at::kFloat);
+  };
   if (t[0].scalar_type() == at::kChar) {  // int8 with float32 scales (and offsets) per group
-    at::Tensor w = t[0].index_select(0, ids).to(at::kFloat).view({M, groups, -1}) *
-                   t[1].index_select(0, ids).unsqueeze(-1);
-    if (t.size() == 3) w = w + t[2].index_select(0, ids).unsqueeze(-1);
+    const at::Tensor rows_scale = t[1].scalar_type() == at::kChar
+        ? two_level(t[1].index_select(0, ids), t[2].index_select(0, ids)) : t[1].index_select(0, ids);
+    at::Tensor w = t[0].index_select(0, ids).to(at::kFloat).view({M, groups, -1}) * rows_scale.unsqueeze(-1);
+    if (t.size() == 3 && t[1].scalar_type() == at::kFloat) w = w + t[2].index_select(0, ids).unsqueeze(-1);
     return w.view({M, -1}).to(at::kBFloat16);
   }
   // int4, rows stored lane by lane in blocks of 16 (quantization/int4.py): each id's block, then its lane
@@ -68,8 +76,13 @@ at::Tensor embed_rows(const std::vector<at::Tensor>& t, const at::Tensor& ids) {
   };
   const at::Tensor bytes = pick(t[0], 4).reshape({M, groups, -1});  // [M, groups, G/2]
   const at::Tensor q = at::cat({at::bitwise_and(bytes, 15), at::bitwise_right_shift(bytes, 4)}, -1).to(at::kFloat);
-  const at::Tensor scale = pick(t[1], 1).to(at::kFloat), offset = pick(t[2], 1).to(at::kFloat);  // [M, groups]
-  return (offset.unsqueeze(-1) + scale.unsqueeze(-1) * q).view({M, -1}).to(at::kBFloat16);
+  at::Tensor scale = pick(t[1], 1).squeeze(-1), offset = pick(t[2], 1).squeeze(-1);  // [M, groups]
+  if (t.size() == 5) {
+    scale = two_level(scale, pick(t[3], 1).squeeze(-1));
+    offset = two_level(offset, pick(t[4], 1).squeeze(-1));
+  }
+  return (offset.to(at::kFloat).unsqueeze(-1) + scale.to(at::kFloat).unsqueeze(-1) * q).view({M, -1})
+      .to(at::kBFloat16);
 }
 
 // One layer of a decode step, as DecoderLayer.forward computes it on this path (the same kernels in the same order,
@@ -232,11 +245,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_group_gemv", &int8_group_gemv,
         "y = x @ (q * scale + offset).T for few rows of x (int8 weights, a float32 scale and offset per group)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("offset") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("super_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemv", &int4_gemv, "y = x @ (offset + scale * q).T for few rows of x (group-wise int4 weights)",
-        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::arg("super_scale") = py::none(),
+        py::arg("super_offset") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemm", &int4_gemm, "int4_gemv's product for many rows of x: packed panels, a small GEMM",
-        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::call_guard<py::gil_scoped_release>());
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::arg("super_scale") = py::none(),
+        py::arg("super_offset") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "models.qwen3.rms_norm for bf16 rows", py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("apply_rope", &apply_rope, "models.qwen3.apply_rope for bf16 x [N, H, D]", py::arg("x"), py::arg("cos"),
