@@ -9,7 +9,7 @@ from dataclasses import fields
 
 from nanoqwen.config.engine import EngineConfig
 from nanoqwen.config.model import DTYPE_NAMES
-from nanoqwen.config.quantization import QUANTIZATION_METHODS
+from nanoqwen.config.quantization import CHECKPOINT_METHODS, QUANTIZATION_METHODS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -67,10 +67,11 @@ def add_parallel_and_quantization_args(p: argparse.ArgumentParser) -> None:
                    help="split the model over N processes (N GPUs, or CPU processes); "
                         "nanoqwen starts them, "
                         "or run under `torchrun --nproc-per-node N` (default 1)")
-    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+    p.add_argument("--quantization", choices=[*QUANTIZATION_METHODS, *CHECKPOINT_METHODS], default=None,
                    help="weight-only quantisation made at load time: int8 (about half the "
                         "weight bytes) or int4 (group-wise, about 0.28 of them); faster decode "
-                        "on CPU")
+                        "on CPU. awq, gptq, fp8, gguf: the checkpoint's own (already quantised; "
+                        "the default for such a checkpoint)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s: e.g. \'{"method": "self_quantized", '
                         '"quantization": "int4", "num_speculative_tokens": 4}\', '

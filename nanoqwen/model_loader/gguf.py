@@ -21,7 +21,7 @@ against it). What comes from where:
   vocabulary has them (llama.cpp's end-of-generation rule; Qwen's generation_config.json names the same two).
 - Sampling defaults: `general.sampling.temp`, `.top_k`, `.top_p`, `.min_p` where the converter wrote them.
 - Tensors: float ones (F32, F16, BF16) go into the model's parameters in the model dtype; quantised ones keep
-  their values in nanoqwen's formats (nanoqwen/quantization/gguf.py), never quantised a second time. Any other
+  their values in nanoqwen's formats (nanoqwen/quantization/prequantized.py), never quantised a second time. Any other
   type is an error naming the tensor, its type and the supported ones.
 """
 
@@ -45,7 +45,7 @@ from nanoqwen.layers.linear import Linear
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.ops.cpu.memory import release_freed_memory
 from nanoqwen.ops.gguf_quants import BLOCK_SIZES, FLOAT_TYPES, SUPPORTED_TYPES, GGMLType, GroupedWeights, unpack
-from nanoqwen.quantization.gguf import QuantizedEmbedding, concat_parts, quantized_experts, quantized_linear
+from nanoqwen.quantization.prequantized import QuantizedEmbedding, concat_parts, quantized_experts, quantized_linear
 from nanoqwen.tokenizer import Tokenizer
 
 logger = logging.getLogger("nanoqwen")

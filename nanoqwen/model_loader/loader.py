@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from nanoqwen.config.model import GenerationConfig, Qwen3Config
+from nanoqwen.config.model import GenerationConfig, Qwen3Config, read_json
+from nanoqwen.config.quantization import CHECKPOINT_METHODS
 from nanoqwen.errors import ConfigError, WeightsError
 from nanoqwen.model_loader.gguf import GGUFCheckpoint, is_gguf, load_gguf_weights, type_name
+from nanoqwen.model_loader.prequantized import checkpoint_quantization, is_quantized_tensor, load_prequantized
 from nanoqwen.model_loader.weight_files import Part, iter_checkpoint, safetensors_files
 from nanoqwen.models.qwen3 import PLAIN_KERNELS, Kernels, Qwen3ForCausalLM
 from nanoqwen.ops.gguf_quants import FLOAT_TYPES
@@ -125,7 +127,8 @@ def _slice(param: torch.Tensor, model: Qwen3ForCausalLM, name: str, shard: Shard
 
 
 def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool | None = None,
-                 on_module_loaded: Callable[[str], None] | None = None) -> None:
+                 on_module_loaded: Callable[[str], None] | None = None,
+                 skip: Callable[[str], bool] | None = None) -> None:
     """Copy every checkpoint tensor (this rank's slice of it) into its parameter; error on missing,
     unexpected or misshaped ones.
 
@@ -133,7 +136,7 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
     quantises it there, so on CPU the model-dtype copy of the whole model never exists: the
     pages of a parameter not filled yet are not committed; a GPU allocates them all when the
     model is built). The loader drops its own references to that module's parameters first;
-    nothing is written to them after.
+    nothing is written to them after. skip(name): checkpoint tensors read elsewhere (not loaded here).
     """
     params = dict(model.named_parameters())
     expected = list(_expected_slices(model))
@@ -150,6 +153,8 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
         """Check a checkpoint tensor against its parameter and pick this rank's part of it."""
         if ckpt_name == "lm_head.weight" and model.lm_head is None:
             return None  # loaded without a head (an embedding model): a stored one is not needed
+        if skip is not None and skip(ckpt_name):
+            return None  # read already (a quantised checkpoint's own matrices: model_loader/prequantized.py)
         if ckpt_name == "lm_head.weight" and model.is_tied:
             # A tied config whose file also stores the head: load it, and share the embedding
             # again below if the two are equal (transformers unties them when they differ).
@@ -307,7 +312,17 @@ def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device:
     if is_gguf(model_dir):
         return load_gguf_model(model_dir, config, dtype, device, max_model_len, tp_size, quantization, task,
                                kernels)
+    elif quantization == "gguf":
+        raise ConfigError(f"--quantization gguf: {model_dir} is not a GGUF file")
     files = safetensors_files(model_dir)
+    own = checkpoint_quantization(read_json(model_dir / "config.json"), model_dir / "config.json")
+    if own is not None:
+        return load_prequantized_model(model_dir, files, own, config, dtype, device, max_model_len, tp_size,
+                                       quantization, task, kernels, show_progress)
+    if quantization in CHECKPOINT_METHODS:
+        raise ConfigError(f"--quantization {quantization}: {model_dir} is not a {quantization.upper()} checkpoint "
+                          "(its config.json has no quantization_config of that method); leave the flag out, or "
+                          "use int8 / int4")
     with _default_dtype(dtype), torch.device(device):
         model = Qwen3ForCausalLM(config, max_model_len, tp_rank, tp_size, lm_head=task != "embed",
                                  kernels=kernels)
@@ -345,4 +360,23 @@ def load_gguf_model(path: Path, config: Qwen3Config, dtype: torch.dtype, device:
             quantize_module(model, name, quantization)
         if task == "generate":
             quantize_model(model, quantization)  # the LM head
+    return model.to(device).eval()
+
+
+def load_prequantized_model(model_dir: Path, files: list[Path], own: dict, config: Qwen3Config, dtype: torch.dtype,
+                            device: torch.device, max_model_len: int | None, tp_size: int, quantization: str | None,
+                            task: str, kernels: Kernels, show_progress: bool | None) -> Qwen3ForCausalLM:
+    """load_model for an AWQ, GPTQ or FP8 checkpoint (nanoqwen/model_loader/prequantized.py): its quantised
+    projections held as they are, the rest loaded as usual."""
+    method = own["quant_method"]
+    if quantization not in (None, method):
+        raise ConfigError(f"--model {model_dir} is already quantized ({method}): leave out --quantization "
+                          f"{quantization} (or pass --quantization {method})")
+    if tp_size > 1:
+        raise ConfigError(f"--model {model_dir}: tensor parallelism does not load {method.upper()} checkpoints yet; "
+                          "use tensor_parallel_size 1")
+    with _default_dtype(dtype), torch.device("cpu"):  # (parameters replaced before they are written: never committed)
+        model = Qwen3ForCausalLM(config, max_model_len, 0, 1, lm_head=task != "embed", kernels=kernels)
+    load_prequantized(model, files, own)
+    load_weights(model, files, show_progress, skip=lambda name: is_quantized_tensor(name, method))
     return model.to(device).eval()

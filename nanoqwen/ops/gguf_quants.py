@@ -17,7 +17,7 @@ rounding left is the reference's own (tests/ops/test_gguf_quants.py compares the
 (d, m, dmin: float16 in the block.) The layouts within a block are ggml's: a 4-bit type's byte j holds element j
 in its low nibble and element j + 16 in its high one (Q4_K/Q5_K: byte j of each 32-byte chunk holds element j of
 the chunk's first sub-block and element j of its second); the fifth bit (Q5) and the two high bits (Q6_K) come from
-separate bit planes. nanoqwen/quantization/gguf.py decides which of nanoqwen's formats holds each type.
+separate bit planes. nanoqwen/quantization/prequantized.py decides which of nanoqwen's formats holds each type.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class TwoLevelScales:
     """The K types' scales as the file holds them: a small integer per group (sub_scale: Q4_K's 6-bit uint8,
     Q6_K's int8; sub_offset: Q4_K's 6-bit mins) times a float32 per super-block of `groups` groups (super_scale: d;
     super_offset: -dmin), each [rows, ...]. scale = super_scale * sub_scale exactly (a float16 times a small
-    integer), so nanoqwen can hold these instead of float32 scales: 4.625 bits a Q4_K weight, not 6."""
+    integer), so nanoqwen can hold these instead of float32 scales: 4.75 bits a Q4_K weight, not 6."""
 
     sub_scale: torch.Tensor
     sub_offset: torch.Tensor | None

@@ -58,7 +58,7 @@ from nanoqwen.quantization.base import QuantizedLinear, block_rows
 class Int4Linear(QuantizedLinear):
     """y = x @ W4.T + bias with W4 = offset + scale * q per group: `weight` packed uint8
     [out, in/2], `scale` and `offset` [out, in/G] (model dtype; float32 for a GGUF file's, whose exact
-    scales bf16 cannot hold: quantization/gguf.py), rows stored lane by lane in blocks of INT4_BLOCK_ROWS;
+    scales bf16 cannot hold: quantization/prequantized.py), rows stored lane by lane in blocks of INT4_BLOCK_ROWS;
     see the module docstring."""
 
     BUFFERS = ("weight", "scale", "offset", "super_scale", "super_offset")

@@ -1,5 +1,6 @@
 """Weight-only int8 with a scale (and an offset) per group of inputs: the format that holds a GGUF file's Q8_0,
-Q5_0, Q5_1, Q5_K and Q6_K matrices exactly (nanoqwen/quantization/gguf.py; the unpacking: nanoqwen/ops/gguf_quants.py).
+Q5_0, Q5_1, Q5_K and Q6_K matrices exactly (nanoqwen/quantization/prequantized.py; the unpacking:
+nanoqwen/ops/gguf_quants.py).
 
 For W [out, in] in groups of G consecutive inputs of a row (G = 32, or 16 for Q6_K):
 

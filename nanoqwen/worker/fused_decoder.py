@@ -36,9 +36,9 @@ from nanoqwen.layers.linear import Linear
 from nanoqwen.models.qwen3 import MLP, DecoderLayer, Qwen3ForCausalLM
 from nanoqwen.ops.cpu import kernels as cpu_kernels
 from nanoqwen.ops.quantize import INT4_BLOCK_ROWS
-from nanoqwen.quantization import Int4Linear, Int8Linear
-from nanoqwen.quantization.gguf import QuantizedEmbedding
+from nanoqwen.quantization import Int4Linear, Int8Linear, QuantizedLinear
 from nanoqwen.quantization.int8_group import Int8GroupLinear
+from nanoqwen.quantization.prequantized import QuantizedEmbedding
 
 
 def linear_tensors(linear: Linear) -> list[torch.Tensor]:
@@ -51,6 +51,14 @@ def linear_tensors(linear: Linear) -> list[torch.Tensor]:
     if isinstance(linear, Int8GroupLinear):
         return [t for t in (linear.weight, linear.scale, linear.offset, linear.super_scale) if t is not None]
     return [linear.weight]
+
+
+def runs_fused(linear: torch.nn.Module) -> bool:
+    """Whether decode_model has a kernel for this linear's format (bf16, int8, grouped int8, int4: not FP8, nor a
+    linear that reorders its inputs)."""
+    if isinstance(linear, Int4Linear | Int8Linear | Int8GroupLinear):
+        return True
+    return isinstance(linear, Linear) and not isinstance(linear, QuantizedLinear)
 
 
 def embedding_tensors(embedding: VocabParallelEmbedding | QuantizedEmbedding) -> list[torch.Tensor]:
@@ -80,9 +88,10 @@ class FusedDecoder:
                      and model.embed_tokens.weight.shape[0] % INT4_BLOCK_ROWS == 0)
                 and model.lm_head is not None and model.lm_head.bias is None
                 and not c.attention_bias and all(isinstance(layer.mlp, MLP) for layer in model.layers)
-                and all(linear.bias is None for layer in model.layers
+                and all(linear.bias is None and runs_fused(linear) for layer in model.layers
                         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                        layer.mlp.gate_up_proj, layer.mlp.down_proj))
+                and runs_fused(model.lm_head)
                 and cpu_kernels.available())
 
     @staticmethod

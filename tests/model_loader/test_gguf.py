@@ -23,8 +23,8 @@ from nanoqwen.model_loader.init_random import ASSETS
 from nanoqwen.model_loader.loader import load_config, load_model, load_tokenizer
 from nanoqwen.ops.gguf_quants import BLOCK_SIZES, unpack
 from nanoqwen.quantization import Int4Linear, weight_bytes
-from nanoqwen.quantization.gguf import QuantizedEmbedding
 from nanoqwen.quantization.int8_group import Int8GroupLinear
+from nanoqwen.quantization.prequantized import QuantizedEmbedding
 from nanoqwen.tokenizer import Tokenizer
 
 PROMPT = [9707, 11, 847, 829, 374, 1207, 16948, 13, 358, 1075, 311, 3270, 2038]

@@ -765,7 +765,7 @@ def test_paged_decode_attention_long_contexts(kernels):
     assert torch.equal(got[2], torch.zeros_like(got[2]))
 
 
-# ---- a GGUF file's formats: int4 with float32 scales, grouped int8 (nanoqwen/quantization/gguf.py)
+# ---- a GGUF file's formats: int4 with float32 scales, grouped int8 (nanoqwen/quantization/prequantized.py)
 
 
 @pytest.mark.parametrize("m", (1, 3, 9, 40))  # the streaming passes and the panels

@@ -5,7 +5,7 @@
 //             any M: above 8 rows a small GEMM on unpacked panels of W (int4_gemm)
 //   two-level scales, as a GGUF file's Q4_K holds them: scale, offset [N,K/G] uint8 (6-bit) and super_scale,
 //             super_offset [N,K/(8G)] float32, a group's scale super_scale * scale and offset super_offset * offset
-//             (exact in float32: nanoqwen/quantization/gguf.py), so the weights take 4.625 bits, not 6
+//             (exact in float32: nanoqwen/quantization/prequantized.py), 152 bytes a block of 256 weights, not 192
 //
 // int4 layout (nanoqwen/quantization/int4.py): row n is cut into groups of G consecutive elements (G % 16 == 0);
 // group g has G/2 bytes, byte j holding element j in its low nibble and element j + G/2 in its high nibble,

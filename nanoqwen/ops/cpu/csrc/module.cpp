@@ -49,7 +49,7 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& t) {
 
 // The embedding rows of ids [M] as bf16 [M, H], from a table held as a linear's tensors (above): a bf16 table's rows,
 // or a quantised table's rows dequantised in float32 and rounded to bf16 once, with the operations (a product,
-// then a sum) of quantization/gguf.py's QuantizedEmbedding, so the same bits.
+// then a sum) of quantization/prequantized.py's QuantizedEmbedding, so the same bits.
 at::Tensor embed_rows(const std::vector<at::Tensor>& t, const at::Tensor& ids) {
   if (t.size() == 1) return t[0].index_select(0, ids);
   const int64_t M = ids.numel(), groups = t[1].size(1);

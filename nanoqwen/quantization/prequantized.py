@@ -1,9 +1,14 @@
-"""A GGUF file's quantised matrices in nanoqwen's formats, unchanged: each is repacked without loss, so the model
-computes with exactly the weights the file holds (never a second quantisation).
+"""A checkpoint's own quantised matrices (a GGUF file's, an AWQ, GPTQ or FP8 checkpoint's) in nanoqwen's formats,
+unchanged: each is repacked without loss, so the model computes with exactly the weights the file holds (never a
+second quantisation).
+
+- AWQ and GPTQ 4-bit (groups of 128, an integer zero point): the int4 format with float32 scales and offsets (the
+  unpacking: nanoqwen/ops/hf_quants.py). GPTQ with act order (`desc_act`) multiplies its inputs in the checkpoint's
+  group order (`InputOrderLinear`). FP8: fp8.py's `Fp8Linear`.
 
 - Q4_0, Q4_1, Q4_K (q in 0..15, a scale and an offset per group of 32): the int4 format (int4.py) with group
   size 32 and float32 scales and offsets (`Int4Linear`; its kernel takes float32 scales as well as bf16 ones); Q4_K's
-  in two levels as the file holds them (6-bit sub-scales and mins, a float32 pair per 8 groups): 4.625 bits a
+  in two levels as the file holds them (6-bit sub-scales and mins, a float32 pair per 8 groups): 4.75 bits a
   weight.
 - Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: the grouped int8 format (int8_group.py: `Int8GroupLinear`), groups of 32 (Q6_K:
   16), float32 scales, and offsets where the type has them; Q6_K's scales in two levels (int8 sub-scales, a float32
@@ -27,15 +32,14 @@ from nanoqwen.layers.linear import Linear
 from nanoqwen.ops.gguf_quants import GroupedWeights, TwoLevelScales
 from nanoqwen.ops.quantize import INT4_BLOCK_ROWS, dequantize_int4, dequantize_int8_group, pack_int4
 from nanoqwen.quantization.base import QuantizedLinear
+from nanoqwen.quantization.fp8 import Fp8Linear
 from nanoqwen.quantization.int4 import Int4Experts, Int4Linear
 from nanoqwen.quantization.int8_group import Int8GroupExperts, Int8GroupLinear
 
-INT4_GROUP = 32
-
 
 def is_four_bit(w: GroupedWeights) -> bool:
-    """Whether the int4 format holds these weights (q in 0..15 with an offset, groups of 32)."""
-    return w.q.dtype == torch.uint8 and w.offset is not None and w.group == INT4_GROUP and int(w.q.max()) < 16
+    """Whether the int4 format holds these weights (q in 0..15 with an offset, groups of a multiple of 16)."""
+    return w.q.dtype == torch.uint8 and w.offset is not None and w.group % 16 == 0 and int(w.q.max()) < 16
 
 
 def concat_parts(parts: list[GroupedWeights]) -> GroupedWeights:
@@ -82,6 +86,38 @@ def quantized_linear(linear: Linear, w: GroupedWeights) -> QuantizedLinear:
     if t is not None and t.sub_offset is None and t.sub_scale.dtype == torch.int8 and t.groups == 16:  # Q6_K
         return Int8GroupLinear.from_buffers(linear, q, t.sub_scale, None, t.super_scale)
     return Int8GroupLinear.from_buffers(linear, q, w.scale, w.offset, None)
+
+
+class InputOrderLinear(nn.Module):
+    """A quantised linear whose groups run over its inputs in another order (GPTQ's act order): y = inner(x[...,
+    input_order]), the same product as the checkpoint's matrix times x."""
+
+    def __init__(self, inner: QuantizedLinear, input_order: torch.Tensor) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("input_order", input_order)
+        for name in ("output_sizes", "tp_size"):  # what the model reads of a (tensor-parallel) linear
+            if hasattr(inner, name):
+                setattr(self, name, getattr(inner, name))
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.inner.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.index_select(-1, self.input_order))
+
+
+def fp8_linear(linear: Linear, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> QuantizedLinear:
+    """The Fp8Linear version of `linear` from its parts' (weight float8 [n, K], scale_inv [n / bn, K / bk]) in order:
+    the scales one row per weight row, so the parts' rows stack."""
+    weights = torch.cat([w for w, _ in parts])
+    scales = torch.cat([s.repeat_interleave(-(-w.shape[0] // s.shape[0]), 0)[: w.shape[0]] for w, s in parts])
+    return Fp8Linear.from_buffers(linear, weights, scales.float().contiguous())
 
 
 def quantized_experts(matrices: dict[str, list[GroupedWeights]], matmul_path) -> nn.Module:

@@ -1,0 +1,124 @@
+"""Checkpoints published already quantised (AWQ, GPTQ with and without act order, FP8): each format's tensors,
+packed from known integers as its own tools lay them out, unpack to exactly those integers; the model computes
+what transformers computes on the same weights dequantised; and the --quantization rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PROMPTS, hf_model, prompt_logits
+from quantized_checkpoints import awq_tensors, gptq_tensors, write_quantized
+
+from nanoqwen import LLM, ConfigError, SamplingParams
+from nanoqwen.model_loader.loader import load_config, load_model
+from nanoqwen.ops.hf_quants import unpack_awq, unpack_gptq
+from nanoqwen.quantization import Int4Linear
+from nanoqwen.quantization.fp8 import Fp8Linear
+from nanoqwen.quantization.prequantized import InputOrderLinear
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=256, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+
+
+@pytest.fixture(scope="module")
+def quantized(checkpoint, tmp_path_factory):
+    cache = {}
+
+    def make(method: str, act_order: bool = False, moe: bool = False):
+        key = (method, act_order, moe)
+        if key not in cache:
+            src = checkpoint("tiny", dtype="float32", **SHAPE, **(MOE if moe else {}))
+            cache[key] = write_quantized(src, tmp_path_factory.mktemp(f"{method}{int(act_order)}"), method, act_order)
+        return cache[key]
+
+    return make
+
+
+def known(n: int = 48, k: int = 256, group: int = 128, seed: int = 0, lowest_zero: int = 0):
+    """Integers q [n, k], zero points [n, k / group] and float16 scales (GPTQ's zeros stored minus one: 1..15)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    zero = torch.randint(lowest_zero, 16, (n, k // group), generator=g)
+    scale = (torch.rand(n, k // group, generator=g) * 0.01 + 0.005).half()
+    return q, zero, scale
+
+
+def test_awq_unpacks_to_the_known_integers():
+    q, zero, scale = known()
+    t = awq_tensors(q, zero, scale)
+    w = unpack_awq(t["qweight"], t["qzeros"], t["scales"], 128)
+    assert torch.equal(w.q.long(), q)  # (AWQ's interleaved column order undone: a wrong order fails here)
+    expected = (q - zero.repeat_interleave(128, 1)).float() * scale.float().repeat_interleave(128, 1)
+    assert torch.equal(w.dequantize(), expected)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_unpacks_to_the_known_integers(act_order):
+    q, zero, scale = known(seed=1, lowest_zero=1)
+    k = q.shape[1]
+    groups = torch.randperm(k, generator=torch.Generator().manual_seed(2)).argsort() // 128 if act_order \
+        else torch.arange(k) // 128
+    t = gptq_tensors(q, zero, scale, groups)
+    w, order = unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 128, zeros_minus_one=True)
+    expected = (q - zero[:, groups]).float() * scale[:, groups].float()
+    if act_order:
+        assert order is not None and torch.equal(groups[order], torch.arange(k) // 128)
+        assert torch.equal(w.dequantize(), expected[:, order])
+    else:
+        assert order is None and torch.equal(w.q.long(), q) and torch.equal(w.dequantize(), expected)
+
+
+@pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", False), ("gptq", True), ("fp8", False)],
+                         ids=["awq", "gptq", "gptq-act-order", "fp8"])
+def test_logits_equal_transformers_on_the_dequantised_weights(quantized, method, act_order):
+    path, reference, _ = quantized(method, act_order)
+    model = load_model(path, load_config(path), torch.float32, torch.device("cpu"))
+    qkv = model.layers[0].self_attn.qkv_proj
+    kind = {"awq": Int4Linear, "gptq": InputOrderLinear if act_order else Int4Linear, "fp8": Fp8Linear}[method]
+    assert isinstance(qkv, kind)
+    with torch.no_grad():
+        theirs = hf_model(reference, torch.float32)(torch.tensor([PROMPTS[1]])).logits[0]
+    ours = prompt_logits(model, PROMPTS[1])
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+
+
+def test_moe_awq_equals_transformers(quantized):
+    """A Qwen3-MoE AWQ checkpoint: every expert's projections quantised, the router not."""
+    path, reference, _ = quantized("awq", moe=True)
+    model = load_model(path, load_config(path), torch.float32, torch.device("cpu"))
+    assert model.config.is_moe and type(model.layers[0].mlp.experts).__name__ == "Int4Experts"
+    with torch.no_grad():
+        theirs = hf_model(reference, torch.float32)(torch.tensor([PROMPTS[1]])).logits[0]
+    torch.testing.assert_close(prompt_logits(model, PROMPTS[1]), theirs, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["awq", "fp8"])
+def test_llm_generates_in_bf16(quantized, method, monkeypatch):
+    """bf16 on CPU: AWQ through the int4 kernels (float32 scales, groups of 128) and the fused decode step, whose
+    tokens equal the plain path's; FP8 through the dequantise path, one byte a weight; `--quantization METHOD`
+    with the checkpoint's own method changes nothing."""
+    path, _, _ = quantized(method)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory=32 << 20)
+    engine = llm.llm_engine
+    tokens = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(tokens) == 12
+    if method == "fp8":
+        assert engine.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+        assert engine.runner.fused_decoder is None  # (no FP8 kernel in the fused step)
+    else:
+        assert engine.runner.fused_decoder is not None
+        monkeypatch.setenv("NANOQWEN_FUSED_DECODE", "0")
+    same = LLM(str(path), max_model_len=128, kv_cache_memory=32 << 20, quantization=method)
+    assert same.llm_engine.runner.fused_decoder is None
+    assert same.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids == tokens
+
+
+def test_quantization_flag_rules(quantized, checkpoint):
+    path, _, _ = quantized("awq")
+    with pytest.raises(ConfigError, match=r"already quantized \(awq\): leave out --quantization int4"):
+        LLM(str(path), quantization="int4", max_model_len=128, kv_cache_memory=32 << 20)
+    plain = checkpoint("tiny", dtype="float32", **SHAPE)
+    with pytest.raises(ConfigError, match="--quantization gptq: .* is not a GPTQ checkpoint"):
+        LLM(str(plain), quantization="gptq", max_model_len=128, kv_cache_memory=32 << 20)
