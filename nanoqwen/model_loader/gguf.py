@@ -45,7 +45,13 @@ from nanoqwen.layers.linear import Linear
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.ops.cpu.memory import release_freed_memory
 from nanoqwen.ops.gguf_quants import BLOCK_SIZES, FLOAT_TYPES, SUPPORTED_TYPES, GGMLType, GroupedWeights, unpack
-from nanoqwen.quantization.prequantized import QuantizedEmbedding, concat_parts, quantized_experts, quantized_linear
+from nanoqwen.quantization.prequantized import (
+    QuantizedEmbedding,
+    concat_parts,
+    fused_linear,
+    quantized_experts,
+    quantized_linear,
+)
 from nanoqwen.tokenizer import Tokenizer
 
 logger = logging.getLogger("nanoqwen")
@@ -421,14 +427,23 @@ def _fill_linear(model: Qwen3ForCausalLM, i: int, module: str,
     del layer_parts[(i, module)]
     ordered = [parts[k] for k in sorted(parts, key=lambda k: -1 if k is None else k)]
     name = f"blk.{i}.{module}"
-    if all(isinstance(p, GroupedWeights) for p in ordered):
-        value: torch.Tensor | GroupedWeights = concat_parts(ordered)
-    else:  # float parts, or a mix (dequantised: the float ones set the dtype)
-        value = torch.cat([p.dequantize() if isinstance(p, GroupedWeights) else p.float() for p in ordered])
     layer = model.layers[i]
     parent_name, _, attr = module.rpartition(".")
     parent = layer.get_submodule(parent_name)
-    setattr(parent, attr, _linear(getattr(parent, attr), value, name, ckpt))
+    linear = getattr(parent, attr)
+    if len(ordered) > 1 and all(isinstance(p, GroupedWeights) for p in ordered):
+        rows = sum(p.q.shape[0] for p in ordered)
+        if rows != linear.weight.shape[0] or any(p.q.shape[1] != linear.weight.shape[1] for p in ordered):
+            shapes = [list(p.q.shape) for p in ordered]
+            raise WeightsError(f"{ckpt.path}: the tensors of {name} have shapes {shapes}, the metadata implies "
+                               f"{list(linear.weight.shape)}")
+        setattr(parent, attr, fused_linear(linear, ordered))
+        return
+    if all(isinstance(p, GroupedWeights) for p in ordered):
+        value: torch.Tensor | GroupedWeights = ordered[0]
+    else:  # float parts, or a mix (dequantised: the float ones set the dtype)
+        value = torch.cat([p.dequantize() if isinstance(p, GroupedWeights) else p.float() for p in ordered])
+    setattr(parent, attr, _linear(linear, value, name, ckpt))
 
 
 def _fill_experts(model: Qwen3ForCausalLM, i: int, expert_parts: dict, ckpt: GGUFCheckpoint) -> None:

@@ -16,14 +16,13 @@ from safetensors import safe_open
 from nanoqwen.errors import ConfigError, WeightsError
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.ops.cpu.memory import release_freed_memory
-from nanoqwen.ops.gguf_quants import GroupedWeights
 from nanoqwen.ops.hf_quants import unpack_awq, unpack_gptq
 from nanoqwen.quantization.prequantized import (
     InputOrderLinear,
     concat_parts,
     fp8_linear,
+    fused_linear,
     quantized_experts,
-    quantized_linear,
 )
 
 PREQUANTIZED_METHODS = ("awq", "gptq", "fp8")
@@ -169,13 +168,12 @@ def _place(model: Qwen3ForCausalLM, layer: int, module: str, got: dict, method: 
                                                           for o in orders):
             raise WeightsError(f"{where}: the act-order g_idx of the projections that share this input differ; "
                                "nanoqwen needs them equal (as GPTQ makes them from one input)")
-        matrix: GroupedWeights = concat_parts([w for w, _ in ordered])
-        new = quantized_linear(linear, matrix)
+        new = fused_linear(linear, [w for w, _ in ordered])
         if orders[0] is not None:
             new = InputOrderLinear(new, orders[0])
-    shape = (new.inner if isinstance(new, InputOrderLinear) else new).weight.shape
-    if shape[0] != linear.weight.shape[0]:
-        raise WeightsError(f"{where}: the quantised projections hold {shape[0]} output rows, config.json implies "
+    rows = sum(w.q.shape[0] for w, _ in ordered) if method != "fp8" else sum(w.shape[0] for w, _ in ordered)
+    if rows != linear.weight.shape[0]:
+        raise WeightsError(f"{where}: the quantised projections hold {rows} output rows, config.json implies "
                            f"{linear.weight.shape[0]}")
     if linear.bias is not None:  # (read with the rest of the checkpoint, into the same Parameter)
         (new.inner if isinstance(new, InputOrderLinear) else new).bias = linear.bias

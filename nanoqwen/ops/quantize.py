@@ -131,11 +131,36 @@ def two_level_scales(sub: torch.Tensor, super_: torch.Tensor) -> torch.Tensor:
     return super_.repeat_interleave(sub.shape[1] // super_.shape[1], dim=1) * sub.float()
 
 
+def pack_int6(q: torch.Tensor) -> torch.Tensor:
+    """Values in -32..31 [rows, K] (K % 16 == 0) -> uint8 [rows, 3K/4] at 6 bits a value: each 16 in 12 bytes, 8 of
+    their low nibbles (byte j: value j low, value j + 8 high) and 4 of their high 2 bits (byte b: values b, b + 4,
+    b + 8, b + 12 at bits 0, 2, 4, 6), each value plus 32 (the layout int8_group_gemv reads: a GGUF file's Q6_K)."""
+    rows, k = q.shape
+    u = (q.to(torch.int16) + 32).to(torch.uint8).view(rows, k // 16, 16)
+    low, high = u & 15, u >> 4
+    nibbles = low[..., :8] | (low[..., 8:] << 4)
+    h = high.view(rows, k // 16, 4, 4)  # [.., i, b]: value 4i + b
+    plane = h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)
+    return torch.cat([nibbles, plane], dim=-1).reshape(rows, -1)
+
+
+def unpack_int6(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int6's bytes [rows, 3K/4] -> the values, int8 [rows, K]."""
+    rows = packed.shape[0]
+    chunks = packed.view(rows, -1, 12)
+    nibbles, plane = chunks[..., :8], chunks[..., 8:]
+    low = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)
+    high = torch.cat([(plane >> (2 * i)) & 3 for i in range(4)], dim=-1)
+    return ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).view(rows, -1)
+
+
 def dequantize_int8_group(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                           super_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q * scale + offset in float32 [out, in] (scale and offset per group of in/groups inputs): the weight an
-    Int8GroupLinear computes with (quantization/int8_group.py). Two levels (int8 scale with super_scale): a group's
-    scale is super_scale * scale (two_level_scales)."""
+    Int8GroupLinear computes with (quantization/int8_group.py); q int8, or uint8 packed at 6 bits (pack_int6). Two
+    levels (int8 scale with super_scale): a group's scale is super_scale * scale (two_level_scales)."""
+    if q.dtype == torch.uint8:
+        q = unpack_int6(q)
     out_features, in_features = q.shape
     groups = scale.shape[1]
     if super_scale is not None:

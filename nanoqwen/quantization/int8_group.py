@@ -13,7 +13,8 @@ For W [out, in] in groups of G consecutive inputs of a row (G = 32, or 16 for Q6
 The scales stay float32 because the file's are float16 times a small integer (exact in float32, not in bf16):
 nanoqwen computes with the file's own weights. Bytes per weight: 1 + 4 / G (+ 4 / G with an offset). Q6_K's come in
 two levels, as the file holds them: an int8 `scale` a group of 16 and a float32 `super_scale` per 16 groups (a
-group's scale is their product, exact in float32): 1 + 1 / 16 + 4 / 256 bytes a weight (8.625 bits, not 10).
+group's scale is their product, exact in float32), and its values at 6 bits (`weight` uint8 [out, 3 in / 4],
+ops/quantize.py pack_int6): 6 + 0.5 + 0.125 bits a weight (6.625, not 10; the file's 6.5625).
 
 Kernels: for up to 16 bf16 rows on a CPU with nanoqwen's kernels (decode), `int8_group_gemv`
 (ops/cpu/kernels.py): x rounded to int16 per group (as int8_gemv rounds it per 64), integer dot products per
@@ -56,7 +57,7 @@ class Int8GroupLinear(QuantizedLinear):
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[1]
+        return self.weight.shape[1] * 4 // 3 if self.weight.dtype == torch.uint8 else self.weight.shape[1]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = int8_group_linear(x, self.weight, self.scale, self.offset, self.super_scale, self.matmul_path)
@@ -114,7 +115,7 @@ def int8_group_dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch
                                   ) -> torch.Tensor:
     """x @ W.T with W dequantised in row blocks (block_rows) to the compute dtype (x's by default; float32 where
     this CPU's bf16 matmuls are slow), as int4.py's int4_dequantized_linear does."""
-    out_features, in_features = q.shape
+    out_features, in_features = q.shape[0], q.shape[1] * 4 // 3 if q.dtype == torch.uint8 else q.shape[1]
     xc = x.to(compute or x.dtype)
 
     def product(start: int, end: int) -> torch.Tensor:

@@ -12,10 +12,10 @@ second quantisation).
   weight.
 - Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: the grouped int8 format (int8_group.py: `Int8GroupLinear`), groups of 32 (Q6_K:
   16), float32 scales, and offsets where the type has them; Q6_K's scales in two levels (int8 sub-scales, a float32
-  per 16 groups): 8.625 bits a weight.
-- One fused matrix made of several GGUF tensors (q/k/v, gate/up) whose types differ (a Q4_K_M file keeps
-  attn_v and ffn_down of some layers in Q6_K): every part in the grouped int8 format, groups of the smallest
-  size (a group's scale repeated: still exact).
+  per 16 groups) and its values at 6 bits: 6.625 bits a weight (the file's 6.5625).
+- One fused matrix made of several tensors (q/k/v, gate/up) whose formats differ (a Q4_K_M file keeps attn_v of
+  some layers in Q6_K beside Q4_K attn_q and attn_k): a `StackedLinear` of the runs of parts that share a format
+  (q and k as one int4 matrix, v as grouped int8), their outputs side by side.
 
 The unpacking of each type's blocks: nanoqwen/ops/gguf_quants.py. `QuantizedEmbedding` looks up token rows of a
 quantised embedding table (dequantising just those rows), and its matrix is also the LM head where the file ties
@@ -30,7 +30,7 @@ from torch import nn
 
 from nanoqwen.layers.linear import Linear
 from nanoqwen.ops.gguf_quants import GroupedWeights, TwoLevelScales
-from nanoqwen.ops.quantize import INT4_BLOCK_ROWS, dequantize_int4, dequantize_int8_group, pack_int4
+from nanoqwen.ops.quantize import INT4_BLOCK_ROWS, dequantize_int4, dequantize_int8_group, pack_int4, pack_int6
 from nanoqwen.quantization.base import QuantizedLinear
 from nanoqwen.quantization.fp8 import Fp8Linear
 from nanoqwen.quantization.int4 import Int4Experts, Int4Linear
@@ -40,6 +40,61 @@ from nanoqwen.quantization.int8_group import Int8GroupExperts, Int8GroupLinear
 def is_four_bit(w: GroupedWeights) -> bool:
     """Whether the int4 format holds these weights (q in 0..15 with an offset, groups of a multiple of 16)."""
     return w.q.dtype == torch.uint8 and w.offset is not None and w.group % 16 == 0 and int(w.q.max()) < 16
+
+
+def format_key(w: GroupedWeights) -> tuple:
+    """What must match for matrices to be stacked into one module: the format, group size and scale layout."""
+    t = w.two_level
+    levels = None if t is None else (t.groups, t.sub_scale.dtype, t.sub_offset is None)
+    return is_four_bit(w), w.q.dtype, w.group, w.offset is None, levels
+
+
+def runs_of_one_format(parts: list[GroupedWeights]) -> list[list[GroupedWeights]]:
+    """The parts in order, consecutive ones of the same format together."""
+    runs: list[list[GroupedWeights]] = []
+    for p in parts:
+        if runs and format_key(runs[-1][-1]) == format_key(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+class StackedLinear(nn.Module):
+    """A fused linear (q/k/v, gate/up) whose parts a checkpoint holds in different formats: each run of parts of
+    one format as its own quantised linear, their outputs side by side: y = [part_0(x), part_1(x), ...]."""
+
+    def __init__(self, parts: list[QuantizedLinear], output_sizes: list[int]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.output_sizes = output_sizes
+        self.bias = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.parts[0].weight
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def fused_linear(linear: Linear, parts: list[GroupedWeights]) -> nn.Module:
+    """The quantised version of a fused `linear` from its parts in order: one module where they share a format,
+    else a StackedLinear."""
+    runs = runs_of_one_format(parts)
+    if len(runs) == 1:
+        return quantized_linear(linear, concat_parts(runs[0]))
+    modules = []
+    for run in runs:
+        with torch.device("meta"):  # (only its class and attributes are used)
+            template = Linear(run[0].q.shape[1], sum(p.q.shape[0] for p in run))
+        template.matmul_path = linear.matmul_path
+        modules.append(quantized_linear(template, concat_parts(run)))
+    return StackedLinear(modules, list(linear.output_sizes))
 
 
 def concat_parts(parts: list[GroupedWeights]) -> GroupedWeights:
@@ -84,7 +139,7 @@ def quantized_linear(linear: Linear, w: GroupedWeights) -> QuantizedLinear:
         return Int4Linear.from_buffers(linear, *pack_int4(w.q, w.scale, w.offset))
     q = w.q if w.q.dtype == torch.int8 else w.q.to(torch.int8)
     if t is not None and t.sub_offset is None and t.sub_scale.dtype == torch.int8 and t.groups == 16:  # Q6_K
-        return Int8GroupLinear.from_buffers(linear, q, t.sub_scale, None, t.super_scale)
+        return Int8GroupLinear.from_buffers(linear, pack_int6(q), t.sub_scale, None, t.super_scale)
     return Int8GroupLinear.from_buffers(linear, q, w.scale, w.offset, None)
 
 

@@ -38,7 +38,7 @@ from nanoqwen.ops.cpu import kernels as cpu_kernels
 from nanoqwen.ops.quantize import INT4_BLOCK_ROWS
 from nanoqwen.quantization import Int4Linear, Int8Linear, QuantizedLinear
 from nanoqwen.quantization.int8_group import Int8GroupLinear
-from nanoqwen.quantization.prequantized import QuantizedEmbedding
+from nanoqwen.quantization.prequantized import QuantizedEmbedding, StackedLinear
 
 
 def linear_tensors(linear: Linear) -> list[torch.Tensor]:
@@ -53,9 +53,18 @@ def linear_tensors(linear: Linear) -> list[torch.Tensor]:
     return [linear.weight]
 
 
+def linear_parts(linear: torch.nn.Module) -> list[list[torch.Tensor]]:
+    """What decode_model takes for a linear: its parts' tensors (linear_tensors), one part unless stacked."""
+    if isinstance(linear, StackedLinear):
+        return [linear_tensors(part) for part in linear.parts]
+    return [linear_tensors(linear)]
+
+
 def runs_fused(linear: torch.nn.Module) -> bool:
-    """Whether decode_model has a kernel for this linear's format (bf16, int8, grouped int8, int4: not FP8, nor a
-    linear that reorders its inputs)."""
+    """Whether decode_model has a kernel for this linear's format (bf16, int8, grouped int8, int4, or a stack of
+    those: not FP8, nor a linear that reorders its inputs)."""
+    if isinstance(linear, StackedLinear):
+        return all(runs_fused(part) for part in linear.parts)
     if isinstance(linear, Int4Linear | Int8Linear | Int8GroupLinear):
         return True
     return isinstance(linear, Linear) and not isinstance(linear, QuantizedLinear)
@@ -76,7 +85,7 @@ class FusedDecoder:
         layers = [cpu_kernels.decoder_layer_weights(**self._layer_weights(layer)) for layer in model.layers]
         self.weights = cpu_kernels.decoder_model_weights(
             embed=embedding_tensors(model.embed_tokens), cos=model.rotary.cos, sin=model.rotary.sin, layers=layers,
-            norm=model.norm.weight, eps=model.norm.eps, lm_head=linear_tensors(model.lm_head))
+            norm=model.norm.weight, eps=model.norm.eps, lm_head=linear_parts(model.lm_head))
 
     @staticmethod
     def supports(model: Qwen3ForCausalLM, attention_backend: str | None) -> bool:
@@ -98,9 +107,9 @@ class FusedDecoder:
     def _layer_weights(layer: DecoderLayer) -> dict:
         attn, mlp = layer.self_attn, layer.mlp
         return {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-                "eps": layer.input_layernorm.eps, "qkv_proj": linear_tensors(attn.qkv_proj),
-                "q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "o_proj": linear_tensors(attn.o_proj),
-                "gate_up_proj": linear_tensors(mlp.gate_up_proj), "down_proj": linear_tensors(mlp.down_proj),
+                "eps": layer.input_layernorm.eps, "qkv_proj": linear_parts(attn.qkv_proj),
+                "q_norm": attn.q_norm.weight, "k_norm": attn.k_norm.weight, "o_proj": linear_parts(attn.o_proj),
+                "gate_up_proj": linear_parts(mlp.gate_up_proj), "down_proj": linear_parts(mlp.down_proj),
                 "num_heads": attn.num_heads}
 
     def __call__(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

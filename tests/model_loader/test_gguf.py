@@ -24,7 +24,7 @@ from nanoqwen.model_loader.loader import load_config, load_model, load_tokenizer
 from nanoqwen.ops.gguf_quants import BLOCK_SIZES, unpack
 from nanoqwen.quantization import Int4Linear, weight_bytes
 from nanoqwen.quantization.int8_group import Int8GroupLinear
-from nanoqwen.quantization.prequantized import QuantizedEmbedding
+from nanoqwen.quantization.prequantized import QuantizedEmbedding, StackedLinear
 from nanoqwen.tokenizer import Tokenizer
 
 PROMPT = [9707, 11, 847, 829, 374, 1207, 16948, 13, 358, 1075, 311, 3270, 2038]
@@ -100,8 +100,9 @@ def test_logits_equal_transformers_on_dequantised_weights(gguf_model, name, type
 
 def test_q4_k_m_layout_and_memory(gguf_model):
     """Q4_K matrices as int4 with the file's two-level scales (6-bit sub-scales, float32 per 8 groups): 152 bytes
-    a block of 256 weights for the file's 144; Q6_K ones as grouped int8 with theirs (8.625 bits a weight for the
-    file's 6.5625); a tied head shares the embedding table; q/k (Q4_K) with v (Q6_K) in one format."""
+    a block of 256 weights for the file's 144; Q6_K ones as grouped int8 with theirs and their values at 6 bits
+    (6.625 bits a weight for the file's 6.5625); a tied head shares the embedding table; q/k (Q4_K) beside v
+    (Q6_K), each in its own format. The weights in memory within 10% of the file's tensor bytes."""
     path, _ = gguf_model("q4_k_m", Q4_K_M, T.Q4_K)
     model = load_model(path, load_config(path), torch.bfloat16, torch.device("cpu"))
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
@@ -110,7 +111,10 @@ def test_q4_k_m_layout_and_memory(gguf_model):
     assert gate_up.scale.shape[1] == 256 // 32 and gate_up.super_scale.shape[1] == 1
     assert isinstance(mlp.down_proj, Int8GroupLinear) and mlp.down_proj.offset is None
     assert mlp.down_proj.scale.dtype == torch.int8 and mlp.down_proj.super_scale.shape[1] == 512 // 256
-    assert isinstance(attn.qkv_proj, Int8GroupLinear)  # q, k Q4_K with v Q6_K: one format for the fused matrix
+    assert mlp.down_proj.weight.dtype == torch.uint8  # (values at 6 bits)
+    # q, k Q4_K with v Q6_K: q and k one int4 matrix, v grouped int8, their outputs side by side
+    assert isinstance(attn.qkv_proj, StackedLinear)
+    assert [type(p).__name__ for p in attn.qkv_proj.parts] == ["Int4Linear", "Int8GroupLinear"]
     assert model.lm_head is model.embed_tokens.table and model.is_tied
     ckpt = GGUFCheckpoint(path)
 
@@ -118,8 +122,8 @@ def test_q4_k_m_layout_and_memory(gguf_model):
         return sum(ckpt.tensors[f"blk.0.{name}.weight"].data.nbytes for name in names)
 
     assert weight_bytes(gate_up) <= 152 / 144 * file_bytes("ffn_gate", "ffn_up")  # bytes a block of 256
-    assert weight_bytes(mlp.down_proj) <= 8.625 / 6.5625 * file_bytes("ffn_down")
-    assert weight_bytes(model) <= 1.35 * ckpt.tensor_bytes()  # (here the Q6_K table is most of the model)
+    assert weight_bytes(mlp.down_proj) <= 6.625 / 6.5625 * file_bytes("ffn_down")
+    assert weight_bytes(model) <= 1.1 * ckpt.tensor_bytes()
 
 
 def test_moe_gguf_equals_transformers(gguf_model):

@@ -120,9 +120,9 @@ def int8_group_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Ten
     """What int8_group_gemv computes: x quantised to int16 per group of the weights' G (quantize_activations),
     times the weights dequantised (quantization/int8_group.py's dequantize_int8_group) in float32, rounded to bf16
     once."""
-    group = q.shape[1] // scale.shape[1]
-    x_read = quantize_activations(x, group, levels=32767)
-    return (x_read @ dequantize_int8_group(q, scale, offset, super_scale).T).to(torch.bfloat16)
+    w = dequantize_int8_group(q, scale, offset, super_scale)  # [N, K] (q int8, or packed at 6 bits)
+    x_read = quantize_activations(x, w.shape[1] // scale.shape[1], levels=32767)
+    return (x_read @ w.T).to(torch.bfloat16)
 
 
 def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
@@ -183,12 +183,13 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
 
 def int8_group_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                     super_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x' @ (q * scale + offset).T for bf16 x [..., K] (few rows), int8 q [N, K], float32 scale and
+    """y = x' @ (q * scale + offset).T for bf16 x [..., K] (few rows), int8 q [N, K] (or uint8 [N, 3K/4]: values
+    packed at 6 bits, ops/quantize.py pack_int6), float32 scale and
     offset [N, K/G] (G 16 or 32; offset None: none), or two levels: int8 scale [N, K/G] with float32 super_scale
     [N, K/(16G)] (a group's scale super_scale * scale, no offset); y bf16 [..., N] (int8_group_gemv_reference)."""
     if _ext is None:
         _require()
-    y = _ext.int8_group_gemv(x.reshape(-1, x.shape[-1]), q, scale, offset, super_scale)
+    y = _ext.int8_group_gemv(x.reshape(-1, x.shape[-1]), q, scale, offset, super_scale)  # [M, N]
     return y.view(*x.shape[:-1], q.shape[0])
 
 

@@ -28,8 +28,10 @@ from nanoqwen.ops.quantize import (
     dequantize_int4,
     dequantize_int8_group,
     pack_int4,
+    pack_int6,
     quantize_int4,
     two_level_scales,
+    unpack_int6,
 )
 
 MS = (1, 2, 3, 5, 8)
@@ -730,11 +732,11 @@ def test_decode_model_takes_one_cache_per_layer(kernels):
         return torch.randn(*shape, generator=g).bfloat16()
 
     layers = [kernels.decoder_layer_weights(
-        input_norm=rand(h), post_norm=rand(h), eps=1e-6, qkv_proj=[rand((hq + 2 * hkv) * d, h)], q_norm=rand(d),
-        k_norm=rand(d), o_proj=[rand(h, hq * d)], gate_up_proj=[rand(2 * inter, h)], down_proj=[rand(h, inter)],
+        input_norm=rand(h), post_norm=rand(h), eps=1e-6, qkv_proj=[[rand((hq + 2 * hkv) * d, h)]], q_norm=rand(d),
+        k_norm=rand(d), o_proj=[[rand(h, hq * d)]], gate_up_proj=[[rand(2 * inter, h)]], down_proj=[[rand(h, inter)]],
         num_heads=hq) for _ in range(2)]
     model = kernels.decoder_model_weights(embed=[rand(vocab, h)], cos=torch.rand(8, d), sin=torch.rand(8, d),
-                                          layers=layers, norm=rand(h), eps=1e-6, lm_head=[rand(vocab, h)])
+                                          layers=layers, norm=rand(h), eps=1e-6, lm_head=[[rand(vocab, h)]])
     step = (torch.tensor([5]), torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32))
     k_caches, v_caches = torch.zeros(2, 2, blocks, block_size, hkv, d, dtype=torch.bfloat16)
     logits = kernels.decode_model(model, torch.tensor([3]), torch.tensor([5]), k_caches, v_caches, *step)
@@ -833,3 +835,17 @@ def test_int8_group_gemv_matches_reference(kernels, m, group, offset):
     assert torch.equal(kernels.int8_group_gemv(x.view(m, 1, 1024), q, scale, off).view(m, 67), got)
     with pytest.raises(RuntimeError, match="group size is 16 or 32"):
         kernels.int8_group_gemv(x, q, scale[:, :8].contiguous(), None)
+
+
+def test_int6_packing_round_trips_and_the_kernel_reads_it(kernels):
+    """Q6_K's values packed at 6 bits (12 bytes per 16): pack_int6 / unpack_int6 give back every value, and
+    int8_group_gemv reading the packed bytes computes what it computes from the int8 values."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randint(-32, 32, (37, 512), generator=g, dtype=torch.int8)
+    packed = pack_int6(q)
+    assert packed.shape == (37, 384) and torch.equal(unpack_int6(packed), q)
+    sub, super_scale = torch.randint(-128, 128, (37, 32), generator=g, dtype=torch.int8), torch.rand(37, 2) * 1e-4
+    for m in (1, 3, 16):
+        x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
+        assert torch.equal(kernels.int8_group_gemv(x, packed, sub, None, super_scale),
+                           kernels.int8_group_gemv(x, q, sub, None, super_scale))

@@ -15,6 +15,12 @@
 //     y[m, n] = sum_g (scale[n, g] * d[m, g]) * isum[n, m, g]  +  sum_g offset[n, g] * xs[m, g]
 // the first sum kept in 8 float32 lanes (one FMA per group and x row) and added across lanes once at the end;
 // int8_group_gemv_reference (ops/cpu/kernels.py) computes the same function. Threads split the weight rows.
+//
+// q may also come packed at 6 bits (uint8 [N, 3K/4]: values -32..31, as a GGUF file's Q6_K holds them, so its
+// matrices take 6.75 bits a weight rather than 8.625): every 16 consecutive values in 12 bytes, the first 8 bytes
+// their low 4 bits (byte j: value j in its low nibble, value j + 8 in its high one), the next 4 their high 2 bits
+// (byte b: values b, b + 4, b + 8, b + 12 at bits 0, 2, 4, 6), each value stored plus 32
+// (ops/quantize.py pack_int6 and unpack_int6 are the reference).
 
 #include "cpu_kernels.h"
 
@@ -57,9 +63,50 @@ struct RowScales {
   float at(int64_t g) const { return s ? s[g] : super[g / kSuperGroups] * static_cast<float>(sub[g]); }
 };
 
-// y[m0 .. m0 + T - 1, n] for one weight row n (w: its K int8, s: its K / G scales, o: offsets or null).
-template <int T, int G>
-void row_tile(const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const RowScales& s, const float* o,
+// Value k of a weight row: int8 as it is, or (Six) unpacked from the 6-bit layout above.
+template <bool Six>
+inline int32_t weight_at(const uint8_t* row, int64_t k) {
+  if constexpr (!Six) {
+    return static_cast<int8_t>(row[k]);
+  } else {
+    const uint8_t* chunk = row + (k / 16) * 12;
+    const int e = static_cast<int>(k % 16);
+    const int low = e < 8 ? chunk[e] & 15 : chunk[e - 8] >> 4;
+    const int high = (chunk[8 + e % 4] >> (2 * (e / 4))) & 3;
+    return (low | (high << 4)) - 32;
+  }
+}
+
+#ifdef NANOQWEN_AVX2
+// Values 16c .. 16c + 15 of a weight row as 16 int16.
+template <bool Six>
+inline __m256i load16_weights(const uint8_t* row, int64_t c) {
+  if constexpr (!Six) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+  } else {
+    const uint8_t* chunk = row + 12 * c;
+    const __m128i nibbles = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk));
+    const __m128i mask4 = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(nibbles, mask4),
+                                           _mm_and_si128(_mm_srli_epi16(nibbles, 4), mask4));  // values 0..15
+    int32_t plane4;
+    std::memcpy(&plane4, chunk + 8, 4);
+    const __m128i plane = _mm_set1_epi32(plane4);  // bytes b0 b1 b2 b3, four times
+    // value 4i + b: bits 2i, 2i + 1 of byte b (16-bit shifts: what crosses into a byte is masked off)
+    __m128i high = _mm_blend_epi16(plane, _mm_srli_epi16(plane, 2), 0x0C);
+    high = _mm_blend_epi16(high, _mm_srli_epi16(plane, 4), 0x30);
+    high = _mm_blend_epi16(high, _mm_srli_epi16(plane, 6), 0xC0);
+    high = _mm_slli_epi16(_mm_and_si128(high, _mm_set1_epi8(0x03)), 4);  // (no bit crosses a byte: 2 bits << 4)
+    const __m128i q = _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
+    return _mm256_cvtepi8_epi16(q);
+  }
+}
+#endif
+
+// y[m0 .. m0 + T - 1, n] for one weight row n (w: its K values, int8 or packed at 6 bits; s: its K / G scales, o:
+// offsets or null).
+template <int T, int G, bool Six>
+void row_tile(const GroupX& x, int64_t K, int64_t m0, const uint8_t* w, const RowScales& s, const float* o,
               int64_t N, int64_t n, at::BFloat16* y) {
   const int64_t groups = K / G;
   float total[T];
@@ -67,11 +114,9 @@ void row_tile(const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const Row
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* wg = w + g * G;
-    _mm_prefetch(reinterpret_cast<const char*>(wg) + kRowPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (Six ? g * G * 3 / 4 : g * G)) + kRowPrefetchBytes, _MM_HINT_T0);
     __m256i wv[G / 16];
-    for (int v = 0; v < G / 16; ++v)
-      wv[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16 * v)));
+    for (int v = 0; v < G / 16; ++v) wv[v] = load16_weights<Six>(w, g * (G / 16) + v);
     const float sg = s.at(g);
     for (int t = 0; t < T; ++t) {
       const int16_t* xg = x.xq.data() + (m0 + t) * K + g * G;
@@ -88,7 +133,7 @@ void row_tile(const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const Row
     total[t] = 0.0f;
     for (int64_t g = 0; g < groups; ++g) {
       int32_t isum = 0;
-      for (int k = 0; k < G; ++k) isum += int32_t(w[g * G + k]) * int32_t(x.xq[(m0 + t) * K + g * G + k]);
+      for (int k = 0; k < G; ++k) isum += weight_at<Six>(w, g * G + k) * int32_t(x.xq[(m0 + t) * K + g * G + k]);
       total[t] = std::fma(static_cast<float>(isum), s.at(g) * x.d[(m0 + t) * groups + g], total[t]);
     }
   }
@@ -102,26 +147,26 @@ void row_tile(const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const Row
   }
 }
 
-template <int G, int T = kTile>
-void row_tiles(int rows, const GroupX& x, int64_t K, int64_t m0, const int8_t* w, const RowScales& s,
+template <int G, bool Six, int T = kTile>
+void row_tiles(int rows, const GroupX& x, int64_t K, int64_t m0, const uint8_t* w, const RowScales& s,
                const float* o, int64_t N, int64_t n, at::BFloat16* y) {
   if constexpr (T > 1) {
-    if (rows < T) return row_tiles<G, T - 1>(rows, x, K, m0, w, s, o, N, n, y);
+    if (rows < T) return row_tiles<G, Six, T - 1>(rows, x, K, m0, w, s, o, N, n, y);
   }
-  row_tile<T, G>(x, K, m0, w, s, o, N, n, y);
+  row_tile<T, G, Six>(x, K, m0, w, s, o, N, n, y);
 }
 
-template <int G>
-void group_passes(const GroupX& x, int64_t M, int64_t K, int64_t N, const int8_t* q, const float* s,
+template <int G, bool Six>
+void group_passes(const GroupX& x, int64_t M, int64_t K, int64_t N, const uint8_t* q, const float* s,
                   const int8_t* sub, const float* super, const float* o, at::BFloat16* y) {
-  const int64_t groups = K / G, supers = groups / kSuperGroups;
-  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, K));
+  const int64_t groups = K / G, supers = groups / kSuperGroups, row_bytes = Six ? K * 3 / 4 : K;
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, row_bytes));
   parallel_rows(N, grain, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const RowScales row{s ? s + n * groups : nullptr, sub ? sub + n * groups : nullptr,
                           super ? super + n * supers : nullptr};
       for (int64_t m0 = 0; m0 < M; m0 += kTile)
-        row_tiles<G>(static_cast<int>(std::min<int64_t>(kTile, M - m0)), x, K, m0, q + n * K, row,
+        row_tiles<G, Six>(static_cast<int>(std::min<int64_t>(kTile, M - m0)), x, K, m0, q + n * row_bytes, row,
                      o ? o + n * groups : nullptr, N, n, y);
     }
   });
@@ -134,13 +179,16 @@ at::Tensor int8_group_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const
   TORCH_CHECK(x_in.device().is_cpu() && q_in.device().is_cpu() && scale_in.device().is_cpu(),
               "x, q and scale must be CPU tensors");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", x_in.scalar_type());
-  TORCH_CHECK(q_in.scalar_type() == at::kChar, "q must be int8, got ", q_in.scalar_type());
+  TORCH_CHECK(q_in.scalar_type() == at::kChar || q_in.scalar_type() == at::kByte,
+              "q must be int8, or uint8 (values packed at 6 bits), got ", q_in.scalar_type());
+  const bool six = q_in.scalar_type() == at::kByte;
   const bool two_level = super_in.has_value();
   TORCH_CHECK(scale_in.scalar_type() == (two_level ? at::kChar : at::kFloat), "scale must be ",
               two_level ? "int8 (with super_scale)" : "float32", ", got ", scale_in.scalar_type());
   TORCH_CHECK(x_in.dim() == 2 && q_in.dim() == 2 && scale_in.dim() == 2, "x, q and scale must be 2-D");
   const int64_t M = x_in.size(0), K = x_in.size(1), N = q_in.size(0);
-  TORCH_CHECK(q_in.size(1) == K, "x has K=", K, " but q has K=", q_in.size(1));
+  TORCH_CHECK(six ? q_in.size(1) * 4 == K * 3 && K % 16 == 0 : q_in.size(1) == K, "x has K=", K, " but q holds ",
+              six ? "6-bit values for K=" : "K=", six ? q_in.size(1) * 4 / 3 : q_in.size(1));
   TORCH_CHECK(scale_in.size(0) == N && scale_in.size(1) > 0 && K % scale_in.size(1) == 0,
               "scale must be [N, K/G] with N=", N, ", got ", scale_in.sizes());
   const int64_t G = K / scale_in.size(1);
@@ -166,10 +214,14 @@ at::Tensor int8_group_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const
   const float* s = two_level ? nullptr : scale.data_ptr<float>();
   const int8_t* sub = two_level ? scale.data_ptr<int8_t>() : nullptr;
   const float* sup = two_level ? super.data_ptr<float>() : nullptr;
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   if (G == 32)
-    group_passes<32>(xq, M, K, N, q.data_ptr<int8_t>(), s, sub, sup, o, y.data_ptr<at::BFloat16>());
+    six ? group_passes<32, true>(xq, M, K, N, qp, s, sub, sup, o, yp)
+        : group_passes<32, false>(xq, M, K, N, qp, s, sub, sup, o, yp);
   else
-    group_passes<16>(xq, M, K, N, q.data_ptr<int8_t>(), s, sub, sup, o, y.data_ptr<at::BFloat16>());
+    six ? group_passes<16, true>(xq, M, K, N, qp, s, sub, sup, o, yp)
+        : group_passes<16, false>(xq, M, K, N, qp, s, sub, sup, o, yp);
   return y;
 }
 

@@ -9,14 +9,17 @@
 
 namespace nanoqwen {
 
-// A decoder layer's weights as decode_model takes them, gathered once (worker/fused_decoder.py makes one a layer). Each
-// linear is given as its tensors: (w) bf16, (q, scale) int8, (packed, scale, offset) int4.
+// A linear as decode_model takes it: its parts, each a matrix's tensors in one format (linear_part below), their
+// outputs side by side (a fused q/k/v whose parts a checkpoint holds in different formats); most have one part.
+using LinearParts = std::vector<std::vector<at::Tensor>>;
+
+// A decoder layer's weights as decode_model takes them, gathered once (worker/fused_decoder.py makes one a layer).
 struct DecoderLayerWeights {
   at::Tensor input_norm, post_norm;
   double eps;
-  std::vector<at::Tensor> qkv_proj;
+  LinearParts qkv_proj;
   at::Tensor q_norm, k_norm;
-  std::vector<at::Tensor> o_proj, gate_up_proj, down_proj;
+  LinearParts o_proj, gate_up_proj, down_proj;
   int64_t num_heads;
 };
 
@@ -28,23 +31,32 @@ struct DecoderModelWeights {
   std::vector<DecoderLayerWeights> layers;
   at::Tensor norm;
   double eps;
-  std::vector<at::Tensor> lm_head;
+  LinearParts lm_head;
 };
 
 namespace {
 
-// A linear's tensors: (weight) bf16; (q, scale) int8 with a bf16 scale per row; int8 with float32 scales per group:
-// (q, scale) or (q, scale, offset), and two-level (q, int8 scale, super_scale) (float32 super_scale: the last tensor);
+// A linear part's tensors: (weight) bf16; (q, scale) int8 with a bf16 scale per row; int8 with float32 scales per group:
+// (q, scale) or (q, scale, offset), and two-level (q, int8 scale, super_scale) (q int8, or uint8 packed at 6 bits);
 // int4 (packed uint8): (packed, scale, offset), or two-level (packed, scale, offset, super_scale, super_offset).
-at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& t) {
+at::Tensor linear_part(const at::Tensor& x, const std::vector<at::Tensor>& t) {
   TORCH_CHECK(!t.empty() && t.size() <= 5, "a linear is 1 to 5 tensors, got ", t.size());
   if (t.size() == 1) return bf16_gemv(x, t[0], std::nullopt);
+  if (t[1].scalar_type() == at::kChar) return int8_group_gemv(x, t[0], t[1], std::nullopt, t[2]);
   if (t[0].scalar_type() == at::kByte)
     return t.size() == 5 ? int4_gemv(x, t[0], t[1], t[2], t[3], t[4]) : int4_gemv(x, t[0], t[1], t[2]);
-  if (t[1].scalar_type() == at::kChar) return int8_group_gemv(x, t[0], t[1], std::nullopt, t[2]);
   if (t[1].scalar_type() == at::kFloat)
     return int8_group_gemv(x, t[0], t[1], t.size() == 3 ? std::optional<at::Tensor>(t[2]) : std::nullopt);
   return int8_gemv(x, t[0], t[1]);
+}
+
+// x through a linear's parts, their outputs side by side.
+at::Tensor linear(const at::Tensor& x, const LinearParts& parts) {
+  TORCH_CHECK(!parts.empty(), "a linear without parts");
+  if (parts.size() == 1) return linear_part(x, parts[0]);
+  std::vector<at::Tensor> outputs;
+  for (const auto& part : parts) outputs.push_back(linear_part(x, part));
+  return at::cat(outputs, -1);
 }
 
 // The embedding rows of ids [M] as bf16 [M, H], from a table held as a linear's tensors (above): a bf16 table's rows,
@@ -57,10 +69,19 @@ at::Tensor embed_rows(const std::vector<at::Tensor>& t, const at::Tensor& ids) {
   auto two_level = [](const at::Tensor& sub, const at::Tensor& super) {
     return super.repeat_interleave(sub.size(1) / super.size(1), 1) * sub.to(at::kFloat);
   };
-  if (t[0].scalar_type() == at::kChar) {  // int8 with float32 scales (and offsets) per group
+  if (t[0].scalar_type() == at::kChar || t[1].scalar_type() == at::kChar) {  // grouped int8 (or 6-bit)
     const at::Tensor rows_scale = t[1].scalar_type() == at::kChar
         ? two_level(t[1].index_select(0, ids), t[2].index_select(0, ids)) : t[1].index_select(0, ids);
-    at::Tensor w = t[0].index_select(0, ids).to(at::kFloat).view({M, groups, -1}) * rows_scale.unsqueeze(-1);
+    at::Tensor q = t[0].index_select(0, ids);
+    if (q.scalar_type() == at::kByte) {  // 6 bits a value: 12 bytes per 16 (int8_group_gemv.cpp)
+      const at::Tensor chunks = q.view({M, -1, 12}), nibbles = chunks.narrow(2, 0, 8), plane = chunks.narrow(2, 8, 4);
+      const at::Tensor low = at::cat({at::bitwise_and(nibbles, 15), at::bitwise_right_shift(nibbles, 4)}, -1);
+      std::vector<at::Tensor> highs;
+      for (int i = 0; i < 4; ++i) highs.push_back(at::bitwise_and(at::bitwise_right_shift(plane, 2 * i), 3));
+      const at::Tensor high = at::cat(highs, -1);  // value 4i + b at 4i + b
+      q = (at::bitwise_or(low, at::bitwise_left_shift(high, 4)).to(at::kShort) - 32).view({M, -1});
+    }
+    at::Tensor w = q.to(at::kFloat).view({M, groups, -1}) * rows_scale.unsqueeze(-1);
     if (t.size() == 3 && t[1].scalar_type() == at::kFloat) w = w + t[2].index_select(0, ids).unsqueeze(-1);
     return w.view({M, -1}).to(at::kBFloat16);
   }
@@ -277,9 +298,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // (module_local: two builds of this extension in one process each keep their own)
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", "a decoder layer's weights as decode_model takes them",
                                   py::module_local())
-      .def(py::init([](at::Tensor input_norm, at::Tensor post_norm, double eps, std::vector<at::Tensor> qkv_proj,
-                       at::Tensor q_norm, at::Tensor k_norm, std::vector<at::Tensor> o_proj,
-                       std::vector<at::Tensor> gate_up_proj, std::vector<at::Tensor> down_proj, int64_t num_heads) {
+      .def(py::init([](at::Tensor input_norm, at::Tensor post_norm, double eps, LinearParts qkv_proj,
+                       at::Tensor q_norm, at::Tensor k_norm, LinearParts o_proj,
+                       LinearParts gate_up_proj, LinearParts down_proj, int64_t num_heads) {
              return DecoderLayerWeights{input_norm, post_norm, eps, qkv_proj, q_norm, k_norm, o_proj, gate_up_proj,
                                         down_proj, num_heads};
            }),
@@ -288,7 +309,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecoderModelWeights>(m, "DecoderModelWeights", "a model's weights as decode_model takes them",
                                   py::module_local())
       .def(py::init([](std::vector<at::Tensor> embed, at::Tensor cos, at::Tensor sin, std::vector<DecoderLayerWeights> layers,
-                       at::Tensor norm, double eps, std::vector<at::Tensor> lm_head) {
+                       at::Tensor norm, double eps, LinearParts lm_head) {
              return DecoderModelWeights{embed, cos, sin, std::move(layers), norm, eps, lm_head};
            }),
            py::arg("embed"), py::arg("cos"), py::arg("sin"), py::arg("layers"), py::arg("norm"), py::arg("eps"),
