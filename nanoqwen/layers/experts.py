@@ -42,7 +42,7 @@ class Experts(nn.Module):
         order = expert_ids.flatten().argsort(stable=True)  # [N*K] assignments, grouped by expert
         tokens = order // k  # [N*K] the token of each sorted assignment
         xs, ws = x[tokens], weights.flatten()[order, None]  # [N*K, H], [N*K, 1]
-        counts = torch.bincount(expert_ids.flatten(), minlength=len(self.gate_up_proj)).tolist()
+        counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts).tolist()
         out = torch.zeros_like(x)
         start = 0
         for e, count in enumerate(counts):
@@ -55,6 +55,10 @@ class Experts(nn.Module):
             y = self.expert_linear(F.silu(gate) * up, "down_proj", e)  # [count, H]
             out.index_add_(0, tokens[rows], y * ws[rows])
         return out
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_up_proj)
 
     def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         """x [n, in] through expert e's matrix `name` (gate_up_proj or down_proj) -> [n, out]. The

@@ -46,10 +46,10 @@ from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.ops.cpu.memory import release_freed_memory
 from nanoqwen.ops.gguf_quants import BLOCK_SIZES, FLOAT_TYPES, SUPPORTED_TYPES, GGMLType, GroupedWeights, unpack
 from nanoqwen.quantization.prequantized import (
+    CheckpointExperts,
     QuantizedEmbedding,
     concat_parts,
     fused_linear,
-    quantized_experts,
     quantized_linear,
 )
 from nanoqwen.tokenizer import Tokenizer
@@ -461,7 +461,7 @@ def _fill_experts(model: Qwen3ForCausalLM, i: int, expert_parts: dict, ckpt: GGU
         raise WeightsError(f"{ckpt.path}: layer {i} has {len(matrices['down_proj'])} experts, the metadata "
                            f"says {experts.gate_up_proj.shape[0]}")
     if all(isinstance(w, GroupedWeights) for ws in matrices.values() for w in ws):
-        model.layers[i].mlp.experts = quantized_experts(matrices, experts.matmul_path)
+        model.layers[i].mlp.experts = CheckpointExperts(matrices, experts.matmul_path)
         return
     for name, ws in matrices.items():
         param = getattr(experts, name)

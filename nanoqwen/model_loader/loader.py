@@ -320,9 +320,9 @@ def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device:
         return load_prequantized_model(model_dir, files, own, config, dtype, device, max_model_len, tp_size,
                                        quantization, task, kernels, show_progress)
     if quantization in CHECKPOINT_METHODS:
-        raise ConfigError(f"--quantization {quantization}: {model_dir} is not a {quantization.upper()} checkpoint "
-                          "(its config.json has no quantization_config of that method); leave the flag out, or "
-                          "use int8 / int4")
+        raise ConfigError(f"--quantization {quantization}: {model_dir} is not quantized with {quantization.upper()} "
+                          f"(its config.json has no quantization_config with quant_method {quantization}); leave "
+                          "the flag out, or use int8 / int4")
     with _default_dtype(dtype), torch.device(device):
         model = Qwen3ForCausalLM(config, max_model_len, tp_rank, tp_size, lm_head=task != "embed",
                                  kernels=kernels)
@@ -345,6 +345,9 @@ def load_gguf_model(path: Path, config: Qwen3Config, dtype: torch.dtype, device:
     if tp_size > 1:
         raise ConfigError(f"--model {path}: tensor parallelism does not load GGUF files yet; use "
                           "tensor_parallel_size 1, or the model's safetensors checkpoint")
+    if quantization in CHECKPOINT_METHODS and quantization != "gguf":
+        raise ConfigError(f"--quantization {quantization}: {path} is a GGUF file, not quantized with "
+                          f"{quantization.upper()}; leave the flag out (or pass --quantization gguf)")
     ckpt = GGUFCheckpoint(path)
     kinds = sorted({type_name(t.ggml_type) for t in ckpt.tensors.values()
                     if len(t.shape) > 1 and t.ggml_type not in FLOAT_TYPES})

@@ -18,11 +18,11 @@ from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.ops.cpu.memory import release_freed_memory
 from nanoqwen.ops.hf_quants import unpack_awq, unpack_gptq
 from nanoqwen.quantization.prequantized import (
+    CheckpointExperts,
     InputOrderLinear,
     concat_parts,
     fp8_linear,
     fused_linear,
-    quantized_experts,
 )
 
 PREQUANTIZED_METHODS = ("awq", "gptq", "fp8")
@@ -154,7 +154,7 @@ def _place(model: Qwen3ForCausalLM, layer: int, module: str, got: dict, method: 
         if method == "fp8" or any(got[key][1] is not None for key in got):
             raise WeightsError(f"{where}: quantised MoE experts are read from AWQ and GPTQ checkpoints without act "
                                "order only")
-        block.mlp.experts = quantized_experts(matrices, experts.matmul_path)
+        block.mlp.experts = CheckpointExperts(matrices, experts.matmul_path)
         return
     parent_name, _, attr = module.rpartition(".")
     parent = block.get_submodule(parent_name)

@@ -120,19 +120,6 @@ class Int4Experts(Experts):
             self.register_buffer(f"{name}_offset", torch.stack(offset))
         self.matmul_path = experts.matmul_path
 
-    @classmethod
-    def from_buffers(cls, matrices: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                     matmul_path: MatmulPath) -> Int4Experts:
-        """Experts already in this format (a checkpoint's own): {name: (packed [E, out, in/2], scale, offset
-        [E, out, in/G])} for gate_up_proj and down_proj, each expert packed on its own."""
-        experts = cls.__new__(cls)
-        nn.Module.__init__(experts)
-        for name in ("gate_up_proj", "down_proj"):
-            for suffix, tensor in zip(("", "_scale", "_offset"), matrices[name], strict=True):
-                experts.register_buffer(name + suffix, tensor)
-        experts.matmul_path = matmul_path
-        return experts
-
     def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         return int4_linear(x, getattr(self, name)[e], getattr(self, f"{name}_scale")[e],
                            getattr(self, f"{name}_offset")[e], self.matmul_path)

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoqwen.layers.experts import Experts
 from nanoqwen.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from nanoqwen.ops.cpu import kernels as cpu_kernels
 from nanoqwen.ops.cpu.matmul import MatmulPath, linear_in_row_blocks
@@ -78,31 +77,11 @@ INT8_GROUP_VERSIONS: dict[type[Linear], type[QuantizedLinear]] = {
 Int8GroupLinear.VERSIONS = INT8_GROUP_VERSIONS
 
 
-class Int8GroupExperts(Experts):
-    """Qwen3-MoE experts in the grouped int8 format: for each of gate_up_proj and down_proj the int8 matrices
-    [E, out, in] and `{name}_scale`, `{name}_offset` [E, out, in/G] (offset None for a symmetric type)."""
-
-    def __init__(self, matrices: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
-                 matmul_path: MatmulPath) -> None:
-        nn.Module.__init__(self)  # not Experts.__init__: no model-dtype parameters to allocate
-        for name in ("gate_up_proj", "down_proj"):
-            q, scale, offset = matrices[name]
-            self.register_buffer(name, q)
-            self.register_buffer(f"{name}_scale", scale)
-            self.register_buffer(f"{name}_offset", offset)
-        self.matmul_path = matmul_path
-
-    def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
-        offset = getattr(self, f"{name}_offset")
-        return int8_group_linear(x, getattr(self, name)[e], getattr(self, f"{name}_scale")[e],
-                                 None if offset is None else offset[e], None, self.matmul_path)
-
-
 def int8_group_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                       super_scale: torch.Tensor | None, path: MatmulPath) -> torch.Tensor:
     """x @ W.T: nanoqwen's kernel for few bf16 rows on CPU, else W dequantised block by block (module
     docstring)."""
-    rows = x.numel() // max(q.shape[1], 1)
+    rows = x.numel() // max(x.shape[-1], 1)
     if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= GEMV_MAX_ROWS
             and cpu_kernels.available()):
         return cpu_kernels.int8_group_gemv(x, q, scale, offset, super_scale)

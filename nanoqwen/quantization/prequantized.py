@@ -28,13 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoqwen.layers.experts import Experts
 from nanoqwen.layers.linear import Linear
+from nanoqwen.ops.cpu.matmul import MatmulPath
 from nanoqwen.ops.gguf_quants import GroupedWeights, TwoLevelScales
 from nanoqwen.ops.quantize import INT4_BLOCK_ROWS, dequantize_int4, dequantize_int8_group, pack_int4, pack_int6
 from nanoqwen.quantization.base import QuantizedLinear
 from nanoqwen.quantization.fp8 import Fp8Linear
-from nanoqwen.quantization.int4 import Int4Experts, Int4Linear
-from nanoqwen.quantization.int8_group import Int8GroupExperts, Int8GroupLinear
+from nanoqwen.quantization.int4 import Int4Linear
+from nanoqwen.quantization.int8_group import Int8GroupLinear
 
 
 def is_four_bit(w: GroupedWeights) -> bool:
@@ -175,23 +177,28 @@ def fp8_linear(linear: Linear, parts: list[tuple[torch.Tensor, torch.Tensor]]) -
     return Fp8Linear.from_buffers(linear, weights, scales.float().contiguous())
 
 
-def quantized_experts(matrices: dict[str, list[GroupedWeights]], matmul_path) -> nn.Module:
-    """Qwen3-MoE experts from each expert's gate_up_proj and down_proj (a GroupedWeights per expert and name), in
-    the int4 format where every matrix fits it, else grouped int8."""
-    if all(is_four_bit(w) for ws in matrices.values() for w in ws):
-        packed = {name: tuple(torch.stack(t) for t in zip(*(pack_int4(w.q, w.scale, w.offset) for w in ws),
-                                                          strict=True))
-                  for name, ws in matrices.items()}
-        return Int4Experts.from_buffers(packed, matmul_path)
-    int8 = {}
-    for name, ws in matrices.items():
-        whole = concat_parts(ws)  # every expert in one format, then split again
-        count = len(ws)
-        q = (whole.q if whole.q.dtype == torch.int8 else whole.q.to(torch.int8)).view(count, -1, whole.q.shape[1])
-        scale = whole.scale.view(count, -1, whole.scale.shape[1])
-        offset = None if whole.offset is None else whole.offset.view(count, -1, whole.offset.shape[1])
-        int8[name] = (q, scale, offset)
-    return Int8GroupExperts(int8, matmul_path)
+class CheckpointExperts(Experts):
+    """Qwen3-MoE experts as a checkpoint holds them: expert e's gate_up_proj and down_proj each a quantised linear
+    of its own (`gate_up_proj_experts[e]`, `down_proj_experts[e]`), in the format its matrix came in (a Q4_K_M
+    file's Q4_K gate/up and Q6_K down, two-level scales and 6-bit values included)."""
+
+    def __init__(self, matrices: dict[str, list[GroupedWeights]], matmul_path: MatmulPath) -> None:
+        nn.Module.__init__(self)  # not Experts.__init__: no model-dtype parameters to allocate
+        for name, ws in matrices.items():
+            linears = []
+            for w in ws:
+                with torch.device("meta"):  # (only its class and attributes are used)
+                    template = Linear(w.q.shape[1], w.q.shape[0], matmul=matmul_path)
+                linears.append(quantized_linear(template, w))
+            setattr(self, f"{name}_experts", nn.ModuleList(linears))
+        self.matmul_path = matmul_path
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_up_proj_experts)
+
+    def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        return getattr(self, f"{name}_experts")[e].matmul(x, None)
 
 
 class QuantizedEmbedding(nn.Module):

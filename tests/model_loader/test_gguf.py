@@ -208,6 +208,8 @@ def test_errors_name_the_problem(gguf_model, tmp_path):
     path, _ = gguf_model("q4_k_m", Q4_K_M, T.Q4_K)
     with pytest.raises(ConfigError, match="already quantized .*Q4_K.*leave out --quantization int8"):
         LLM(str(path), quantization="int8", max_model_len=128, kv_cache_memory=32 << 20)
+    with pytest.raises(ConfigError, match="is a GGUF file, not quantized with AWQ"):
+        LLM(str(path), quantization="awq", max_model_len=128, kv_cache_memory=32 << 20)
     # an unsupported type names the tensor, its type and the supported list
     raw = bytearray(path.read_bytes())
     ckpt = GGUFCheckpoint(path)

@@ -14,7 +14,7 @@ from nanoqwen.model_loader.loader import load_config, load_model
 from nanoqwen.ops.hf_quants import unpack_awq, unpack_gptq
 from nanoqwen.quantization import Int4Linear
 from nanoqwen.quantization.fp8 import Fp8Linear
-from nanoqwen.quantization.prequantized import InputOrderLinear
+from nanoqwen.quantization.prequantized import CheckpointExperts, InputOrderLinear
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
@@ -87,7 +87,9 @@ def test_moe_awq_equals_transformers(quantized):
     """A Qwen3-MoE AWQ checkpoint: every expert's projections quantised, the router not."""
     path, reference, _ = quantized("awq", moe=True)
     model = load_model(path, load_config(path), torch.float32, torch.device("cpu"))
-    assert model.config.is_moe and type(model.layers[0].mlp.experts).__name__ == "Int4Experts"
+    experts = model.layers[0].mlp.experts
+    assert model.config.is_moe and isinstance(experts, CheckpointExperts)
+    assert all(isinstance(e, Int4Linear) for e in (*experts.gate_up_proj_experts, *experts.down_proj_experts))
     with torch.no_grad():
         theirs = hf_model(reference, torch.float32)(torch.tensor([PROMPTS[1]])).logits[0]
     torch.testing.assert_close(prompt_logits(model, PROMPTS[1]), theirs, atol=2e-4, rtol=1e-4)
@@ -120,5 +122,5 @@ def test_quantization_flag_rules(quantized, checkpoint):
     with pytest.raises(ConfigError, match=r"already quantized \(awq\): leave out --quantization int4"):
         LLM(str(path), quantization="int4", max_model_len=128, kv_cache_memory=32 << 20)
     plain = checkpoint("tiny", dtype="float32", **SHAPE)
-    with pytest.raises(ConfigError, match="--quantization gptq: .* is not a GPTQ checkpoint"):
+    with pytest.raises(ConfigError, match="--quantization gptq: .* is not quantized with GPTQ"):
         LLM(str(plain), quantization="gptq", max_model_len=128, kv_cache_memory=32 << 20)

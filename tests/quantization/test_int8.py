@@ -389,7 +389,7 @@ def test_loading_with_int8_equals_quantising_after_loading(checkpoint, tmp_path,
                    for n, m in quantized_while_loading.named_modules())
 
 
-@pytest.mark.parametrize("method", ["fp8", "INT8", "", 8])
+@pytest.mark.parametrize("method", ["nf4", "INT8", "", 8])
 def test_unknown_quantization_is_a_config_error_before_loading(tiny_dir, method, monkeypatch):
     monkeypatch.setattr("nanoqwen.engine.llm_engine.load_model_with_kernels",
                         lambda *a, **k: pytest.fail("loaded the model"))
@@ -664,5 +664,7 @@ def test_cli_generate_with_int8_equals_llm_generate(tiny_bf16_dir, int8_llm):
     assert r.returncode == 0, r.stderr
     assert r.stdout == expected.text + "\n"
     bad = run_cli("generate", "--model", str(tiny_bf16_dir), "--prompt", "x",
-                  "--quantization", "fp8")
-    assert bad.returncode == 2 and "invalid choice: 'fp8'" in bad.stderr
+                  "--quantization", "nf4")
+    assert bad.returncode == 2 and "invalid choice: 'nf4'" in bad.stderr
+    not_fp8 = run_cli("generate", "--model", str(tiny_bf16_dir), "--prompt", "x", "--quantization", "fp8")
+    assert not_fp8.returncode == 1 and "is not quantized with FP8" in not_fp8.stderr
