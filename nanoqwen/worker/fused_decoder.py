@@ -37,6 +37,7 @@ from nanoqwen.models.qwen3 import MLP, DecoderLayer, Qwen3ForCausalLM
 from nanoqwen.ops.cpu import kernels as cpu_kernels
 from nanoqwen.ops.quantize import INT4_BLOCK_ROWS
 from nanoqwen.quantization import Int4Linear, Int8Linear, QuantizedLinear
+from nanoqwen.quantization.fp8 import Fp8Linear
 from nanoqwen.quantization.int8_group import Int8GroupLinear
 from nanoqwen.quantization.prequantized import QuantizedEmbedding, StackedLinear
 
@@ -50,6 +51,8 @@ def linear_tensors(linear: Linear) -> list[torch.Tensor]:
         return [linear.weight, linear.scale]
     if isinstance(linear, Int8GroupLinear):
         return [t for t in (linear.weight, linear.scale, linear.offset, linear.super_scale) if t is not None]
+    if isinstance(linear, Fp8Linear):
+        return [linear.weight, linear.scale]
     return [linear.weight]
 
 
@@ -61,11 +64,11 @@ def linear_parts(linear: torch.nn.Module) -> list[list[torch.Tensor]]:
 
 
 def runs_fused(linear: torch.nn.Module) -> bool:
-    """Whether decode_model has a kernel for this linear's format (bf16, int8, grouped int8, int4, or a stack of
-    those: not FP8, nor a linear that reorders its inputs)."""
+    """Whether decode_model has a kernel for this linear's format (bf16, int8, grouped int8, int4, FP8, or a stack
+    of those: not a linear that reorders its inputs)."""
     if isinstance(linear, StackedLinear):
         return all(runs_fused(part) for part in linear.parts)
-    if isinstance(linear, Int4Linear | Int8Linear | Int8GroupLinear):
+    if isinstance(linear, Int4Linear | Int8Linear | Int8GroupLinear | Fp8Linear):
         return True
     return isinstance(linear, Linear) and not isinstance(linear, QuantizedLinear)
 

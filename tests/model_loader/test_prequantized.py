@@ -97,9 +97,9 @@ def test_moe_awq_equals_transformers(quantized):
 
 @pytest.mark.parametrize("method", ["awq", "fp8"])
 def test_llm_generates_in_bf16(quantized, method, monkeypatch):
-    """bf16 on CPU: AWQ through the int4 kernels (float32 scales, groups of 128) and the fused decode step, whose
-    tokens equal the plain path's; FP8 through the dequantise path, one byte a weight; `--quantization METHOD`
-    with the checkpoint's own method changes nothing."""
+    """bf16 on CPU: AWQ through the int4 kernels (float32 scales, groups of 128), FP8 (one byte a weight) through
+    fp8_gemv, both in the fused decode step, whose tokens equal the plain path's; `--quantization METHOD` with the
+    checkpoint's own method changes nothing."""
     path, _, _ = quantized(method)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(str(path), max_model_len=128, kv_cache_memory=32 << 20)
@@ -108,10 +108,8 @@ def test_llm_generates_in_bf16(quantized, method, monkeypatch):
     assert len(tokens) == 12
     if method == "fp8":
         assert engine.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
-        assert engine.runner.fused_decoder is None  # (no FP8 kernel in the fused step)
-    else:
-        assert engine.runner.fused_decoder is not None
-        monkeypatch.setenv("NANOQWEN_FUSED_DECODE", "0")
+    assert engine.runner.fused_decoder is not None
+    monkeypatch.setenv("NANOQWEN_FUSED_DECODE", "0")
     same = LLM(str(path), max_model_len=128, kv_cache_memory=32 << 20, quantization=method)
     assert same.llm_engine.runner.fused_decoder is None
     assert same.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids == tokens

@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoqwen.ops.cpu import build as cpu_build
+from nanoqwen.ops.hf_quants import dequantize_fp8
 from nanoqwen.ops.quantize import dequantize_int4, dequantize_int8_group
 
 logger = logging.getLogger("nanoqwen")
@@ -113,6 +114,12 @@ def quantize_activations(x: torch.Tensor, block: int, levels: int = 127) -> torc
     d = xb.abs().amax(-1, keepdim=True) / levels
     inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     return ((xb * inverse).round() * d).flatten(-2)[..., :k]
+
+
+def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What fp8_gemv computes: bf16 x times the FP8 weights dequantised (ops/hf_quants.py dequantize_fp8) in
+    float32, rounded to bf16 once."""
+    return (x.float() @ dequantize_fp8(w, scale).T).to(torch.bfloat16)
 
 
 def int8_group_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
@@ -179,6 +186,16 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     if x.dim() == 2:
         return _ext.int8_gemv(x, q, scale)
     return _ext.int8_gemv(x.reshape(-1, x.shape[-1]), q, scale).view(*x.shape[:-1], q.shape[0])
+
+
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = x @ (w * scale).T for bf16 x [..., K] (few rows), float8_e4m3fn w [N, K] and float32 scale [N, K/B] (one
+    per row and block of B inputs); y bf16 [..., N] (fp8_gemv_reference). Each weight widens to float32 as it is
+    read."""
+    if _ext is None:
+        _require()
+    y = _ext.fp8_gemv(x.reshape(-1, x.shape[-1]), w, scale)  # [M, N]
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def int8_group_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,

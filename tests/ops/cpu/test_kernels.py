@@ -24,6 +24,7 @@ from nanoqwen.models import qwen3
 from nanoqwen.models.qwen3 import attention_reference
 from nanoqwen.ops.cpu import build as cpu_build
 from nanoqwen.ops.cpu import kernels as cpu_kernels
+from nanoqwen.ops.hf_quants import dequantize_fp8
 from nanoqwen.ops.quantize import (
     dequantize_int4,
     dequantize_int8_group,
@@ -849,3 +850,18 @@ def test_int6_packing_round_trips_and_the_kernel_reads_it(kernels):
         x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
         assert torch.equal(kernels.int8_group_gemv(x, packed, sub, None, super_scale),
                            kernels.int8_group_gemv(x, q, sub, None, super_scale))
+
+
+@pytest.mark.parametrize("m", (1, 3, 5, 16))
+@pytest.mark.parametrize("k", (256, 300))  # whole blocks of 128, and a last partial block
+def test_fp8_gemv_matches_reference(kernels, m, k):
+    """e4m3 weights (normal and subnormal values, both signs) widened as they are read, scaled per row and block."""
+    g = torch.Generator().manual_seed(m + k)
+    w = (torch.randn(70, k, generator=g) * 60).to(torch.float8_e4m3fn)
+    w[0, :16] = torch.arange(16, dtype=torch.uint8).view(torch.float8_e4m3fn)  # every subnormal and the smallest
+    w[1, :16] = (torch.arange(16, dtype=torch.uint8) | 0x80).view(torch.float8_e4m3fn)  # negative ones
+    scale = torch.rand(70, -(-k // 128), generator=g) * 1e-2
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    got = kernels.fp8_gemv(x, w, scale)
+    magnitude = x.float().abs() @ dequantize_fp8(w, scale).abs().T
+    assert_within_one_ulp(got, kernels.fp8_gemv_reference(x, w, scale), magnitude)

@@ -296,6 +296,8 @@ inline void check_vector(const at::Tensor& t, const char* name, int64_t N) {
 // gemv.cpp
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
+// fp8_gemv.cpp
+at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 at::Tensor int8_group_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                            const std::optional<at::Tensor>& offset,
                            const std::optional<at::Tensor>& super_scale = std::nullopt);

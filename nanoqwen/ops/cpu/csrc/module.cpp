@@ -38,10 +38,12 @@ namespace {
 
 // A linear part's tensors: (weight) bf16; (q, scale) int8 with a bf16 scale per row; int8 with float32 scales per group:
 // (q, scale) or (q, scale, offset), and two-level (q, int8 scale, super_scale) (q int8, or uint8 packed at 6 bits);
-// int4 (packed uint8): (packed, scale, offset), or two-level (packed, scale, offset, super_scale, super_offset).
+// int4 (packed uint8): (packed, scale, offset), or two-level (packed, scale, offset, super_scale, super_offset);
+// FP8: (w float8_e4m3fn, scale float32 per row and block of inputs).
 at::Tensor linear_part(const at::Tensor& x, const std::vector<at::Tensor>& t) {
   TORCH_CHECK(!t.empty() && t.size() <= 5, "a linear is 1 to 5 tensors, got ", t.size());
   if (t.size() == 1) return bf16_gemv(x, t[0], std::nullopt);
+  if (t[0].scalar_type() == at::kFloat8_e4m3fn) return fp8_gemv(x, t[0], t[1]);
   if (t[1].scalar_type() == at::kChar) return int8_group_gemv(x, t[0], t[1], std::nullopt, t[2]);
   if (t[0].scalar_type() == at::kByte)
     return t.size() == 5 ? int4_gemv(x, t[0], t[1], t[2], t[3], t[4]) : int4_gemv(x, t[0], t[1], t[2]);
@@ -263,6 +265,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "a prompt chunk's causal attention in float32 from bf16 q, k, v "
         "(attention/attend.py prefill_attention_blocked's function)", py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("num_cached"), py::arg("scale"), py::arg("block"), py::call_guard<py::gil_scoped_release>());
+  m.def("fp8_gemv", &fp8_gemv, "y = x @ (w * scale).T for few rows of x (e4m3 weights, a float32 scale per row and "
+        "block of inputs)", py::arg("x"), py::arg("w"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("int8_group_gemv", &int8_group_gemv,
         "y = x @ (q * scale + offset).T for few rows of x (int8 weights, a float32 scale and offset per group)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("offset") = py::none(),
