@@ -2,7 +2,7 @@
 into integers with a float32 scale (and offset) per group of consecutive inputs of a row. The weight is
 `q * scale + offset` exactly as `gguf.quants.dequantize` (the `gguf` package's reference, after ggml-quants.c)
 computes it: every scale and offset below is a float16 times a small integer, exact in float32, so the one
-rounding left is the reference's own (tests/ops/test_gguf_quants.py compares them bit for bit).
+rounding left is the reference's own (tests/model_loader/test_gguf.py compares them bit for bit).
 
     type   block (weights, bytes)   group   q           scale            offset           bits a weight
     Q8_0   32, 34                   32      int8        d                -                8.5
