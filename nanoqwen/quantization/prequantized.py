@@ -7,7 +7,8 @@ second quantisation).
   group order (`InputOrderLinear`). FP8: fp8.py's `Fp8Linear`.
 
 - Q4_0, Q4_1, Q4_K (q in 0..15, a scale and an offset per group of 32): the int4 format (int4.py) with group
-  size 32 and float32 scales and offsets (`Int4Linear`; its kernel takes float32 scales as well as bf16 ones); Q4_K's
+  size 32 and the scales and offsets in float16 where that holds them exactly (Q4_0's d and -8 d, Q4_1's d and m: 5
+  bits a weight), else float32 (`Int4Linear`; its kernels take float16 and float32 scales as well as bf16 ones); Q4_K's
   in two levels as the file holds them (6-bit sub-scales and mins, a float32 pair per 8 groups): 4.75 bits a
   weight.
 - Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: the grouped int8 format (int8_group.py: `Int8GroupLinear`), groups of 32 (Q6_K:
@@ -138,7 +139,10 @@ def quantized_linear(linear: Linear, w: GroupedWeights) -> QuantizedLinear:
         if t is not None:  # Q4_K: its 6-bit scales and mins with their float32 super-block pair
             return Int4Linear.from_buffers(linear, *pack_int4(w.q, t.sub_scale, t.sub_offset, t.super_scale,
                                                               t.super_offset))
-        return Int4Linear.from_buffers(linear, *pack_int4(w.q, w.scale, w.offset))
+        scale, offset = w.scale, w.offset
+        if torch.equal(scale.half().float(), scale) and torch.equal(offset.half().float(), offset):
+            scale, offset = scale.half(), offset.half()  # (exact in float16: Q4_0's d and -8 d, Q4_1's d and m)
+        return Int4Linear.from_buffers(linear, *pack_int4(w.q, scale, offset))
     q = w.q if w.q.dtype == torch.int8 else w.q.to(torch.int8)
     if t is not None and t.sub_offset is None and t.sub_scale.dtype == torch.int8 and t.groups == 16:  # Q6_K
         return Int8GroupLinear.from_buffers(linear, pack_int6(q), t.sub_scale, None, t.super_scale)

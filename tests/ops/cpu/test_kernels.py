@@ -606,8 +606,8 @@ def test_int4_wrong_inputs_raise(kernels):
         kernels.int4_gemv(x[:, :32], packed, scale, offset)
     with pytest.raises(RuntimeError, match="scale and offset must have the same dtype"):
         kernels.int4_gemv(x, packed, scale, offset.float())
-    with pytest.raises(RuntimeError, match="scale must be bfloat16, float32 or"):
-        kernels.int4_gemv(x, packed, scale.half(), offset.half())
+    with pytest.raises(RuntimeError, match="scale must be bfloat16, float32, float16 or"):
+        kernels.int4_gemv(x, packed, scale.double(), offset.double())
     with pytest.raises(RuntimeError, match="go with super_scale and super_offset"):
         kernels.int4_gemv(x, packed, scale.to(torch.uint8), offset.to(torch.uint8))
 
@@ -865,3 +865,13 @@ def test_fp8_gemv_matches_reference(kernels, m, k):
     got = kernels.fp8_gemv(x, w, scale)
     magnitude = x.float().abs() @ dequantize_fp8(w, scale).abs().T
     assert_within_one_ulp(got, kernels.fp8_gemv_reference(x, w, scale), magnitude)
+
+
+@pytest.mark.parametrize("m", (1, 9))
+def test_int4_gemv_with_float16_scales(kernels, m):
+    """Scales and offsets in float16 (a GGUF file's Q4_0 and Q4_1 ones, exact there): the float32 scales' bits."""
+    x, packed, scale, offset = make_int4(m, 256, 40, 32)
+    scale16, offset16 = scale.half(), offset.half()
+    got = kernels.int4_gemv(x, packed, scale16, offset16)
+    assert torch.equal(got, kernels.int4_gemv(x, packed, scale16.float(), offset16.float()))
+    check_int4(kernels, x, packed, scale16, offset16)

@@ -83,6 +83,16 @@ inline __m256i dot16_int16(__m256i acc, __m256i w, __m256i x) {
 inline __m256 load8(const uint16_t* p) { return load8_bf16(p); }
 inline __m256 load8(const int8_t* p) { return load8_int8(p); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+// 8 float16 -> 8 float32 (exact).
+inline __m256 load8(const at::Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
 
 // float32 -> bf16 bits (round to nearest even) in the low half of each int32 lane, as at::BFloat16 rounds
 // finite values.
@@ -137,6 +147,7 @@ inline int32_t hsum_epi32(__m256i v) {
 inline float to_float(uint16_t v) { return bf16_to_float(v); }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 inline float to_float(float v) { return v; }
+inline float to_float(at::Half v) { return static_cast<float>(v); }
 
 // max |x[i]| for i < n (bf16 x): the scale of a block of x quantised to integers (int4_gemv, int8_gemv).
 inline float absmax_bf16(const uint16_t* x, int64_t n) {

@@ -1,6 +1,6 @@
 // int4 weights times few or many rows of bf16 x, on CPUs with AVX2 + FMA (AVX-512 VNNI where present).
 //
-//   int4_gemv(x [M,K] bf16, packed [N,K/2] uint8, scale, offset [N,K/G] bf16 or float32) -> y [M,N] bf16,
+//   int4_gemv(x [M,K] bf16, packed [N,K/2] uint8, scale, offset [N,K/G] bf16, float32 or float16) -> y [M,N] bf16,
 //             y = x' @ (offset + scale * q).T per group, x' = x quantised to int8 per group (below);
 //             any M: above 8 rows a small GEMM on unpacked panels of W (int4_gemm)
 //   two-level scales, as a GGUF file's Q4_K holds them: scale, offset [N,K/G] uint8 (6-bit) and super_scale,
@@ -163,7 +163,7 @@ inline void store_tile(const __m256 (&acc)[T][kBlockVectors], int64_t N, int64_t
 
 // ---- Where a block's group scales and offsets come from.
 //
-// One value a group and row (S = uint16_t for bf16, float), or two levels (S = uint8_t): a 6-bit sub-scale a group
+// One value a group and row (S = uint16_t for bf16, float, at::Half), or two levels (S = uint8_t): a 6-bit sub-scale a group
 // times a float32 a super-block of kSuperGroups groups, each lane by lane as the weights are (L lanes).
 constexpr int kSuperGroups = 8;
 
@@ -346,8 +346,9 @@ int64_t check_int4(const at::Tensor& packed, const at::Tensor& scale, const at::
   }
   for (const auto* t : {&scale, &offset}) {
     const char* name = t == &scale ? "scale" : "offset";
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 || t->scalar_type() == at::kFloat || two_level, name,
-                " must be bfloat16, float32 or (two levels) uint8, got ", t->scalar_type());
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 || t->scalar_type() == at::kFloat ||
+                    t->scalar_type() == at::kHalf || two_level,
+                name, " must be bfloat16, float32, float16 or (two levels) uint8, got ", t->scalar_type());
     TORCH_CHECK(t->dim() == 2 && t->size(0) == packed.size(0) && t->size(1) > 0, name, " must be [N, K/G] with N=",
                 packed.size(0), ", got ", t->sizes());
   }
@@ -381,6 +382,7 @@ template <typename F>
 void with_scale_type(const Int4Product& p, const F& f) {
   switch (p.scale.scalar_type()) {
     case at::kFloat: return f(std::type_identity<float>{});
+    case at::kHalf: return f(std::type_identity<at::Half>{});
     case at::kByte: return f(std::type_identity<uint8_t>{});
     default: return f(std::type_identity<uint16_t>{});
   }
