@@ -120,7 +120,7 @@ def gguf_files(model_dir: Path) -> dict[str, Path]:
 
 def gguf_tensor_bytes(path: Path) -> int:
     """The bytes of a GGUF file's tensors (what its weights take as the file holds them)."""
-    from nanoqwen.model_loader.gguf import GGUFCheckpoint
+    from nanoqwen.model_loader.gguf_file import GGUFCheckpoint
 
     return GGUFCheckpoint(path).tensor_bytes()
 

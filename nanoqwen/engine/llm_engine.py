@@ -35,7 +35,7 @@ from nanoqwen.engine.input_processor import InputProcessor
 from nanoqwen.engine.output_processor import OutputProcessor, RequestState
 from nanoqwen.errors import ConfigError, EngineDeadError, InvalidRequestError
 from nanoqwen.layers.pooler import make_pooler
-from nanoqwen.model_loader.gguf import is_gguf
+from nanoqwen.model_loader.gguf_file import is_gguf
 from nanoqwen.model_loader.hub import resolve_model_path
 from nanoqwen.model_loader.loader import load_config, load_generation_config, load_tokenizer
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM

@@ -24,7 +24,8 @@ from tqdm import tqdm
 from nanoqwen.config.model import GenerationConfig, Qwen3Config, read_json
 from nanoqwen.config.quantization import CHECKPOINT_METHODS
 from nanoqwen.errors import ConfigError, WeightsError
-from nanoqwen.model_loader.gguf import GGUFCheckpoint, is_gguf, load_gguf_weights, type_name
+from nanoqwen.model_loader.gguf import load_gguf_weights
+from nanoqwen.model_loader.gguf_file import GGUFCheckpoint, is_gguf, type_name
 from nanoqwen.model_loader.prequantized import checkpoint_quantization, is_quantized_tensor, load_prequantized
 from nanoqwen.model_loader.weight_files import Part, iter_checkpoint, safetensors_files
 from nanoqwen.models.qwen3 import PLAIN_KERNELS, Kernels, Qwen3ForCausalLM

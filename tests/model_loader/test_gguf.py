@@ -17,7 +17,7 @@ from conftest import hf_model, prompt_logits, run_cli, tiny_config
 from gguf_files import T, random_blocks, write_gguf
 
 from nanoqwen import LLM, ConfigError, SamplingParams, WeightsError
-from nanoqwen.model_loader.gguf import GGUFCheckpoint
+from nanoqwen.model_loader.gguf_file import GGUFCheckpoint
 from nanoqwen.model_loader.hub import resolve_model_path
 from nanoqwen.model_loader.init_random import ASSETS
 from nanoqwen.model_loader.loader import load_config, load_model, load_tokenizer
