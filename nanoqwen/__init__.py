@@ -9,6 +9,7 @@ from nanoqwen.errors import (
     NanoQwenError,
     WeightsError,
 )
+from nanoqwen.lora.request import LoRARequest
 from nanoqwen.outputs import (
     CompletionOutput,
     EmbeddingRequestOutput,
@@ -22,6 +23,6 @@ from nanoqwen.sampling_params import SamplingParams
 __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "PoolingParams",
     "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput", "NanoQwenError", "ConfigError",
-    "ModelNotFoundError", "WeightsError", "InvalidRequestError", "EngineDeadError",
+    "ModelNotFoundError", "WeightsError", "InvalidRequestError", "EngineDeadError", "LoRARequest",
 ]
 __version__ = "0.1.0"

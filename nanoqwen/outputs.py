@@ -91,6 +91,11 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # With SamplingParams.prompt_logprobs = k: one entry per prompt token, the first None (nothing predicts
+    # it), each later one the prompt token's Logprob (its rank among all tokens) and the k most likely tokens
+    # at that position, from the raw logits (vLLM's RequestOutput.prompt_logprobs). One list per request,
+    # whatever n is.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     # The single-answer shortcuts: output.text instead of output.outputs[0].text.
     @property

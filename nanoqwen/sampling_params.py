@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from nanoqwen.errors import InvalidRequestError
 
@@ -17,6 +19,9 @@ MAX_N = 128  # answers to one request (each is a sequence with its own KV cache)
 MAX_STOP_STRING_LENGTH = 1024
 # vLLM's floor for a positive temperature: logits / 1e-39 overflow to inf, and the softmax to NaN
 MIN_TEMPERATURE = 0.01
+# llama.cpp's default DRY sequence breakers (text-generation-webui's too)
+DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
+MAX_DRY_SEQUENCE_BREAKERS = 64  # each is matched against the whole vocabulary once (then cached)
 
 logger = logging.getLogger("nanoqwen")
 
@@ -108,8 +113,29 @@ class SamplingParams:
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # None: off; k >= 0: RequestOutput.prompt_logprobs, one entry per prompt token (the first None), each the
+    # prompt token's log-probability under the raw logits (with its rank) plus the k most likely tokens at that
+    # position, as vLLM. Computed in the prompt's own prefill (every chunk's positions through the LM head);
+    # such a request skips the prefix cache lookup (as vLLM does: a cached prefix has no hidden states to read
+    # them from), though the blocks it computes are cached for others.
+    prompt_logprobs: int | None = None
     # the answer must follow a JSON schema, regex, choice or grammar (nanoqwen/sample/structured_outputs.py)
     structured_outputs: StructuredOutputsParams | None = None
+    # DRY ("don't repeat yourself", llama.cpp's and text-generation-webui's; nanoqwen/sample/dry.py): a token that
+    # would extend a run of L >= dry_allowed_length tokens repeating earlier context loses
+    # dry_multiplier * dry_base ** (L - dry_allowed_length) from its logit. dry_multiplier 0 turns it off;
+    # dry_penalty_last_n: how many of the latest tokens (prompt and output) it looks at, -1 all, 0 none;
+    # dry_sequence_breakers: strings no repeated run reaches across (None: DEFAULT_DRY_SEQUENCE_BREAKERS)
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] | None = None
+    # vLLM's: at most this many tokens of reasoning (a prompt that leaves the answer inside Qwen3's <think>), then
+    # </think> is forced; None: no limit, 0: </think> first (nanoqwen/sample/structured_outputs.py, GrammarState)
+    thinking_token_budget: int | None = None
+    # dry_sequence_breakers as token ids (a sample.dry.DryBreakers), which the engine fills in from its tokenizer
+    _dry_breakers: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, rule: str) -> InvalidRequestError:
@@ -167,14 +193,45 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", self.logprobs,
                       f"must be an integer in [0, {MAX_LOGPROBS}] (or None for off)")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", self.prompt_logprobs,
+                      f"must be an integer in [0, {MAX_LOGPROBS}] (or None for off)")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs,
                       "must be a StructuredOutputsParams (or None)")
+        self._check_dry_and_thinking(bad)
         self.stop = list(stop)
         self._max_stop_len = max(map(len, self.stop), default=0)
         if self.top_k == 0:
             self.top_k = -1
+
+    def _check_dry_and_thinking(self, bad: Any) -> None:
+        """Check the DRY and thinking_token_budget fields (bad: the error for a field)."""
+        if not _is_number(self.dry_multiplier) or not 0 <= self.dry_multiplier < math.inf:
+            raise bad("dry_multiplier", self.dry_multiplier, "must be a finite number >= 0 (0 disables DRY)")
+        if not _is_number(self.dry_base) or not 1 <= self.dry_base < math.inf:
+            raise bad("dry_base", self.dry_base, "must be a finite number >= 1")
+        if not _is_int(self.dry_allowed_length) or self.dry_allowed_length < 1:
+            raise bad("dry_allowed_length", self.dry_allowed_length, "must be an integer >= 1")
+        if not _is_int(self.dry_penalty_last_n) or self.dry_penalty_last_n < -1:
+            raise bad("dry_penalty_last_n", self.dry_penalty_last_n,
+                      "must be an integer >= -1 (-1: the whole context, 0: DRY off)")
+        breakers = self.dry_sequence_breakers
+        if breakers is None:
+            breakers = list(DEFAULT_DRY_SEQUENCE_BREAKERS)
+        if not isinstance(breakers, (list, tuple)) or not all(isinstance(b, str) and b for b in breakers):
+            raise bad("dry_sequence_breakers", self.dry_sequence_breakers,
+                      "must be a list of non-empty strings (or None for the defaults)")
+        if len(breakers) > MAX_DRY_SEQUENCE_BREAKERS:
+            raise bad("dry_sequence_breakers", self.dry_sequence_breakers,
+                      f"at most {MAX_DRY_SEQUENCE_BREAKERS} sequence breakers")
+        self.dry_sequence_breakers = list(breakers)
+        if self.thinking_token_budget is not None and (not _is_int(self.thinking_token_budget)
+                                                       or self.thinking_token_budget < 0):
+            raise bad("thinking_token_budget", self.thinking_token_budget,
+                      "must be an integer >= 0 (or None for no limit)")
 
     @property
     def greedy(self) -> bool:

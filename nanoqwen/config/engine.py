@@ -41,6 +41,9 @@ class EngineConfig:
     step that finishes its prompt still samples every answer's first token.)
     max_stop_sequences, max_stop_token_ids: the most stop strings and stop token ids one request may
     give (each generated token is checked against them all); a request with more is refused.
+    enable_lora, max_loras, max_lora_rank: LoRA adapters in PEFT's format (nanoqwen/lora/, docs/lora.md), as
+    vLLM's: a request names its adapter (LoRARequest); up to max_loras adapters run in one step, each of rank
+    at most max_lora_rank. Not with tensor parallelism, speculative decoding or a pooling task.
     """
 
     model: str | Path = DEFAULT_MODEL
@@ -68,11 +71,16 @@ class EngineConfig:
     max_seqs_per_request_step: int = 8
     max_stop_sequences: int = 64
     max_stop_token_ids: int = 1024
+    # LoRA adapters (nanoqwen/lora/, docs/lora.md), as vLLM's: requests may name an adapter (LoRARequest);
+    # max_loras of them run in one step, each of rank at most max_lora_rank
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                      "tensor_parallel_size", "num_scheduler_steps", "max_seqs_per_request_step",
-                     "max_stop_sequences", "max_stop_token_ids"):
+                     "max_stop_sequences", "max_stop_token_ids", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 1")
@@ -85,6 +93,12 @@ class EngineConfig:
         if self.task not in tasks:
             raise ConfigError(f"task={self.task!r} is not a task; choose one of {', '.join(tasks)}")
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if self.enable_lora and self.speculative_config is not None:
+            raise ConfigError("speculative decoding with LoRA adapters is not supported (the draft would need the "
+                              "adapters too): drop speculative_config or enable_lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ConfigError("LoRA adapters run with tensor_parallel_size=1 (their A/B are not split over ranks "
+                              "yet): drop enable_lora or use one process")
         if self.speculative_config is not None and self.num_scheduler_steps > 1:
             raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} and speculative_config "
                               "both run several tokens a step: choose one (num_scheduler_steps=1 "
@@ -110,6 +124,8 @@ class EngineConfig:
         if task != "generate" and self.tensor_parallel_size > 1:
             raise ConfigError(f"task {task!r} runs on one device: set tensor_parallel_size=1 "
                               "(the Qwen3 embedding and reranker models fit one)")
+        if self.enable_lora and task != "generate":
+            raise ConfigError(f"LoRA adapters are for generation; task {task!r} does not run them: drop enable_lora")
         spec = self.speculative_config
         if spec is not None and task != "generate":
             raise ConfigError(f"speculative decoding speeds up generation; task {task!r} "

@@ -77,7 +77,8 @@ class BlockManager:
         sequence (its tokens never change); the sequence's own list, not a copy."""
         hashes = seq.block_hashes
         while len(hashes) < num_blocks:
-            previous = hashes[-1] if hashes else None
+            # a LoRA adapter's KV differs from the base model's: its first block's key starts from the adapter
+            previous = hashes[-1] if hashes else (("lora", seq.lora_id) if seq.lora_id else None)
             hashes.append(hash((previous, self._block_tokens(seq, len(hashes)))))
         return hashes
 

@@ -102,7 +102,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int | None = None,
                  num_speculative_tokens: int = 0, spec_max_batch: int = 0,
-                 num_scheduler_steps: int = 1, max_seqs_per_request_step: int | None = None) -> None:
+                 num_scheduler_steps: int = 1, max_seqs_per_request_step: int | None = None,
+                 max_loras: int = 0) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -111,6 +112,8 @@ class Scheduler:
         self.spec_max_batch = spec_max_batch
         self.num_scheduler_steps = num_scheduler_steps
         self.max_seqs_per_request_step = max_seqs_per_request_step or max_num_seqs
+        # the most LoRA adapters running at once (the engine's adapter slots; 0: no adapters)
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
@@ -182,7 +185,10 @@ class Scheduler:
         allow, each with its first prompt chunk in `batch` (its cached prefix skipped)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(seq)
+            if seq.lora_id and not self.lora_slot_free(seq.lora_id):
+                break  # every adapter slot is taken by running sequences: wait for one to finish
+            # prompt logprobs need every prompt position's hidden state: no prefix-cache hit (as vLLM)
+            cached = [] if seq.needs_prompt_logprobs else self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             n = min(seq.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(seq, cached, num_cached + n):
@@ -192,6 +198,12 @@ class Scheduler:
             self.running.append(seq)
             batch.prefill.append(ScheduledPrefill(seq, n))
             budget -= n
+
+    def lora_slot_free(self, lora_id: int) -> bool:
+        """Whether a sequence of LoRA adapter lora_id may join the running ones: its adapter already runs, or
+        fewer than max_loras adapters do."""
+        running = {seq.lora_id for seq in self.running} - {0}
+        return lora_id in running or len(running) < self.max_loras
 
     def sitting_out(self) -> set[int]:
         """The ids of the decoding sequences that wait this step: of each request, those past its first

@@ -70,6 +70,12 @@ class Sequence:
     spec_recent_lengths: list[int] = field(default_factory=list)
     spec_resume_at: int = 0
     spec_pause: int = 0
+    # SamplingParams.prompt_logprobs: the request's first sequence (the one that prefills its prompt) holds
+    # an entry per prompt token computed so far, the first None (the engine starts it); None otherwise
+    prompt_logprobs: list[Any] | None = None
+    # the LoRA adapter it runs with: the engine's id of that adapter's load (nanoqwen/lora/manager.py), 0 for the
+    # base model alone; part of its prefix-cache keys
+    lora_id: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -93,14 +99,22 @@ class Sequence:
     @property
     def samples_by_argmax(self) -> bool:
         """Whether its next token is the plain argmax of the model's logits: greedy, with no logprobs,
-        penalties or grammar, and min_tokens reached (so that, once past it, a stop token always
-        ends it). Several such decode steps can then run without Python between them
-        (num_scheduler_steps). Not while siblings wait to fork from it: its prompt's last token is
-        still to compute, and that step also samples their first tokens (ModelRunner.prepare)."""
+        penalties (DRY included) or grammar (a thinking_token_budget has a GrammarState too), and min_tokens
+        reached (so that, once past it, a stop token always ends it). Several such decode steps can then
+        run without Python between them (num_scheduler_steps). Not while siblings wait to fork from it: its
+        prompt's last token is still to compute, and that step also samples their first tokens
+        (ModelRunner.prepare)."""
         p = self.sampling_params
         return (p is not None and p.greedy and p.logprobs is None and self.grammar is None
                 and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
+                and p.dry_multiplier == 0
                 and len(self.output_token_ids) >= p.min_tokens and not self.forks)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some of its prompt logprobs are still to compute: its prefill must then run every prompt
+        position through the model (no prefix-cache hit) and read their logits."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def last_token_id(self) -> int:

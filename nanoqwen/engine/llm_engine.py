@@ -35,6 +35,8 @@ from nanoqwen.engine.input_processor import InputProcessor
 from nanoqwen.engine.output_processor import OutputProcessor, RequestState
 from nanoqwen.errors import ConfigError, EngineDeadError, InvalidRequestError
 from nanoqwen.layers.pooler import make_pooler
+from nanoqwen.lora.manager import LoRAManager
+from nanoqwen.lora.request import LoRARequest
 from nanoqwen.model_loader.gguf_file import is_gguf
 from nanoqwen.model_loader.hub import resolve_model_path
 from nanoqwen.model_loader.loader import load_config, load_generation_config, load_tokenizer
@@ -42,6 +44,7 @@ from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.outputs import PoolingRequestOutput, RequestMetrics, RequestOutput
 from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.quantization import weight_bytes
+from nanoqwen.sample.dry import resolve_dry_breakers
 from nanoqwen.sample.structured_outputs import GrammarCompiler
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.spec_decode.proposer import DraftModelProposer, NgramProposer, check_same_tokenizer
@@ -103,7 +106,8 @@ class LLMEngine:
             self.max_model_len, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             spec_max_batch=(spec.disable_by_batch_size or DEFAULT_SPEC_MAX_BATCH) if spec else 0,
             num_scheduler_steps=config.num_scheduler_steps,
-            max_seqs_per_request_step=config.max_seqs_per_request_step)
+            max_seqs_per_request_step=config.max_seqs_per_request_step,
+            max_loras=config.max_loras if config.enable_lora else 0)
         # proposed and accepted draft tokens, and verification steps, since start (/metrics)
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.spec_switch = (SpecDecodeSwitch() if spec is not None and spec.disable_by_acceptance
@@ -157,9 +161,11 @@ class LLMEngine:
         if self.max_model_len < limit and config.max_model_len is None:
             logger.info("max_model_len set to %d, what the KV cache budget holds",
                         self.max_model_len)
+        # LoRA adapters: hooks on the model's projections, the slot pool and the registry (nanoqwen/lora/)
+        self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager, pooler=pooler)
+                                  enforce_eager=config.enforce_eager, pooler=pooler, lora=self.lora)
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if spec is not None and draft is None:
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -197,9 +203,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | PoolingParams | None = None,
-                    prompt_token_ids: list[int] | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queue a request (prompt_token_ids, when given, are the already tokenized prompt; they are
-        checked as a prompt is).
+        checked as a prompt is). lora_request: the LoRA adapter it runs with (loaded on first use; the engine
+        needs enable_lora).
 
         With PoolingParams (an embedding or reranker model) the request is only prefilled: its one
         output is the embedding or score (give prompt_token_ids from the input processor's
@@ -214,12 +221,19 @@ class LLMEngine:
             return self._add_pooling_request(request_id, prompt, params, prompt_token_ids)
         inputs.check_sampling_params(params)
         token_ids = inputs.tokenize(prompt if prompt_token_ids is None else prompt_token_ids)
+        lora_id = self._lora_id(lora_request)
         # every token that ends an answer, as a set made once (checked for every token it samples)
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        seqs = [Sequence(request_id, i, token_ids, params, stop_token_ids=stop_ids) for i in range(params.n)]
-        if params.structured_outputs is not None:  # compiled here unless prepare_request did
+        seqs = [Sequence(request_id, i, token_ids, params, stop_token_ids=stop_ids, lora_id=lora_id)
+                for i in range(params.n)]
+        # a grammar (compiled here unless prepare_request did), or a reasoning budget: a GrammarState each
+        if params.structured_outputs is not None or params.thinking_token_budget is not None:
             for seq in seqs:
-                seq.grammar = self.grammar_compiler.new_state(params.structured_outputs, token_ids)
+                seq.grammar = self.grammar_compiler.new_state(params.structured_outputs, token_ids,
+                                                              params.thinking_token_budget)
+        resolve_dry_breakers(params, self.tokenizer)  # DRY's sequence breakers as token ids (cached)
+        if params.prompt_logprobs is not None:  # the first answer prefills the prompt: it computes them
+            seqs[0].prompt_logprobs = [None]
         for seq in seqs:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seq.generator = (torch.Generator(self.device).manual_seed(params.seed + seq.index)
@@ -235,10 +249,13 @@ class LLMEngine:
 
     def prepare_request(self, params: SamplingParams | PoolingParams) -> None:
         """The slow part of accepting a request, which may run outside the thread that steps the
-        engine (the server runs it off its engine loop): compiling its structured-output grammar
-        (cached, so add_request finds it ready). Raises InvalidRequestError for a bad one."""
+        engine (the server runs it off its engine loop): compiling its structured-output grammar and
+        matching DRY's sequence breakers against the vocabulary (both cached, so add_request finds them
+        ready). Raises InvalidRequestError for a bad grammar."""
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             self.grammar_compiler.compile(params.structured_outputs)
+        if isinstance(params, SamplingParams):  # DRY's breakers matched against the vocabulary (cached)
+            resolve_dry_breakers(params, self.tokenizer)
 
     def _add_pooling_request(self, request_id: str, prompt: str | list[int],
                              params: PoolingParams, prompt_token_ids: list[int] | None) -> None:
@@ -250,6 +267,38 @@ class LLMEngine:
         self.requests[request_id] = RequestState(request_id, text, token_ids, params, [seq],
                                                  metrics)
         self.scheduler.add(seq)
+
+    def _lora_id(self, lora_request: LoRARequest | None) -> int:
+        """The engine's id of a request's adapter (loading it on first use); 0 for none."""
+        if lora_request is None:
+            return 0
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}",
+                                      param="lora_request")
+        if self.lora is None:
+            raise InvalidRequestError("this engine runs no LoRA adapters: start it with enable_lora=True "
+                                      "(--enable-lora)", param="lora_request")
+        return self.lora.add(lora_request).lora_id
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter (vLLM's add_lora): requests can then name it. True once it is registered."""
+        self._lora_id(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter (vLLM's remove_lora); False if none has that id. An adapter that unfinished
+        requests run with is not removed (InvalidRequestError)."""
+        if self.lora is None or lora_int_id not in self.lora.registry:
+            return False
+        lora_id = self.lora.registry[lora_int_id].lora_id
+        if any(seq.lora_id == lora_id for state in self.requests.values() for seq in state.seqs):
+            raise InvalidRequestError(f"LoRA adapter {lora_int_id} is in use by unfinished requests; remove it "
+                                      "once they finish", param="lora_int_id")
+        return self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_id of every registered adapter (vLLM's list_loras)."""
+        return set(self.lora.registry) if self.lora is not None else set()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -275,6 +324,7 @@ class LLMEngine:
         if batch.spec_decode:
             self.proposer.propose(batch.spec_decode)  # seq.spec_token_ids for this step
         proposed = time.perf_counter()
+        self.runner.take_prompt_logprobs()  # (none left from a step that raised: its chunks run again)
         try:
             sampled = self._execute(batch)
         except EngineDeadError:
@@ -340,6 +390,9 @@ class LLMEngine:
         if self.task != "generate":
             self._register_blocks(batch)
             return [self._finish_pooled(seq, data) for seq, data in sampled]
+        for computed in self.runner.take_prompt_logprobs():  # (a step run again request by request: twice)
+            if computed.request_id in self.requests:
+                self.output_processor.add_prompt_logprobs(self.requests[computed.request_id].seqs[0], computed)
         new_tokens = {id(s.seq): len(s.token_ids) for s in sampled}
         for seq in batch.decode:  # the tokens fed (one, or one a step with num_scheduler_steps)
             seq.num_computed_tokens += new_tokens[id(seq)]
@@ -449,8 +502,25 @@ class LLMEngine:
             "usage": 1 - bm.num_free_blocks / bm.num_blocks,
             "prefix_cache_hit_rate": (bm.prefix_hits / bm.prefix_queries
                                       if bm.prefix_queries else 0.0),
+            # in blocks, since the engine started
+            "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             **{f"spec_decode_{k}": v for k, v in self.spec_stats.items()},
             "spec_decode_num_pauses": self.spec_switch.num_pauses if self.spec_switch else 0,
+            **self.lora_stats,
         }
+
+    @property
+    def lora_stats(self) -> dict[str, int | str]:
+        """With LoRA adapters: the names of the adapters of running and of waiting requests (comma-separated, as
+        vLLM's lora_requests_info gauge labels them) and max_lora; empty without."""
+        if self.lora is None:
+            return {}
+
+        def names(seqs: list[Sequence]) -> str:
+            ids = sorted({seq.lora_id for seq in seqs} - {0})
+            return ",".join(self.lora.by_lora_id[i].request.lora_name for i in ids if i in self.lora.by_lora_id)
+
+        return {"lora_running_adapters": names(self.scheduler.running),
+                "lora_waiting_adapters": names(list(self.scheduler.waiting)), "max_lora": self.lora.max_loras}

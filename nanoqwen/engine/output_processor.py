@@ -7,6 +7,11 @@ grow with the request's stop lists beyond their bounded sizes: stop ids are a se
 request (Sequence.stop_token_ids), and each stop string is searched only in the new text and the
 tail before it that could start it.
 
+Prompt logprobs (SamplingParams.prompt_logprobs) arrive chunk by chunk as the prompt is prefilled
+(worker/model_runner.py: PromptLogprobs); each extends the first sequence's list where it ends, so a chunk
+computed twice (a step run again request by request) adds nothing twice. The list is complete before the
+request's first token, and RequestOutput.prompt_logprobs carries it (the same list, never changed again).
+
 A sampled token of BROKEN_ROW means the model gave that sequence no token to pick (its logits were NaN
 or all -inf, nanoqwen/sample/sampler.py): the answer ends there with finish_reason "error".
 """
@@ -33,6 +38,7 @@ from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.sample.sampler import BROKEN_ROW, TokenLogprobs
 from nanoqwen.sampling_params import SamplingParams
 from nanoqwen.tokenizer import Tokenizer
+from nanoqwen.worker.model_runner import PromptLogprobs
 
 
 @dataclass
@@ -107,6 +113,13 @@ class OutputProcessor:
         seq.finish_reason = reason
         return reason
 
+    def add_prompt_logprobs(self, seq: Sequence, computed: PromptLogprobs) -> None:
+        """Add a chunk's prompt logprobs to seq's (the request's first sequence), unless it holds them
+        already."""
+        if seq.prompt_logprobs is None or computed.first_token != len(seq.prompt_logprobs):
+            return
+        seq.prompt_logprobs += [self._logprob_dict(lp) for lp in computed.logprobs]
+
     def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         out = {lp.token_id: Logprob(lp.logprob, lp.rank, self.tokenizer.decode([lp.token_id]))}
         for rank, (token_id, logprob) in enumerate(lp.top, start=1):
@@ -153,8 +166,11 @@ class OutputProcessor:
         finished = state.finished
         if finished and m.finished_time is None:
             m.finished_time = time.perf_counter()
+        first = state.seqs[0]
+        prompt_logprobs = (first.prompt_logprobs if first.prompt_logprobs is not None
+                           and not first.needs_prompt_logprobs else None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished, state.seqs[0].num_cached_tokens, m, state.error)
+                             finished, first.num_cached_tokens, m, state.error, prompt_logprobs)
 
     @staticmethod
     def make_error_output(state: RequestState, error: str) -> RequestOutput | PoolingRequestOutput:

@@ -40,6 +40,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--min-p", type=float, default=None)
+    # DRY, with llama.cpp's flag names (nanoqwen/sample/dry.py)
+    g.add_argument("--dry-multiplier", type=float, default=None,
+                   help="DRY repetition penalty strength (default 0 = off)")
+    g.add_argument("--dry-base", type=float, default=None, help="DRY's growth per repeated token (default 1.75)")
+    g.add_argument("--dry-allowed-length", type=int, default=None,
+                   help="longest repeat DRY leaves alone (default 2)")
+    g.add_argument("--dry-penalty-last-n", type=int, default=None,
+                   help="tokens DRY looks back over (default -1 = the whole context, 0 = off)")
+    g.add_argument("--dry-sequence-breaker", action="append", default=None, dest="dry_sequence_breakers",
+                   metavar="STRING", help="a string no repeat reaches across; repeatable, replaces the defaults "
+                                          "('\\n', ':', '\"', '*'); 'none' for none")
 
 
 def build_llm(args: argparse.Namespace):
@@ -48,8 +59,11 @@ def build_llm(args: argparse.Namespace):
 
 def sampling_params(llm, args: argparse.Namespace):
     """The model's recommended sampling, with every flag the user gave on top."""
-    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p")
+    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p", "dry_multiplier",
+                                                    "dry_base", "dry_allowed_length", "dry_penalty_last_n")
              if getattr(args, name) is not None}
+    if args.dry_sequence_breakers is not None:  # (as llama.cpp: "none" clears them)
+        given["dry_sequence_breakers"] = [b for b in args.dry_sequence_breakers if b != "none"]
     return replace(llm.get_default_sampling_params(), max_tokens=args.max_tokens, **given)
 
 

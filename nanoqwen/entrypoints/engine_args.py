@@ -56,6 +56,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"most stop strings one request may give (default {default.max_stop_sequences})")
     p.add_argument("--max-stop-token-ids", type=int, default=default.max_stop_token_ids, metavar="N",
                    help=f"most stop token ids one request may give (default {default.max_stop_token_ids})")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="run LoRA adapters (PEFT's format) over the model: requests choose one (docs/lora.md)")
+    p.add_argument("--max-loras", type=int, default=default.max_loras, metavar="N",
+                   help=f"LoRA adapters that run in one step (device slots; default {default.max_loras})")
+    p.add_argument("--max-lora-rank", type=int, default=default.max_lora_rank, metavar="R",
+                   help=f"the largest LoRA rank an adapter may have (default {default.max_lora_rank})")
     add_parallel_and_quantization_args(p)
 
 

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from nanoqwen.config.engine import DEFAULT_MODEL, EngineConfig
 from nanoqwen.engine.llm_engine import LLMEngine
 from nanoqwen.errors import InvalidRequestError
+from nanoqwen.lora.request import LoRARequest
 from nanoqwen.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from nanoqwen.pooling_params import PoolingParams
 from nanoqwen.sampling_params import SamplingParams
@@ -39,7 +40,8 @@ class LLM:
         max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
         enable_prefix_caching, seed, enforce_eager, tensor_parallel_size, quantization, task,
         speculative_config (speculative decoding: README, nanoqwen/config/model.py SpeculativeConfig),
-        num_scheduler_steps (greedy decode steps run in one go).
+        num_scheduler_steps (greedy decode steps run in one go), enable_lora, max_loras, max_lora_rank (LoRA
+        adapters, chosen per call with lora_request=: docs/lora.md).
 
         task: "generate", "embed" (Qwen3-Embedding) or "score" (Qwen3-Reranker); by default read
         from the checkpoint (sentence-transformers' files mean "embed", the model card's
@@ -73,9 +75,13 @@ class LLM:
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for strings (tokenized as is, no chat template), token-id lists or vLLM's prompt
-        dicts ({"prompt": text}, {"prompt_token_ids": ids}); outputs keep input order."""
+        dicts ({"prompt": text}, {"prompt_token_ids": ids}); outputs keep input order.
+
+        lora_request: a LoRA adapter for every prompt, or a list of one per prompt (None: the base model); the
+        engine needs enable_lora=True."""
         prompts = self._as_list(prompts)
         if not prompts:
             return []
@@ -87,7 +93,8 @@ class LLM:
                 raise InvalidRequestError(f"got {len(params)} sampling_params "
                                           f"for {len(prompts)} prompts")
         token_ids = [self.llm_engine.input_processor.tokenize(prompt) for prompt in prompts]
-        return self._run(prompts, token_ids, params, use_tqdm, "Generating")
+        return self._run(prompts, token_ids, params, use_tqdm, "Generating",
+                         _per_prompt(lora_request, len(prompts)))
 
     def embed(self, prompts: PromptInput | Sequence[PromptInput],
               pooling_params: PoolingParams | None = None, *, dimensions: int | None = None,
@@ -140,34 +147,40 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              enable_thinking: bool = True, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Render one conversation (or a list of them) with the model's chat template and
-        generate."""
+        generate (lora_request: as generate's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = [tokenizer.apply_chat_template(conv, tools=tools, add_generation_prompt=True,
                                                  tokenize=True, enable_thinking=enable_thinking,
                                                  **(chat_template_kwargs or {}))
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, prompts: list[Prompt | None], token_ids: list[list[int]],
              params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
-             desc: str) -> list[Any]:
+             desc: str, lora_requests: list[LoRARequest | None] | None = None) -> list[Any]:
         """Queue every request (tokenized by the caller; a request the engine refuses takes the ones queued
         before it back out: a bad prompt or parameter leaves the engine untouched), step until all finish,
         return their outputs in order."""
         with self._lock:
-            return self._run_locked(prompts, token_ids, params, use_tqdm, desc)
+            return self._run_locked(prompts, token_ids, params, use_tqdm, desc,
+                                    lora_requests or [None] * len(prompts))
 
     def _run_locked(self, prompts: list[Prompt | None], token_ids: list[list[int]],
                     params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
-                    desc: str) -> list[Any]:
+                    desc: str, lora_requests: list[LoRARequest | None]) -> list[Any]:
         engine = self.llm_engine
         ids = [f"llm-{next(self._request_counter)}" for _ in prompts]
         try:
-            for request_id, prompt, tokens, p in zip(ids, prompts, token_ids, params, strict=True):
-                engine.add_request(request_id, prompt, p, prompt_token_ids=tokens)
+            for request_id, prompt, tokens, p, lora in zip(ids, prompts, token_ids, params, lora_requests,
+                                                           strict=True):
+                if lora is None:
+                    engine.add_request(request_id, prompt, p, prompt_token_ids=tokens)
+                else:
+                    engine.add_request(request_id, prompt, p, prompt_token_ids=tokens, lora_request=lora)
         except BaseException:
             for request_id in ids:
                 engine.abort_request(request_id)
@@ -197,9 +210,10 @@ class LLM:
                         engine.abort_request(request_id)
         return [finished[i] for i in ids]
 
-    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None
-               ) -> Iterator[tuple[str, RequestOutput]]:
-        """Generate for one prompt, yielding (new text, output so far) as tokens arrive.
+    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None,
+               lora_request: LoRARequest | None = None) -> Iterator[tuple[str, RequestOutput]]:
+        """Generate for one prompt, yielding (new text, output so far) as tokens arrive (lora_request: the
+        LoRA adapter it runs with).
 
         Text is yielded only once its UTF-8 is complete. Closing the iterator early (break, Ctrl-C)
         aborts the request and frees its KV-cache blocks. Other threads' calls wait until the stream is
@@ -208,7 +222,7 @@ class LLM:
         engine = self.llm_engine
         request_id = f"llm-{next(self._request_counter)}"
         with self._lock:
-            engine.add_request(request_id, _prompt_value(prompt), sampling_params)
+            engine.add_request(request_id, _prompt_value(prompt), sampling_params, lora_request=lora_request)
             printed = 0
             try:
                 while True:
@@ -221,6 +235,18 @@ class LLM:
                             return
             finally:
                 engine.abort_request(request_id)
+
+
+def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                num_prompts: int) -> list[LoRARequest | None]:
+    """vLLM's lora_request argument as one entry per prompt: one for all, or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    requests = list(lora_request)
+    if len(requests) != num_prompts:
+        raise InvalidRequestError(f"got {len(requests)} lora_request entries for {num_prompts} prompts",
+                                  param="lora_request")
+    return requests
 
 
 def _prompt_value(prompt: PromptInput) -> Prompt:

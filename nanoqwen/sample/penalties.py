@@ -1,5 +1,6 @@
 """Steps b and c of the sampler (nanoqwen/sample/sampler.py), what changes a row's logits before it
-is sampled: min_tokens' stop tokens blocked, then the repetition, presence and frequency penalties.
+is sampled: min_tokens' stop tokens blocked, then the repetition, presence and frequency penalties, then
+DRY (nanoqwen/sample/dry.py, after the other penalties as in llama.cpp's sampler chain).
 Each returns `logits` itself when no row of the batch needs it, else a changed copy.
 """
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoqwen.sample.dry import apply_dry
 from nanoqwen.sampling_params import SamplingParams
 
 
@@ -116,7 +118,8 @@ def block_stop_tokens(logits: torch.Tensor, params: list[SamplingParams],
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
                   prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
                   stop_token_ids: list[set[int]]) -> torch.Tensor:
-    """Steps b and c: stop tokens blocked while short of min_tokens, then the penalties (a copy, or
-    `logits` itself when no row needs either)."""
+    """Steps b and c: stop tokens blocked while short of min_tokens, then the penalties, then DRY (dry.py; a
+    copy, or `logits` itself when no row needs any)."""
     logits = block_stop_tokens(logits, params, output_token_ids, stop_token_ids)
-    return apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+    logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+    return apply_dry(logits, params, prompt_token_ids, output_token_ids)

@@ -3,7 +3,8 @@
 Each row goes through these steps, with its own SamplingParams:
 
 0. structured outputs: a constrained row's tokens outside its grammar's bitmask get -inf
-   (nanoqwen/sample/structured_outputs.py); everything below sees only the allowed tokens.
+   (nanoqwen/sample/structured_outputs.py); everything below sees only the allowed tokens. A row whose
+   thinking_token_budget is spent gets a bitmask of </think> alone the same way.
 a. logprobs (rows that ask for them) come from the RAW model logits: log_softmax in float32
    before any penalty, temperature or filter (vLLM's default "raw_logprobs" mode).
 b. min_tokens: while the row has fewer output tokens than min_tokens, its stop token ids
@@ -13,7 +14,9 @@ b. min_tokens: while the row has fewer output tokens than min_tokens, its stop t
 c. repetition_penalty over every token seen in the prompt or the output (a logit > 0 is
    divided by it, one <= 0 multiplied, as in HF/vLLM), then presence_penalty and
    frequency_penalty over the output tokens
-   (OpenAI: logit -= presence * (count > 0) + frequency * count).
+   (OpenAI: logit -= presence * (count > 0) + frequency * count), then DRY (dry_multiplier > 0: a token
+   that would extend a repeat of earlier context loses multiplier * base ** (length - allowed_length);
+   nanoqwen/sample/dry.py).
 d. greedy rows (temperature 0) take the argmax of these logits; the others are filtered in
    transformers' order (temperature, top_k, top_p, min_p; tied values kept together at each
    cut) and sampled with the exponential-race trick (argmax of p / Exp(1) noise is a sample from
@@ -23,8 +26,8 @@ d. greedy rows (temperature 0) take the argmax of these logits; the others are f
    its sorting reference (top_p_threshold_reference); the race runs in one pass
    (ops/cpu: exponential_race) beside exponential_race_reference.
 
-Steps b and c live in nanoqwen/sample/penalties.py; they cost nothing (no copy) when no row of the batch
-uses them.
+Steps b and c live in nanoqwen/sample/penalties.py (DRY in dry.py); they cost nothing (no copy) when no row
+of the batch uses them.
 
 A row left with nothing to pick (its logits NaN, +inf or all -inf, so the chosen token's logit, or
 its probability, is not a finite positive one) gets BROKEN_ROW instead of a token: an answer ends
@@ -279,3 +282,20 @@ def dense_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     samples from (temperature, top_k, top_p, min_p applied; 0 outside the kept candidates)."""
     probs, token_ids = filter_probs(logits, params)
     return torch.zeros_like(logits, dtype=probs.dtype).scatter_(1, token_ids, probs)
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: list[int],
+                            num_logprobs: list[int]) -> list[TokenLogprobs]:
+    """Prompt logprobs (SamplingParams.prompt_logprobs) of some prompt positions: logits [R, V] at each
+    position, target_ids [R] the prompt token that follows it, num_logprobs [R] how many of the most likely
+    tokens each row lists -> per row the target's log-probability under these raw logits (log_softmax in
+    float32, as the sampled tokens' in step a), its rank and the top ones."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [R, V]
+    targets = torch.tensor(target_ids, device=logits.device)[:, None]  # [R, 1]
+    target_logprob = logprobs.gather(1, targets)  # [R, 1]
+    rank = 1 + (logprobs > target_logprob).sum(dim=-1)  # [R]
+    top_logprobs, top_ids = logprobs.topk(max(num_logprobs, default=0), dim=-1)  # [R, K], best first
+    rows = zip(target_ids, target_logprob[:, 0].tolist(), rank.tolist(), top_ids.tolist(), top_logprobs.tolist(),
+               num_logprobs, strict=True)
+    return [TokenLogprobs(token, logprob, r, list(zip(ids[:k], lps[:k], strict=True)))
+            for token, logprob, r, ids, lps, k in rows]

@@ -16,7 +16,9 @@ per grammar. It reads the `tokenizers` JSON nanoqwen already loads, so it needs 
 
 Qwen3's thinking: when the prompt opens the assistant's turn with thinking on (it ends with
 "<|im_start|>assistant\\n", or inside an unclosed <think>), the reasoning up to </think> is free
-and the constraint applies from there on; otherwise from the first token.
+and the constraint applies from there on; otherwise from the first token. GrammarCompiler.prompt_is_reasoning
+decides it, for the grammar and for SamplingParams.thinking_token_budget: a sequence with a budget and no
+grammar gets a GrammarState without a matcher, whose bitmask forces </think> once the budget is spent.
 """
 
 from __future__ import annotations
@@ -32,12 +34,19 @@ from nanoqwen.errors import InvalidRequestError
 from nanoqwen.sampling_params import StructuredOutputsParams
 from nanoqwen.tokenizer import Tokenizer
 
+# The whitespace a JSON answer may hold between its tokens: none, one space, or one or two newlines and an indent of
+# at most 20 spaces or tabs, as llama.cpp's JSON grammars allow (its json_schema_to_grammar's SPACE_RULE). Unbounded
+# whitespace let a model spend its whole answer on newlines inside the first brace.
+JSON_WHITESPACE = r"[ ]?|\n{1,2}[ \t]{0,20}"
+
 
 def _grammar_text(kind: str, text: str, compact: bool) -> str:
-    """The llguidance grammar for a request's constraint (not yet checked)."""
+    """The llguidance grammar for a request's constraint (not yet checked). compact: JSON with no
+    whitespace at all (vLLM's disable_any_whitespace); else JSON_WHITESPACE between tokens."""
     import llguidance
 
-    options = {"whitespace_flexible": not compact}
+    options = ({"whitespace_flexible": False} if compact
+               else {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE})
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else json.loads(text)
         if not isinstance(schema, dict):
@@ -107,13 +116,24 @@ class GrammarCompiler:
                                       f"{matcher.get_error()}")
         return matcher
 
-    def new_state(self, params: StructuredOutputsParams, prompt_token_ids: list[int]
-                  ) -> GrammarState:
-        """A sequence's own matcher, and whether it first reasons freely up to </think>."""
-        reasoning = self.think_end_id is not None and (
+    def new_state(self, params: StructuredOutputsParams | None, prompt_token_ids: list[int],
+                  thinking_token_budget: int | None = None) -> GrammarState | None:
+        """A sequence's own matcher (params None: none), whether it first reasons freely up to </think>, and
+        how many tokens of reasoning it may write before </think> is forced (None: no limit). None when
+        there is nothing to follow: no grammar, and no budget or no reasoning."""
+        reasoning = self.prompt_is_reasoning(prompt_token_ids)
+        if params is None and (thinking_token_budget is None or not reasoning):
+            return None
+        matcher = self.compile(params).deep_copy() if params is not None else None
+        return GrammarState(matcher, reasoning, self.think_end_id,
+                            thinking_token_budget if reasoning else None, self.vocab_size)
+
+    def prompt_is_reasoning(self, prompt_token_ids: list[int]) -> bool:
+        """Whether the prompt leaves its answer reasoning (Qwen3 with thinking on): it ends with the
+        assistant's header, or inside an unclosed <think>. The one place that decides it."""
+        return self.think_end_id is not None and (
             prompt_token_ids[-len(self.assistant_header):] == self.assistant_header
             or self._inside_think(prompt_token_ids))
-        return GrammarState(self.compile(params).deep_copy(), reasoning, self.think_end_id)
 
     def _inside_think(self, token_ids: list[int]) -> bool:
         for token in reversed(token_ids):
@@ -125,24 +145,41 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One sequence's progress through its grammar."""
+    """One sequence's progress through its grammar (matcher None: no grammar) and its reasoning.
 
-    def __init__(self, matcher: Any, reasoning: bool, think_end_id: int | None) -> None:
+    thinking_token_budget (SamplingParams'): once that many tokens of reasoning are written without
+    </think>, the next token's bitmask allows </think> alone, so the model answers from there on."""
+
+    def __init__(self, matcher: Any, reasoning: bool, think_end_id: int | None,
+                 thinking_token_budget: int | None = None, vocab_size: int = 0) -> None:
         self.matcher = matcher
         self.reasoning = reasoning  # free tokens until </think>
         self.think_end_id = think_end_id
+        self.thinking_token_budget = thinking_token_budget
+        self.num_reasoning_tokens = 0  # written while reasoning
+        self.vocab_size = vocab_size
 
     def bitmask(self) -> torch.Tensor | None:
-        """The tokens allowed next, one bit each: int32 [ceil(V / 32)]; None while reasoning."""
+        """The tokens allowed next, one bit each: int32 [ceil(V / 32)]; None while reasoning within its
+        budget, or with no grammar once past it."""
         if self.reasoning:
+            budget = self.thinking_token_budget
+            if budget is None or self.num_reasoning_tokens < budget or self.think_end_id is None:
+                return None
+            # bit i of word j is token 32j + i: as little-endian bytes, bit i % 8 of byte i // 8
+            mask = torch.zeros(4 * -(-max(self.vocab_size, self.think_end_id + 1) // 32), dtype=torch.uint8)
+            mask[self.think_end_id // 8] = 1 << (self.think_end_id % 8)
+            return mask.view(torch.int32)
+        if self.matcher is None:
             return None
         return torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
 
     def accept(self, token_id: int) -> None:
         if self.reasoning:
             self.reasoning = token_id != self.think_end_id
+            self.num_reasoning_tokens += self.reasoning
             return
-        if not self.matcher.consume_token(token_id):
+        if self.matcher is not None and not self.matcher.consume_token(token_id):
             # only allowed tokens are sampled, so this is a bug, not bad input
             raise RuntimeError(f"token {token_id} was sampled outside its grammar: "
                                f"{self.matcher.get_error()}")
@@ -150,7 +187,7 @@ class GrammarState:
     @property
     def is_finished(self) -> bool:
         """The grammar is complete and allows nothing more (EOS aside)."""
-        return not self.reasoning and self.matcher.is_stopped()
+        return not self.reasoning and self.matcher is not None and self.matcher.is_stopped()
 
 
 def apply_bitmasks(logits: torch.Tensor, bitmasks: list[torch.Tensor | None]) -> torch.Tensor:

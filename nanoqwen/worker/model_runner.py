@@ -22,14 +22,37 @@ from nanoqwen.attention.metadata import AttentionMetadata, DecodeRow, PrefillRow
 from nanoqwen.core.scheduler import ScheduledBatch
 from nanoqwen.core.sequence import Sequence
 from nanoqwen.layers.pooler import Pooler
+from nanoqwen.lora.manager import LoRAManager
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.sample.rejection_sampler import rejection_sample
-from nanoqwen.sample.sampler import BROKEN_ROW, TokenLogprobs, greedy_tokens, sample
+from nanoqwen.sample.sampler import BROKEN_ROW, TokenLogprobs, compute_prompt_logprobs, greedy_tokens, sample
 from nanoqwen.worker.cuda_graph import CUDAGraphRunner
 from nanoqwen.worker.fused_decoder import FusedDecoder
 from nanoqwen.worker.huge_pages import move_to_huge_pages
 
 logger = logging.getLogger("nanoqwen")
+# prompt positions per LM head call when computing prompt logprobs: their float32 logits [rows, V] at a time
+PROMPT_LOGPROBS_ROWS = 256
+
+
+class PromptLogprobRows(NamedTuple):
+    """A prompt chunk's rows whose logits give prompt logprobs (SamplingParams.prompt_logprobs): the step's rows
+    first_row, first_row + 1, ..., one per target_ids entry (the prompt token that row's position predicts;
+    the first is prompt token first_token)."""
+
+    request_id: str
+    first_token: int
+    first_row: int
+    target_ids: list[int]
+    num_logprobs: int
+
+
+class PromptLogprobs(NamedTuple):
+    """Prompt logprobs a step computed for a request: logprobs[i] is prompt token first_token + i's."""
+
+    request_id: str
+    first_token: int
+    logprobs: list[TokenLogprobs]
 
 
 @dataclass
@@ -45,6 +68,10 @@ class StepInput:
     # False: logits in the LM head's own dtype, when every sampled row takes their argmax (exact in bf16; no
     # float32 copy of [rows, V])
     float32_logits: bool = True
+    # prompt chunks whose positions' logits give prompt logprobs (every rank runs them through its LM head)
+    prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
+    # each row's LoRA adapter (Sequence.lora_id, 0: none); empty when no row has one
+    lora_ids: list[int] = field(default_factory=list)
 
 
 class SampledTokens(NamedTuple):
@@ -75,8 +102,11 @@ class ModelRunner:
 
     def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int, *,
                  max_num_seqs: int = 64, max_model_len: int | None = None,
-                 enforce_eager: bool = False, pooler: Pooler | None = None) -> None:
+                 enforce_eager: bool = False, pooler: Pooler | None = None,
+                 lora: LoRAManager | None = None) -> None:
         self.model = model
+        # the engine's LoRA adapters: a step whose rows have adapters sets them before the forward (lora_ids)
+        self.lora = lora
         self.pooler = pooler
         self.device = model.device
         if self.device.type == "cpu":  # each decode step streams every weight: 2 MiB pages (worker/huge_pages.py)
@@ -102,6 +132,8 @@ class ModelRunner:
                                 self.device)
         # made since the last step, for the other ranks
         self._block_copies: list[tuple[int, int]] = []
+        # computed since the engine last took them (take_prompt_logprobs); rank 0 only
+        self.prompt_logprobs: list[PromptLogprobs] = []
         self.graph_runner: CUDAGraphRunner | None = None
         # CPU decode steps: all decoder layers in one C++ call, where the model allows (worker/fused_decoder.py)
         self.fused_decoder = (FusedDecoder(model) if pooler is None and FusedDecoder.supports(
@@ -138,6 +170,7 @@ class ModelRunner:
         if batch.num_steps > 1:
             return self.greedy_steps(batch.decode, batch.num_steps)
         step, seqs, verify = self.prepare(batch)
+        step.lora_ids = lora_rows(batch)
         logits = self.forward(step)
         if logits is None:
             return []
@@ -167,7 +200,7 @@ class ModelRunner:
         The reference runs each step through forward() and the sampler's argmax; the CPU fused
         decoder runs them all in one C++ call (worker/fused_decoder.py), with the same tokens."""
         stop_ids = [seq.stop_token_ids for seq in seqs]
-        if self._fused_decode_fits(len(seqs)):
+        if self._fused_decode_fits(len(seqs)) and not any(seq.lora_id for seq in seqs):
             last = [DecodeRow(seq.block_table, seq.num_tokens + num_steps - 1) for seq in seqs]
             steps = self.fused_decoder.greedy_steps(
                 [seq.last_token_id for seq in seqs], [seq.num_tokens for seq in seqs],
@@ -186,7 +219,8 @@ class ModelRunner:
         for i in range(num_steps):
             step = StepInput(input_ids=input_ids, prefill=[], sample_rows=list(range(len(seqs))),
                              decode=[DecodeRow(seq.block_table, seq.num_tokens + i) for seq in seqs],
-                             float32_logits=False)
+                             float32_logits=False,
+                             lora_ids=[seq.lora_id for seq in seqs] if any(s.lora_id for s in seqs) else [])
             tokens = greedy_tokens(self.forward(step)).tolist()
             steps.append(tokens)
             if all(t in stop or t == BROKEN_ROW for t, stop in zip(tokens, stop_ids, strict=True)):
@@ -233,6 +267,8 @@ class ModelRunner:
                 sample_from(first, seq)
         for seq, n in batch.prefill:
             start = seq.num_computed_tokens
+            if seq.needs_prompt_logprobs:
+                ModelRunner._prompt_logprob_rows(step, seq, start, n)
             step.input_ids += seq.token_ids(start, start + n)
             step.prefill.append(PrefillRow(seq.block_table, start, n))
             if start + n == seq.num_tokens:
@@ -242,11 +278,29 @@ class ModelRunner:
         step.float32_logits = bool(verify_rows) or not all(seq.samples_by_argmax for seq in seqs)
         return step, seqs, [seq for seq, _ in verify_rows]
 
+    @staticmethod
+    def _prompt_logprob_rows(step: StepInput, seq: Sequence, start: int, n: int) -> None:
+        """The rows of seq's chunk [start, start + n) (added to step next) whose logits give prompt logprobs
+        still missing: position p predicts prompt token p + 1, so the prompt's last position gives none (it
+        samples), and a chunk's last position predicts the next chunk's first token. Positions whose entries
+        seq already has (computed before a preemption) are not read again."""
+        first = max(start, len(seq.prompt_logprobs) - 1)
+        end = min(start + n, len(seq.prompt_token_ids) - 1)
+        if end > first:
+            step.prompt_logprobs.append(PromptLogprobRows(
+                seq.request_id, first + 1, len(step.input_ids) + first - start,
+                seq.prompt_token_ids[first + 1: end + 1], seq.sampling_params.prompt_logprobs))
+
+    def take_prompt_logprobs(self) -> list[PromptLogprobs]:
+        """The prompt logprobs computed since the last call (the engine adds them to their requests)."""
+        taken, self.prompt_logprobs = self.prompt_logprobs, []
+        return taken
+
     def forward(self, step: StepInput) -> torch.Tensor | None:
         """Logits [len(step.sample_rows), V], float32 unless step.float32_logits is False (None when
         nothing is sampled; the pooler's rows with a pooler): a CUDA graph's replay for a decode-only
         step that has one, else the eager forward (with the other ranks, under tensor parallelism)."""
-        if (not step.prefill and self.graph_runner is not None
+        if (not step.prefill and self.graph_runner is not None and not step.lora_ids
                 and self.graph_runner.can_run(step.decode)):
             logits = self.graph_runner.run(step.input_ids, step.decode)  # [b, V], padded inside
             if step.sample_rows != list(range(len(step.decode))):
@@ -265,11 +319,20 @@ class ModelRunner:
         meta = AttentionMetadata.build(step.decode, step.prefill, self.kv_cache.block_size,
                                        self.device, paged_backend=self.attention_backend)
         input_ids = torch.tensor(step.input_ids, device=self.device)
-        if not step.prefill and meta.paged_decode is not None and self._fused_decode_fits(len(step.decode)):
+        if (not step.prefill and meta.paged_decode is not None and self._fused_decode_fits(len(step.decode))
+                and not step.lora_ids):
             logits = self.fused_decoder(input_ids, self.kv_cache, meta)  # [N, V]: every row's
             rows = step.sample_rows  # (each row once, in order, unless drafts or forks say otherwise)
             return logits if rows == list(range(len(logits))) else logits[torch.tensor(rows)]
-        hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)
+        if step.lora_ids:  # the model's projections add each row's adapter (nanoqwen/lora/layers.py)
+            self.lora.prepare(step.lora_ids)
+        try:
+            hidden = self.model(input_ids, meta.positions, self.kv_cache, meta)
+        finally:
+            if step.lora_ids:
+                self.lora.clear()
+        if step.prompt_logprobs:
+            self._compute_prompt_logprobs(hidden, step.prompt_logprobs)
         if not step.sample_rows:
             return None
         hidden = hidden[torch.tensor(step.sample_rows, device=self.device)]  # [M, H]
@@ -277,6 +340,41 @@ class ModelRunner:
             return self.pooler(hidden)
         return self.model.compute_logits(hidden, torch.float32 if step.float32_logits else None)
 
+    def _compute_prompt_logprobs(self, hidden: torch.Tensor, chunks: list[PromptLogprobRows]) -> None:
+        """The prompt logprobs of a step's chunks that ask for them, from their rows of hidden [N, H] through
+        the LM head PROMPT_LOGPROBS_ROWS at a time (on every rank: under tensor parallelism each computes its
+        slice of the vocabulary and rank 0 gathers them), added to self.prompt_logprobs on rank 0."""
+        rows = [c.first_row + i for c in chunks for i in range(len(c.target_ids))]
+        targets = [t for c in chunks for t in c.target_ids]
+        counts = [c.num_logprobs for c in chunks for _ in c.target_ids]
+        out: list[TokenLogprobs] = []
+        for s in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            part = slice(s, s + PROMPT_LOGPROBS_ROWS)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows[part], device=self.device)])
+            if logits is not None:  # (None on ranks > 0)
+                out += compute_prompt_logprobs(logits, targets[part], counts[part])
+        if self.model.tp_rank != 0:
+            return
+        first = 0
+        for c in chunks:
+            self.prompt_logprobs.append(PromptLogprobs(c.request_id, c.first_token,
+                                                       out[first: first + len(c.target_ids)]))
+            first += len(c.target_ids)
+
     def _fused_decode_fits(self, num_rows: int) -> bool:
         """Whether a decode step of num_rows rows runs through the fused CPU decoder (up to the gemv kernels' rows)."""
         return self.fused_decoder is not None and num_rows <= self.model.kernels.matmul.gemv_max_rows
+
+
+def lora_rows(batch: ScheduledBatch) -> list[int]:
+    """Each row's LoRA adapter (Sequence.lora_id) in ModelRunner.prepare's row order (decode rows with their
+    drafts, then the prompt chunks); empty when no sequence of the batch has one. Such a step runs the model's
+    per-module forward: the fused CPU decoder and CUDA graphs compute the base model only."""
+    if not any(seq.lora_id for seq in batch.seqs):
+        return []
+    rows = []
+    for seq in batch.decode + [s.seq for s in batch.spec_decode]:
+        rows += [seq.lora_id] * (1 + len(seq.spec_token_ids))
+    for seq, n in batch.prefill:
+        rows += [seq.lora_id] * n
+    return rows

@@ -256,3 +256,41 @@ def test_params_name_the_mistake():
         StructuredOutputsParams(choice=["a", 1])
     with pytest.raises(InvalidRequestError, match="structured_outputs"):
         SamplingParams(structured_outputs={"json": {}})
+
+
+@pytest.fixture(scope="module")
+def whitespace_lover(checkpoint):
+    """The test model with an LM-head bias that puts every whitespace-only token far ahead of the rest: a model that
+    would rather write whitespace than anything else."""
+    llm = make_llm(checkpoint("tiny", std=0.08), max_model_len=512, kv_cache_memory=32 << 20)
+    tokenizer = llm.get_tokenizer()
+    model = llm.llm_engine.model
+    vocab = model.config.vocab_size
+    spaces = [t for t in range(tokenizer.vocab_size) if (text := tokenizer.decode([t])) and not text.strip()]
+    bias = torch.zeros(vocab)
+    bias[spaces] = 50.0
+    model.lm_head.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return llm
+
+
+@pytest.mark.parametrize("name", ["nested", "anyof", "array-of-objects", "optional-fields"])
+def test_json_spends_no_answer_on_whitespace(whitespace_lover, name):
+    """With the whitespace a JSON grammar allows bounded (JSON_WHITESPACE, llama.cpp's rule), a model that prefers
+    whitespace still completes valid JSON in a small budget, greedy and sampled, with whitespace between its tokens;
+    with any amount allowed it wrote newlines and tabs until max_tokens."""
+    schema = SCHEMAS[name]
+    free = whitespace_lover.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert free.text.strip() == ""  # the bias works: unconstrained, nothing but whitespace
+    params = [constrained(json=schema, max_tokens=120), constrained(json=schema, max_tokens=120, temperature=1.0,
+                                                                    seed=3)]
+    for out in whitespace_lover.generate([PROMPT, PROMPT], params, use_tqdm=False):
+        assert out.finish_reason == "stop", repr(out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+        assert re.search(r"\n[ \t]+", out.text)  # it did write whitespace: only as much as allowed
+        assert all(len(run) <= 22 for run in re.findall(r"\s+", re.sub(r'"(\\.|[^"\\])*"', '""', out.text)))
+
+
+def test_json_object_whitespace_is_bounded(whitespace_lover):
+    out = whitespace_lover.generate([PROMPT], constrained(json_object=True, max_tokens=60), use_tqdm=False)[0]
+    # an unbounded object may not end, but its first key comes after at most one bounded run of whitespace
+    assert re.match(r'\{(?:[ ]?|\n{1,2}[ \t]{0,20})(\}|")', out.text), repr(out.text)

@@ -20,10 +20,42 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from nanoqwen.entrypoints.server.anthropic.messages import (
+    anthropic_error_response,
+    count_message_tokens,
+    create_message,
+    document_api_key_header,
+    is_messages_path,
+    messages_route,
+)
+from nanoqwen.entrypoints.server.anthropic.protocol import Message as AnthropicMessage
+from nanoqwen.entrypoints.server.anthropic.protocol import (
+    MessageCountTokensRequest,
+    MessageCreateRequest,
+    MessageStreamEvent,
+    MessageTokensCount,
+)
 from nanoqwen.entrypoints.server.async_engine import AsyncEngine
 from nanoqwen.entrypoints.server.chat import create_chat_completion
 from nanoqwen.entrypoints.server.completions import create_completion
+from nanoqwen.entrypoints.server.lora import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    adapter_for,
+    adapter_route,
+    load_adapter,
+    model_cards,
+    served_adapters,
+    unload_adapter,
+)
 from nanoqwen.entrypoints.server.metrics import ServerMetrics
+from nanoqwen.entrypoints.server.openai_responses.protocol import (
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
+from nanoqwen.entrypoints.server.openai_responses.serving import create_response, delete_response, get_response
 from nanoqwen.entrypoints.server.openapi import ApiDoc
 from nanoqwen.entrypoints.server.pooling import create_embedding, create_rerank, create_score, require_task, served_task
 from nanoqwen.entrypoints.server.protocol import (
@@ -47,6 +79,16 @@ from nanoqwen.entrypoints.server.responses import (
     ServerProps,
 )
 from nanoqwen.entrypoints.server.serving import ServerState
+from nanoqwen.entrypoints.server.tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+    detokenize,
+    tokenize,
+    version,
+)
 from nanoqwen.errors import InvalidRequestError
 
 logger = logging.getLogger("nanoqwen.server")
@@ -67,8 +109,10 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
     describe every endpoint and stay public, as in vLLM, when there is an API key; so does the chat
     page (`ui`), whose calls to the API send the key.
     """
-    state = ServerState(engine, AsyncEngine(engine, max_waiting), ServerMetrics(),
-                        served_model_name, api_key, max_body_bytes, int(time.time()))
+    metrics = ServerMetrics(served_model_name, engine.max_model_len)
+    state = ServerState(engine, AsyncEngine(engine, max_waiting), metrics, served_model_name, api_key,
+                        max_body_bytes, int(time.time()))
+    state.lora_adapters.update(served_adapters(engine))  # LoRA adapters loaded at start (--lora-modules)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,24 +134,33 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
     app.state.server = state
     app.add_middleware(AccessLog, metrics=state.metrics)
 
+    # errors on Anthropic's Messages routes are in Anthropic's shape
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        if is_messages_path(request.url.path):
+            return anthropic_error_response(e.status, e.message, e.headers)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if is_messages_path(request.url.path):
+            return anthropic_error_response(e.status_code, str(e.detail), e.headers)
         code = "not_found" if e.status_code == 404 else None
         body = APIError(e.status_code, str(e.detail), code=code).body()
         return JSONResponse(body, status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(InvalidRequestError)
-    async def invalid_request(_: Request, e: InvalidRequestError) -> JSONResponse:
+    async def invalid_request(request: Request, e: InvalidRequestError) -> JSONResponse:
         # user input the engine rejected
+        if is_messages_path(request.url.path):
+            return anthropic_error_response(400, str(e))
         return JSONResponse(APIError(400, str(e)).body(), status_code=400)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
         logger.exception("internal error")
+        if is_messages_path(request.url.path):
+            return anthropic_error_response(500, f"internal server error: {type(e).__name__}")
         error = APIError(500, f"internal server error: {type(e).__name__}", type="server_error")
         return JSONResponse(error.body(), status_code=500)
 
@@ -134,7 +187,7 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
         return JSONResponse({"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": state.created,
             "owned_by": "nanoqwen", "max_model_len": engine.max_model_len,
-            "task": served_task(state)}]})  # task: nanoqwen's (generate, embed or score)
+            "task": served_task(state)}, *model_cards(state)]})  # task: nanoqwen's (generate, embed or score)
 
     @app.get("/props", **doc.route(ServerProps))
     async def props(request: Request) -> Response:
@@ -157,6 +210,28 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
     async def completions(request: Request) -> Any:
         req = await _parse(state, request, CompletionRequest, "generate")
         return await create_completion(state, request, req)
+
+    # OpenAI's Responses API (openai_responses/)
+    @app.post("/v1/responses", **doc.route(
+        ResponseObject, ResponsesRequest, ResponseStreamEvent, POST_ERRORS,
+        description=serves("generate", "OpenAI's Responses API: a reasoning item, a message and "
+                                       "function calls; stored responses continue with "
+                                       "previous_response_id.")))
+    async def responses(request: Request) -> Any:
+        req = await _parse(state, request, ResponsesRequest, "generate")
+        return await create_response(state, request, req)
+
+    @app.get("/v1/responses/{response_id}", **doc.route(ResponseObject, errors=[404]))
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        """A stored response (404 once deleted or evicted)."""
+        _check_api_key(state, request)
+        return JSONResponse(get_response(state, response_id))
+
+    @app.delete("/v1/responses/{response_id}", **doc.route(ResponseDeleted, errors=[404]))
+    async def remove_response(response_id: str, request: Request) -> Response:
+        """Delete a stored response."""
+        _check_api_key(state, request)
+        return JSONResponse(delete_response(state, response_id))
 
     @app.post("/v1/embeddings", **doc.route(
         EmbeddingResponse, EmbeddingRequest, errors=POST_ERRORS,
@@ -187,6 +262,55 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
         req = await _parse(state, request, ScoreRequest, "score")
         return await create_score(state, request, req)
 
+    # vLLM's tokenizer endpoints (tokenization.py): any model's tokenizer, whatever its task
+    @app.post("/tokenize", **doc.route(TokenizeResponse, TokenizeRequest, errors=POST_ERRORS))
+    async def tokenize_route(request: Request) -> Response:
+        """Token ids of a prompt, or of messages rendered by the chat template as /v1/chat/completions renders
+        them (vLLM's shape)."""
+        req = await _parse(state, request, TokenizeRequest, None)
+        return JSONResponse(await tokenize(state, req.root))
+
+    @app.post("/detokenize", **doc.route(DetokenizeResponse, DetokenizeRequest, errors=POST_ERRORS))
+    async def detokenize_route(request: Request) -> Response:
+        """The text of a list of token ids (vLLM's shape)."""
+        req = await _parse(state, request, DetokenizeRequest, None)
+        return JSONResponse(detokenize(state, req))
+
+    # LoRA adapters at run time, vLLM's routes (lora.py)
+    @app.post("/v1/load_lora_adapter", **adapter_route(doc, LoadLoRAAdapterRequest, POST_ERRORS))
+    async def load_lora_adapter(request: Request) -> Response:
+        """Load a LoRA adapter (a PEFT folder on the server) and serve it by name (needs --enable-lora)."""
+        req = await _parse(state, request, LoadLoRAAdapterRequest, "generate")
+        return PlainTextResponse(await load_adapter(state, req))
+
+    @app.post("/v1/unload_lora_adapter", **adapter_route(doc, UnloadLoRAAdapterRequest, POST_ERRORS))
+    async def unload_lora_adapter(request: Request) -> Response:
+        """Stop serving a LoRA adapter (a 404 for a name not served)."""
+        req = await _parse(state, request, UnloadLoRAAdapterRequest, "generate")
+        return PlainTextResponse(await unload_adapter(state, req))
+
+    @app.get("/version", **doc.route(VersionResponse, auth=False))
+    async def version_route() -> Response:
+        """nanoqwen's version."""
+        return JSONResponse(version())
+
+    # Anthropic's Messages API (anthropic/)
+    @app.post("/v1/messages", **messages_route(
+        doc, AnthropicMessage, MessageCreateRequest, MessageStreamEvent,
+        description=serves("generate", "Anthropic's Messages API: Qwen3's reasoning as thinking blocks, its "
+                                       "tool calls as tool_use blocks. The key may also come as x-api-key.")))
+    async def messages(request: Request) -> Any:
+        req = await _parse(state, request, MessageCreateRequest, "generate")
+        return await create_message(state, request, req)
+
+    @app.post("/v1/messages/count_tokens", **messages_route(
+        doc, MessageTokensCount, MessageCountTokensRequest,
+        description=serves("generate", "Anthropic's token count: the prompt /v1/messages would render for "
+                                       "the same body.")))
+    async def count_tokens(request: Request) -> Any:
+        req = await _parse(state, request, MessageCountTokensRequest, "generate")
+        return await count_message_tokens(state, req)
+
     if ui:
         @app.get("/", include_in_schema=False)
         async def chat_page() -> FileResponse:
@@ -195,6 +319,7 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
         app.mount("/ui", StaticFiles(directory=UI_DIR), name="ui")
 
     doc.install(app)
+    document_api_key_header(app, api_key is not None)
     return app
 
 
@@ -215,17 +340,21 @@ def _check_api_key(state: ServerState, request: Request) -> None:
     if state.api_key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    # or as Anthropic's clients send it
+    if "x-api-key" in request.headers:
+        scheme, token = "bearer", request.headers["x-api-key"]
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
                                                              state.api_key.encode()):
-        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                       type="authentication_error", code="invalid_api_key")
+        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                            "'x-api-key: <key>'", type="authentication_error", code="invalid_api_key")
 
 
-async def _parse(state: ServerState, request: Request, model: type[M], task: str) -> M:
-    """Auth, then the task the endpoint needs (a 400 that names the right endpoint), then the body
-    (size-capped while it streams in), then the model name."""
+async def _parse(state: ServerState, request: Request, model: type[M], task: str | None) -> M:
+    """Auth, then the task the endpoint needs (a 400 that names the right endpoint; None: any), then the body
+    (size-capped while it streams in), then the model name (of the body, or of a RootModel's root)."""
     _check_api_key(state, request)
-    require_task(state, task)
+    if task is not None:
+        require_task(state, task)
     limit = state.max_body_bytes
     too_big = APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
     declared = request.headers.get("content-length", "")
@@ -240,9 +369,12 @@ async def _parse(state: ServerState, request: Request, model: type[M], task: str
         req = model.model_validate_json(bytes(body))
     except ValidationError as e:
         raise _validation_error(e) from None
-    if req.model is not None and req.model != state.served_model_name:
-        raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
-                            f"`{state.served_model_name}`", param="model", code="model_not_found")
+    name = getattr(getattr(req, "root", req), "model", None)
+    if name is not None and name != state.served_model_name:
+        if not state.lora_adapters:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                                f"`{state.served_model_name}`", param="model", code="model_not_found")
+        request.state.lora_request = adapter_for(state, name)  # a LoRA adapter's name (a 404 for none)
     return req
 
 

@@ -12,6 +12,7 @@ has one output, its result.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -87,6 +88,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams | PoolingParams
     stream: RequestStream
+    lora_request: Any = None  # the LoRA adapter it runs with (a LoRARequest), if any
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,16 @@ class Stop:
     """Cancel what is left and end the loop thread."""
 
 
-Command = AddRequest | AbortRequest | CancelAll | Stop
+@dataclass(frozen=True)
+class CallEngine:
+    """Run fn(engine) on the engine loop (loading or removing a LoRA adapter); its result or error goes to
+    `future`."""
+
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future
+
+
+Command = AddRequest | AbortRequest | CancelAll | Stop | CallEngine
 # what the event loop gets, in order: an output, an error, or None (the engine took the request)
 Delivery = tuple[RequestStream, Output | APIError | None]
 
@@ -164,7 +175,8 @@ class AsyncEngine:
                            type="server_error", code="queue_full", headers={"Retry-After": "1"})
 
     async def add(self, request_id: str, prompt_token_ids: list[int],
-                  params: SamplingParams | PoolingParams, admitted: bool = False) -> RequestStream:
+                  params: SamplingParams | PoolingParams, admitted: bool = False,
+                  lora_request: Any = None) -> RequestStream:
         """Queue a request; return once the engine took it (an InvalidRequestError: a 400 here).
 
         admitted: admit() already passed for the HTTP request this is part of (the inputs of one
@@ -173,13 +185,20 @@ class AsyncEngine:
         self.admit(check_queue=not admitted)
         stream = RequestStream(request_id)
         self.streams[request_id] = stream
-        self._commands.put(AddRequest(request_id, prompt_token_ids, params, stream))
+        self._commands.put(AddRequest(request_id, prompt_token_ids, params, stream, lora_request))
         try:
             await stream.accepted
         except BaseException:  # rejected, or the handler was cancelled while waiting
             self.abort(request_id)
             raise
         return stream
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(engine), run on the engine loop between steps (the one thread that touches the engine)."""
+        self.admit(check_queue=False)  # (a 503 once the engine is dead or stopping)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(CallEngine(fn, future))
+        return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks (a no-op once it finished)."""
@@ -257,8 +276,9 @@ class AsyncEngine:
         match command:
             case AddRequest(request_id, token_ids, params, stream):
                 try:
+                    lora = {"lora_request": command.lora_request} if command.lora_request is not None else {}
                     self.engine.add_request(request_id, token_ids, params,
-                                            prompt_token_ids=token_ids)
+                                            prompt_token_ids=token_ids, **lora)
                     streams[request_id] = stream
                     out.append((stream, None))
                 except InvalidRequestError as e:
@@ -273,6 +293,11 @@ class AsyncEngine:
                     self.engine.abort_request(request_id)
                 except Exception:
                     logger.exception("abort_request failed for %s", request_id)
+            case CallEngine(fn, future):
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as e:  # (the caller gets it)
+                    future.set_exception(e)
             case CancelAll():
                 self._fail_all(streams, out, _shutting_down())
             case Stop():

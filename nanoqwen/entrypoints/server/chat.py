@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -13,7 +14,15 @@ from starlette.background import BackgroundTask
 
 from nanoqwen.entrypoints.server.parsers import THINK_START, ChatOutputParser, ToolCall
 from nanoqwen.entrypoints.server.protocol import APIError, ChatCompletionRequest
-from nanoqwen.entrypoints.server.serving import SSE_DONE, Generation, ServerState, chat_logprobs, sse, usage
+from nanoqwen.entrypoints.server.serving import (
+    SSE_DONE,
+    Generation,
+    ServerState,
+    chat_logprobs,
+    prompt_logprobs_json,
+    sse,
+    usage,
+)
 from nanoqwen.entrypoints.server.structured import structured_outputs
 from nanoqwen.errors import NanoQwenError
 
@@ -23,7 +32,19 @@ RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "tokenize", "add_generation_pro
 def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], bool, bool]:
     """(prompt token ids, thinking on, prompt ends inside <think>): the template rendered as
     transformers does."""
-    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs, thinking = template_kwargs(req.chat_template_kwargs)
+    # tool_choice "none": the model is not told about the tools at all, so it cannot call them.
+    tools = ([{"type": "function", "function": t.function.model_dump(exclude_unset=True)}
+              for t in req.tools or []]
+             if req.tools_enabled else None)
+    messages = [m.to_template() for m in req.messages]
+    prompt = render_template(state, messages, tools, thinking, kwargs)
+    return prompt.token_ids, thinking, prompt.in_reasoning
+
+
+def template_kwargs(chat_template_kwargs: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+    """A request's chat_template_kwargs checked: (the other variables, enable_thinking (default on))."""
+    kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}",
@@ -32,22 +53,34 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[
     if not isinstance(thinking, bool):
         raise APIError(400, "chat_template_kwargs.enable_thinking must be true or false",
                        param="chat_template_kwargs")
-    # tool_choice "none": the model is not told about the tools at all, so it cannot call them.
-    tools = ([{"type": "function", "function": t.function.model_dump(exclude_unset=True)}
-              for t in req.tools or []]
-             if req.tools_enabled else None)
-    messages = [m.to_template() for m in req.messages]
+    return kwargs, thinking
+
+
+@dataclass
+class RenderedPrompt:
+    """A conversation rendered by the chat template, as the engine gets it."""
+
+    token_ids: list[int]
+    # the prompt ends inside <think> (a template that opens it itself: Qwen3 *-Thinking-2507)
+    in_reasoning: bool
+
+
+def render_template(state: ServerState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    thinking: bool, template_kwargs: dict[str, Any] | None = None,
+                    check_context: bool = True, add_generation_prompt: bool = True) -> RenderedPrompt:
+    """The template's messages and tools rendered as transformers does (what chat completions, Anthropic's
+    Messages API and /tokenize share); check_context: a prompt over the context is a 400 (count_tokens and
+    /tokenize count it)."""
     tokenizer = state.engine.tokenizer
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                             enable_thinking=thinking, **kwargs)
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                             enable_thinking=thinking, **(template_kwargs or {}))
         token_ids = tokenizer.encode(text)
-        state.engine.input_processor.validate_prompt(token_ids)
+        if check_context:
+            state.engine.input_processor.validate_prompt(token_ids)
     except NanoQwenError as e:  # a conversation the template rejects, a prompt over the context
         raise APIError(400, str(e), param="messages") from None
-    # A template that opens <think> itself (Qwen3 *-Thinking-2507) leaves the model inside the
-    # block.
-    return token_ids, thinking, text.rstrip().endswith(THINK_START)
+    return RenderedPrompt(token_ids, text.rstrip().endswith(THINK_START))
 
 
 async def create_chat_completion(state: ServerState, http: Request,
@@ -84,9 +117,11 @@ async def create_chat_completion(state: ServerState, http: Request,
                         "finish_reason": reason, "stop_reason": c.stop_reason})
     gen.finish_label = reasons[0]
     gen.record()
-    return JSONResponse({"id": gen.id, "object": "chat.completion", "created": gen.created,
-                         "model": state.served_model_name, "choices": choices, "usage": usage(out),
-                         "timings": gen.timings(out)})
+    body = {"id": gen.id, "object": "chat.completion", "created": gen.created,
+            "model": gen.model_name, "choices": choices, "usage": usage(out), "timings": gen.timings(out)}
+    if out.prompt_logprobs is not None:  # vLLM's prompt_logprobs field
+        body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+    return JSONResponse(body)
 
 
 def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str:
@@ -96,7 +131,7 @@ def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str:
 async def _stream(state: ServerState, gen: Generation, req: ChatCompletionRequest,
                   parsers: list[ChatOutputParser]) -> AsyncIterator[str]:
     head = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created,
-            "model": state.served_model_name}
+            "model": gen.model_name}
     if req.include_usage:
         head["usage"] = None  # OpenAI: every chunk has "usage", null except in the last one
 

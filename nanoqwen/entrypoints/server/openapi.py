@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
+from nanoqwen.entrypoints.server.openai_responses.protocol import ResponsesRequest
 from nanoqwen.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,6 +24,7 @@ from nanoqwen.entrypoints.server.protocol import (
     ScoreRequest,
 )
 from nanoqwen.entrypoints.server.responses import ErrorResponse
+from nanoqwen.entrypoints.server.tokenization import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{model}"
 BEARER = "bearerAuth"
@@ -31,7 +33,7 @@ ERRORS = {
          "prompt over the context, or an endpoint this model's task does not serve (code "
          "wrong_task)",
     401: "Missing or wrong API key (send 'Authorization: Bearer <key>')",
-    404: "`model` names a model this server does not serve",
+    404: "`model` names a model this server does not serve (or the stored response asked for does not exist)",
     413: "The body is larger than the server's --max-body-bytes",
     500: "The engine failed",
     503: "The engine is not running, or too many requests wait (--max-waiting; see Retry-After)",
@@ -61,6 +63,15 @@ EXAMPLES: dict[type[BaseModel], dict[str, Any]] = {
     },
     RerankRequest: {"rerank": {"query": QUESTION, "documents": DOCUMENTS, "top_n": 1}},
     ScoreRequest: {"one against many": {"text_1": QUESTION, "text_2": DOCUMENTS}},
+    ResponsesRequest: {
+        "response": {"input": QUESTION, "max_output_tokens": 64, "reasoning": {"effort": "none"}},
+        "streamed, with instructions": {"instructions": "Answer briefly.", "input": QUESTION,
+                                        "max_output_tokens": 32, "stream": True}},
+    TokenizeRequest: {
+        "prompt": {"prompt": "The capital of France is"},
+        "chat, with the token strings": {"messages": [{"role": "user", "content": QUESTION}],
+                                         "return_token_strs": True}},
+    DetokenizeRequest: {"tokens": {"tokens": [785, 6722, 315, 9625, 374]}},
 }
 
 

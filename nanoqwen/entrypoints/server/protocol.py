@@ -117,6 +117,17 @@ class _GenerationRequest(_Model):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: each prompt token's logprob and the k most likely there (SamplingParams.prompt_logprobs), returned as
+    # `prompt_logprobs` (a completion's choices, a chat completion's response); not with stream, as in vLLM
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # DRY repetition penalty (llama.cpp's and text-generation-webui's names; SamplingParams checks the values)
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    # vLLM's: at most this many tokens of reasoning, then </think> is forced (SamplingParams.thinking_token_budget)
+    thinking_token_budget: int | None = Field(None, ge=0, le=INT64["le"])
 
     @property
     def include_usage(self) -> bool:
@@ -140,8 +151,15 @@ class _GenerationRequest(_Model):
                            param="max_tokens")
         names = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "stop",
-                 "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output")
+                 "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
+                 "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+                 "thinking_token_budget")
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if self.prompt_logprobs is not None:
+            if self.stream:
+                raise APIError(400, "prompt_logprobs are not available with stream: true (as in vLLM)",
+                               param="prompt_logprobs")
+            given["prompt_logprobs"] = self.prompt_logprobs
         try:
             return dataclasses.replace(defaults, **given, n=self.n, max_tokens=max_tokens,
                                        logprobs=logprobs, structured_outputs=structured_outputs)
@@ -235,15 +253,17 @@ class ChatCompletionRequest(_GenerationRequest):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # the prompt before each choice's text (and with logprobs its tokens' entries first); with max_tokens 0,
+    # the prompt alone (nanoqwen/entrypoints/server/completions.py)
     echo: bool = False
+    max_tokens: int | None = Field(None, ge=0)  # 0: only with echo
     suffix: str | None = None
 
     def single_prompt(self) -> str | list[int]:
         """nanoqwen serves one prompt per request; a list of one prompt is that prompt."""
         prompt = self.prompt
-        if self.echo or self.suffix:
-            raise APIError(400, "echo and suffix are not supported",
-                           param="echo" if self.echo else "suffix")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
                 raise APIError(400, f"got {len(prompt)} prompts: send one prompt per request",

@@ -91,6 +91,21 @@ class ChatLogprobs(_Response):
     content: list[ChatLogprob]
 
 
+class PromptLogprob(_Response):
+    """vLLM's Logprob: a prompt token's (or a top alternative's) log-probability, rank (1 = most likely)
+    and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None
+
+
+# vLLM's prompt_logprobs: one per prompt token, null for the first, else {token id: PromptLogprob}
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+PROMPT_LOGPROBS = ("with the request's prompt_logprobs (or a completion's echo with logprobs): each prompt "
+                   "token's entry (the prompt token and the top k), null for the first; absent otherwise")
+
+
 class FunctionCallOut(_Response):
     name: str
     arguments: str = Field(description="a JSON object, as a string")
@@ -129,6 +144,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     timings: Timings | None = Field(description="null if no token was generated")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=PROMPT_LOGPROBS)
 
 
 class ChatDelta(_Response):
@@ -164,8 +180,8 @@ class ChatCompletionChunk(_Response):
 
 class CompletionLogprobs(_Response):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token")
+    top_logprobs: list[dict[str, float] | None] = Field(description="null for an echoed prompt's first token")
     text_offset: list[int]
 
 
@@ -175,6 +191,7 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: StopReason
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=PROMPT_LOGPROBS)
 
 
 class CompletionResponse(_Response):

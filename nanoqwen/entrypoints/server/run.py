@@ -15,6 +15,7 @@ from nanoqwen.engine.llm_engine import LLMEngine
 from nanoqwen.entrypoints.engine_args import engine_config_from_args, memory_size
 from nanoqwen.entrypoints.server.api import build_app
 from nanoqwen.errors import ConfigError, EngineDeadError
+from nanoqwen.lora.request import LoRARequest
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--no-ui", action="store_true",
                    help="do not serve the chat page at / (the API is unchanged)")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) to serve, each by NAME as a request's model "
+                        "(needs --enable-lora; docs/lora.md)")
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules: NAME=PATH."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH (an adapter's name and its PEFT folder)")
+    return name, path
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -60,8 +72,12 @@ def serve(args: argparse.Namespace) -> None:
     for name in ("max_waiting", "max_body_bytes", "shutdown_timeout"):  # the server's own options
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.lora_modules and not args.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
     engine = LLMEngine(engine_config_from_args(args))
     try:
+        for i, (name, path) in enumerate(args.lora_modules, start=1):
+            engine.add_lora(LoRARequest(name, i, path))
         _run(args, engine, _Server)
     finally:
         engine.shutdown()  # stops tensor-parallel workers, if any

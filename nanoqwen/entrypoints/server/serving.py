@@ -9,7 +9,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -17,6 +17,7 @@ from fastapi import Request
 
 from nanoqwen.entrypoints.server.async_engine import AsyncEngine, RequestStream
 from nanoqwen.entrypoints.server.metrics import ServerMetrics
+from nanoqwen.entrypoints.server.openai_responses.store import ResponseStore
 from nanoqwen.entrypoints.server.protocol import APIError
 from nanoqwen.errors import InvalidRequestError
 from nanoqwen.outputs import Logprob, RequestOutput
@@ -34,6 +35,10 @@ class ServerState:
     api_key: str | None
     max_body_bytes: int
     created: int
+    # /v1/responses: the responses kept for GET and previous_response_id (openai_responses/)
+    responses: ResponseStore = field(default_factory=ResponseStore)
+    # LoRA adapters served by name (a request's `model` chooses one): name -> LoRARequest (entrypoints/server/lora.py)
+    lora_adapters: dict[str, Any] = field(default_factory=dict)
 
 
 def sse(obj: Any) -> str:
@@ -57,6 +62,9 @@ class Generation:
         self.stream: RequestStream | None = None
         self.last: RequestOutput | None = None
         self.last_time: float | None = None
+        # the time before each token after the first, as outputs arrive (a step's tokens share its gap)
+        self.token_gaps: list[float] = []
+        self.num_tokens_seen = 0
         # set by the endpoint (e.g. "tool_calls"); default from the output
         self.finish_label: str | None = None
         self.closed = self.recorded = False
@@ -74,13 +82,28 @@ class Generation:
                 await asyncio.to_thread(self.state.engine.prepare_request, params)
             except InvalidRequestError as e:
                 raise APIError(400, str(e), param=constraint_field) from None
-        self.stream = await self.state.async_engine.add(self.id, prompt_token_ids, params)
+        # the LoRA adapter the request's `model` named (api.py _parse), if any
+        lora_request = getattr(self.http.state, "lora_request", None)
+        self.stream = await self.state.async_engine.add(self.id, prompt_token_ids, params, lora_request=lora_request)
+
+    @property
+    def model_name(self) -> str:
+        """The model an answer names: the LoRA adapter the request chose, else the served model (as vLLM)."""
+        lora_request = getattr(self.http.state, "lora_request", None)
+        return lora_request.lora_name if lora_request is not None else self.state.served_model_name
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         assert self.stream is not None
         try:
             async for out in self.stream:
-                self.last, self.last_time = out, time.perf_counter()
+                now = time.perf_counter()
+                longest = max((len(c.token_ids) for c in out.outputs), default=0)
+                new = longest - self.num_tokens_seen
+                if new > 0 and self.last_time is not None and self.num_tokens_seen > 0:
+                    self.token_gaps += [(now - self.last_time) / new] * new
+                if new > 0:
+                    self.num_tokens_seen, self.last_time = longest, now
+                self.last = out
                 yield out
         except APIError:
             self.finish_label = "error"
@@ -161,7 +184,8 @@ class Generation:
         longest = max(lengths, default=0)
         tpot = ((self.last_time - first) / (longest - 1)
                 if first is not None and longest > 1 else None)
-        self.state.metrics.record_request(self.prompt_len, sum(lengths), reason, ttft, tpot)
+        self.state.metrics.record_request(self.prompt_len, sum(lengths), reason, ttft, tpot,
+                                          e2e=time.perf_counter() - self.arrival, token_gaps=self.token_gaps)
         self.http.state.log = (f"{self.id} prompt={self.prompt_len} generated={sum(lengths)} "
                                f"finish={reason}"
                                + (f" ttft={ttft * 1000:.0f}ms" if ttft is not None else ""))
@@ -229,13 +253,21 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
     return items
 
 
-def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob]],
+def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob] | None],
                         top_n: int, offset: int) -> dict[str, list]:
     """OpenAI's legacy completions logprobs (tokens, token_logprobs, top_logprobs, text_offset
-    from `offset`)."""
+    from `offset`). An entry None (an echoed prompt's first token, which nothing predicts) gives its token
+    with null logprobs, as OpenAI and vLLM."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                             "text_offset": []}
     for token_id, entry in zip(token_ids, entries, strict=False):
+        if entry is None:
+            text = tokenizer.decode([token_id])
+            for key, value in (("tokens", text), ("token_logprobs", None), ("top_logprobs", None),
+                               ("text_offset", offset)):
+                out[key].append(value)
+            offset += len(text)
+            continue
         chosen = entry[token_id]
         text = _token_text(chosen, tokenizer, token_id)
         top = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= top_n),
@@ -249,3 +281,12 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict
         out["text_offset"].append(offset)
         offset += len(text)
     return out
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None]) -> list[dict[str, dict] | None]:
+    """RequestOutput.prompt_logprobs as vLLM's responses carry them: per prompt token null (the first) or
+    {token id: {logprob, rank, decoded_token}}, -inf as -9999.0."""
+    return [None if entry is None else
+            {str(token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token_id, lp in entry.items()}
+            for entry in entries]

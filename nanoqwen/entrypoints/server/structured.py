@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from nanoqwen.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, Tool
+from nanoqwen.entrypoints.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, FunctionDef
 from nanoqwen.errors import InvalidRequestError
 from nanoqwen.sampling_params import KINDS, StructuredOutputsParams
 
@@ -100,22 +100,25 @@ def tool_choice_grammar(req: ChatCompletionRequest, tokenizer: Any) -> str | Non
             raise APIError(400, f"tool_choice names the function {name!r}, which is not in "
                                 f"tools (offered: {offered})", param="tool_choice")
         repeat = False  # as OpenAI: one call of the named function
-    return _calls_grammar(tools, repeat, tokenizer)
+    return tool_calls_grammar([t.function for t in tools], repeat, tokenizer)
 
 
-def _calls_grammar(tools: list[Tool], repeat: bool, tokenizer: Any) -> str:
+def tool_calls_grammar(functions: list[FunctionDef], repeat: bool, tokenizer: Any) -> str:
+    """The Lark grammar of one call (repeat: one or more) of any of `functions`, each call's arguments held
+    to its parameters schema: what tool_choice "required" or a named tool (OpenAI), "any" or "tool"
+    (Anthropic's Messages API) enforce."""
     start, end = _special(tokenizer, TOOL_START), _special(tokenizer, TOOL_END)
     calls = ' ("\\n" call)*' if repeat else ""
-    alternatives = "\n    | ".join(f"{start} {_call_body(t)} {end}" for t in tools)
+    alternatives = "\n    | ".join(f"{start} {_call_body(f)} {end}" for f in functions)
     # up to two newlines first: what Qwen3 writes after </think> before its calls
     return f"start: NL? call{calls}\nNL: /\\n{{1,2}}/\ncall: {alternatives}\n"
 
 
-def _call_body(tool: Tool) -> str:
+def _call_body(function: FunctionDef) -> str:
     """'\\n{"name": "NAME", "arguments": ' ARGUMENTS '}\\n' in Lark: the tool's name as a literal,
     its arguments as its own JSON schema (so the schema's "#/$defs/..." refs resolve as written)."""
-    head = f'\n{{"name": {json.dumps(tool.function.name, ensure_ascii=False)}, "arguments": '
-    schema = {**(tool.function.parameters or NO_PARAMETERS), "x-guidance": ARGUMENTS_FORMAT}
+    head = f'\n{{"name": {json.dumps(function.name, ensure_ascii=False)}, "arguments": '
+    schema = {**(function.parameters or NO_PARAMETERS), "x-guidance": ARGUMENTS_FORMAT}
     arguments, tail = json.dumps(schema, ensure_ascii=False), "}\n"
     return f"{_literal(head)} %json {arguments} {_literal(tail)}"
 

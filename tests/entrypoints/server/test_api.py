@@ -21,6 +21,7 @@ from conftest import CALLS, THOUGHT
 from fastapi.testclient import TestClient
 from server_testing import ScriptedEngine, metrics, nanoqwen_serve, wait_idle
 
+import nanoqwen
 from nanoqwen import LLM, SamplingParams
 from nanoqwen.entrypoints.server import build_app
 from nanoqwen.tokenizer import Tokenizer
@@ -311,6 +312,99 @@ def test_metrics_count_requests_tokens_and_latency(server, client):
     # 32 MiB of 16-token blocks
     assert after["nanoqwen_kv_cache_blocks"] == 32 * 2**20 // (16 * 2 * 2 * 2 * 32 * 4)
     assert "nanoqwen_prefix_cache_hit_rate" in after and "nanoqwen_num_preemptions" in after
+
+
+def test_thinking_token_budget_closes_the_reasoning(client):
+    """vLLM's request field: after that many reasoning tokens the answer gets </think>; without it a random model
+    reasons on."""
+    messages = [{"role": "user", "content": "Why is the sky blue?"}]
+
+    def tokens(**extra) -> list[str]:
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, logprobs=True,
+                                           extra_body=extra, **GREEDY)
+        return [t.token for t in r.choices[0].logprobs.content]
+
+    assert "</think>" not in tokens()
+    assert tokens(thinking_token_budget=3)[3] == "</think>"
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                       extra_body={"thinking_token_budget": -1})
+
+
+def test_tokenize_detokenize_and_version(server, client, llm):
+    """vLLM's shapes: a prompt, or messages rendered exactly as a chat completion's prompt; and back."""
+    base, tokenizer = server["base"], llm.get_tokenizer()
+    r = httpx.post(f"{base}/tokenize", json={"model": "tiny", "prompt": "Hello there, world",
+                                             "return_token_strs": True}).json()
+    ids = tokenizer.encode("Hello there, world")
+    assert r == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                 "token_strs": [tokenizer.id_to_token(t) for t in ids]}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]
+    tools = [{"type": "function", "function": {"name": "look", "parameters": {"type": "object"}}}]
+    for kwargs, body in (({}, {}), ({"enable_thinking": False}, {"chat_template_kwargs": {"enable_thinking": False}}),
+                         ({"tools": tools}, {"tools": tools})):
+        chat = httpx.post(f"{base}/tokenize", json={"messages": messages, **body}).json()
+        expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        assert chat["tokens"] == expected and chat["token_strs"] is None
+    completion = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, **GREEDY)
+    assert completion.usage.prompt_tokens == httpx.post(f"{base}/tokenize", json={"messages": messages}).json()["count"]
+    no_prompt = httpx.post(f"{base}/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert no_prompt["tokens"] == tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    back = httpx.post(f"{base}/detokenize", json={"model": "tiny", "tokens": expected}).json()
+    assert back == {"prompt": tokenizer.decode(expected)}
+    assert httpx.get(f"{base}/version").json()["version"] == nanoqwen.__version__
+    # bad input: one clear 400 (or 404 for another model) in OpenAI's shape
+    for path, body, status, words in (
+            ("/detokenize", {"tokens": [10**9]}, 400, "not in the vocabulary"),
+            ("/tokenize", {"prompt": 5}, 400, "prompt"),
+            ("/tokenize", {"messages": []}, 400, "messages"),
+            ("/tokenize", {"messages": messages, "continue_final_message": True}, 400, "continue_final_message"),
+            ("/tokenize", {"model": "other", "prompt": "x"}, 404, "other")):
+        r = httpx.post(f"{base}{path}", json=body)
+        assert r.status_code == status and words in r.json()["error"]["message"], (path, body, r.text)
+
+
+VLLM_TYPES = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+              "vllm:kv_cache_usage_perc": "gauge", "vllm:prompt_tokens": "counter",
+              "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+              "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+              "vllm:num_preemptions": "counter", "vllm:request_prompt_tokens": "histogram",
+              "vllm:request_generation_tokens": "histogram", "vllm:time_to_first_token_seconds": "histogram",
+              "vllm:inter_token_latency_seconds": "histogram", "vllm:time_per_output_token_seconds": "histogram",
+              "vllm:request_time_per_output_token_seconds": "histogram",
+              "vllm:e2e_request_latency_seconds": "histogram"}
+
+
+def test_metrics_also_carry_vllms_names(server, client):
+    """What routers and dashboards made for vLLM read: vLLM's names, types and labels, counting the same requests."""
+    base = server["base"]
+    text = httpx.get(f"{base}/metrics").text
+    for name, kind in VLLM_TYPES.items():  # (the text format names a counter by its sample, NAME_total)
+        assert f"# TYPE {name}{'_total' if kind == 'counter' else ''} {kind}" in text, name
+    label = '{engine="0",model_name="tiny"}'
+    before = metrics(base)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4  # more than one 16-token block
+    for _ in range(2):  # the second is a prefix-cache hit
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, **GREEDY)
+    after = wait_idle(base)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    assert grew(f"vllm:prompt_tokens_total{label}") == 2 * r.usage.prompt_tokens
+    assert grew(f"vllm:generation_tokens_total{label}") == 10
+    assert grew('vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"}') == 2
+    assert grew(f"vllm:request_prompt_tokens_sum{label}") == 2 * r.usage.prompt_tokens
+    assert grew(f"vllm:request_generation_tokens_count{label}") == 2
+    assert grew(f"vllm:time_to_first_token_seconds_count{label}") == 2
+    assert grew(f"vllm:e2e_request_latency_seconds_count{label}") == 2
+    assert grew(f"vllm:inter_token_latency_seconds_count{label}") == 2 * 4  # each token after the first
+    assert grew(f"vllm:inter_token_latency_seconds_sum{label}") > 0
+    assert grew(f"vllm:request_time_per_output_token_seconds_count{label}") == 2
+    assert grew(f"vllm:prefix_cache_hits_total{label}") >= 16
+    assert grew(f"vllm:prefix_cache_queries_total{label}") >= grew(f"vllm:prefix_cache_hits_total{label}")
+    assert after[f"vllm:num_requests_running{label}"] == after[f"vllm:num_requests_waiting{label}"] == 0
+    assert after[f"vllm:kv_cache_usage_perc{label}"] == after["nanoqwen_kv_cache_usage_ratio"]
 
 
 def test_sigterm_finishes_short_requests_cancels_long_ones_and_exits_cleanly(server):

@@ -120,6 +120,11 @@ GOOD_AND_BAD = {
     "/v1/embeddings": ({"input": ["a", "b"], "encoding_format": "base64"}, {"input": {"a": 1}}),
     "/v1/rerank": ({"query": "q", "documents": ["a"], "top_n": 1}, {"query": "q", "documents": []}),
     "/score": ({"text_1": "a", "text_2": ["b", "c"]}, {"text_1": "a"}),
+    "/v1/responses": ({"input": "hi", "max_output_tokens": 4, "stream": True}, {"input": 3}),
+    "/v1/messages": ({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+                     {"model": "m", "messages": [{"role": "robot", "content": "hi"}]}),
+    "/tokenize": ({"messages": [{"role": "user", "content": "hi"}], "return_token_strs": True}, {"prompt": 3}),
+    "/detokenize": ({"tokens": [1, 2]}, {"tokens": "12"}),
 }
 
 
@@ -134,19 +139,25 @@ def test_openapi_describes_every_route(generative):
     assert served == documented
     assert {path for _, path in served} == {
         "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/v2/rerank",
-        "/rerank", "/score", "/v1/score", "/v1/models", "/props", "/health", "/metrics"}
+        "/rerank", "/score", "/v1/score", "/v1/models", "/props", "/health", "/metrics", "/v1/responses",
+        "/v1/responses/{response_id}", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize",
+        "/version", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+    plain_text = {"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}  # (vLLM's text answers)
+    streamed = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
     for method, path in served:
         operation = doc["paths"][path][method.lower()]
         assert ("requestBody" in operation) == (method == "POST"), path
         ok = operation["responses"]["200"]["content"]
-        assert ok.keys() == ({"text/plain"} if path == "/metrics" else
-                             {"application/json", "text/event-stream"} if "completions" in path else
-                             {"application/json"}), path
+        assert ok.keys() == ({"text/plain"} if path in plain_text else
+                             {"application/json", "text/event-stream"} if path in streamed and method == "POST"
+                             else {"application/json"}), path
         # the API key guards everything but the probes, and its 401 is documented
-        guarded = path not in ("/health", "/metrics")
+        guarded = path not in ("/health", "/metrics", "/version")
         assert ("security" in operation) == guarded and ("401" in operation["responses"]) == guarded
         if method == "POST":
-            assert {"400", "404", "413", "503"} <= operation["responses"].keys(), path
+            # Anthropic's routes answer a full queue with its 529 overloaded_error
+            busy = "529" if path.startswith("/v1/messages") else "503"
+            assert {"400", "404", "413", busy} <= operation["responses"].keys(), path
     assert doc["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
     for path, (good, bad) in GOOD_AND_BAD.items():
         validator = jsonschema.Draft202012Validator(request_schema(doc, path))
@@ -257,7 +268,10 @@ def fuzz(app: App, label: str, max_examples: int) -> None:
 
 @pytest.mark.parametrize("label, max_examples", [
     ("POST /v1/chat/completions", 100), ("POST /v1/completions", 80), ("POST /v1/embeddings", 5),
-    ("GET /v1/models", 3), ("GET /props", 3), ("GET /health", 3), ("GET /metrics", 3)])
+    ("GET /v1/models", 3), ("GET /props", 3), ("GET /health", 3), ("GET /metrics", 3), ("POST /tokenize", 40),
+    ("POST /detokenize", 20), ("GET /version", 3), ("POST /v1/responses", 100),
+    ("GET /v1/responses/{response_id}", 3), ("DELETE /v1/responses/{response_id}", 3), ("POST /v1/messages", 100),
+    ("POST /v1/messages/count_tokens", 30)])
 def test_fuzz_generative(generative, label, max_examples):
     fuzz(generative, label, max_examples)
 

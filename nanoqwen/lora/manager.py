@@ -1,0 +1,156 @@
+"""LoRAManager: an engine's LoRA adapters. The registry of loaded adapters (read from PEFT's files into CPU
+memory) and a pool of max_loras slots on the device, which the model's hooked projections read (layers.py).
+
+An adapter takes a slot when a step first needs it; with every slot taken, it evicts the least recently used
+adapter that no row of the step uses (the scheduler lets at most max_loras adapters run at once, so one is always
+idle). Each load of an adapter gets its own `lora_id`, which the engine's sequences carry: the slot it maps to,
+and part of their prefix-cache keys (core/block_manager.py), so KV computed under one adapter is never reused
+under another, nor under a later adapter loaded with the same lora_int_id.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import NamedTuple
+
+import torch
+
+from nanoqwen.errors import InvalidRequestError
+from nanoqwen.lora.layers import LoRALayer, LoRAStep
+from nanoqwen.lora.peft import LoRAAdapter, load_peft_adapter, module_shape
+from nanoqwen.lora.request import LoRARequest
+from nanoqwen.models.qwen3 import Qwen3ForCausalLM
+
+logger = logging.getLogger("nanoqwen")
+
+
+class LoadedLoRA(NamedTuple):
+    """A registered adapter: the request that named it, its weights, and the engine's id for this load."""
+
+    request: LoRARequest
+    adapter: LoRAAdapter
+    lora_id: int
+
+
+class LoRAManager:
+    """The adapters of one engine's model: hooks on its projections, the slot pool, the registry.
+
+    max_loras: slots (adapters that can run in one step); max_lora_rank: the largest rank an adapter may have
+    (every slot is padded to it)."""
+
+    def __init__(self, model: Qwen3ForCausalLM, max_loras: int, max_lora_rank: int) -> None:
+        config = model.config
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.model_config = config
+        self.step = LoRAStep()
+        # use the per-group loop (layers.py, the definition) instead of the batched matmuls
+        self.reference = False
+        # (layer index, PEFT's short module name) -> (the LoRALayer of its linear, its part there)
+        self.targets: dict[tuple[int, str], tuple[LoRALayer, int]] = {}
+        self.layers: list[LoRALayer] = []
+        self._hooks = []
+        for i, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            linears = [(attn.qkv_proj, ["q_proj", "k_proj", "v_proj"]), (attn.o_proj, ["o_proj"])]
+            if not config.is_moe_layer(i):
+                linears += [(layer.mlp.gate_up_proj, ["gate_proj", "up_proj"]), (layer.mlp.down_proj, ["down_proj"])]
+            for linear, names in linears:
+                lora = LoRALayer(module_shape(config, names[0])[0], [module_shape(config, n)[1] for n in names],
+                                 max_loras, max_lora_rank, model.dtype, model.device, self.step)
+                self._hooks.append(linear.register_forward_hook(lora.hook))
+                self.layers.append(lora)
+                for part, name in enumerate(names):
+                    self.targets[(i, name)] = (lora, part)
+        self.registry: dict[int, LoadedLoRA] = {}  # by lora_int_id
+        self.by_lora_id: dict[int, LoadedLoRA] = {}
+        self.slots: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, least recently used first
+        self._next_lora_id = 1
+        self.slot_loads = 0  # adapters copied into a slot since start
+        logger.info("LoRA: %d slots of rank %d; steps with an adapter run the model's per-module forward (not the "
+                    "fused CPU decoder, not CUDA graphs)", max_loras, max_lora_rank)
+
+    def add(self, request: LoRARequest) -> LoadedLoRA:
+        """Register request's adapter (read from its files unless its lora_int_id is already loaded from the same
+        path); an InvalidRequestError for a bad adapter or a clash with a registered one."""
+        loaded = self.registry.get(request.lora_int_id)
+        if loaded is not None:
+            if loaded.request.lora_path != request.lora_path or loaded.request.lora_name != request.lora_name:
+                raise InvalidRequestError(
+                    f"lora_int_id {request.lora_int_id} is already adapter {loaded.request.lora_name!r} "
+                    f"({loaded.request.lora_path}); remove it first or choose another id", param="lora_int_id")
+            return loaded
+        for other in self.registry.values():
+            if other.request.lora_name == request.lora_name:
+                raise InvalidRequestError(f"lora_name {request.lora_name!r} is already adapter id "
+                                          f"{other.request.lora_int_id}; names must be unique", param="lora_name")
+        adapter = load_peft_adapter(request.lora_path, self.model_config)
+        if adapter.rank > self.max_lora_rank:
+            raise InvalidRequestError(f"adapter {request.lora_name!r} has rank {adapter.rank}, more than "
+                                      f"max_lora_rank={self.max_lora_rank}: raise max_lora_rank", param="lora_path")
+        loaded = LoadedLoRA(request, adapter, self._next_lora_id)
+        self._next_lora_id += 1
+        self.registry[request.lora_int_id] = self.by_lora_id[loaded.lora_id] = loaded
+        return loaded
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forget an adapter (False if none has that id); its slot is free again."""
+        loaded = self.registry.pop(lora_int_id, None)
+        if loaded is None:
+            return False
+        del self.by_lora_id[loaded.lora_id]
+        self.slots.pop(loaded.lora_id, None)
+        return True
+
+    def find(self, name: str) -> LoadedLoRA | None:
+        """The registered adapter named `name`, if any."""
+        return next((x for x in self.registry.values() if x.request.lora_name == name), None)
+
+    def prepare(self, row_lora_ids: list[int]) -> None:
+        """Set the step for a forward whose rows run with these adapters (lora_id per row, 0: none), putting
+        each into a slot first."""
+        ids = sorted(set(row_lora_ids) - {0})
+        slot_of = {lora_id: self._slot_for(lora_id, ids) for lora_id in ids}
+        slots = [slot_of[i] if i else -1 for i in row_lora_ids]
+        device = self.layers[0].lora_a.device
+        step = self.step
+        step.slots = torch.tensor(slots, device=device)
+        step.uniform_slot = slots[0] if len(set(slots)) == 1 and slots[0] >= 0 else None
+        step.one_hot = torch.zeros(len(slots), self.max_loras, dtype=self.layers[0].lora_a.dtype, device=device)
+        rows = torch.arange(len(slots), device=device)
+        used = step.slots >= 0
+        step.one_hot[rows[used], step.slots[used]] = 1
+        step.groups = [(s, rows[step.slots == s]) for s in sorted(set(slots) - {-1})]
+        step.reference = self.reference
+
+    def clear(self) -> None:
+        """No adapter until the next prepare."""
+        self.step.slots = self.step.one_hot = self.step.uniform_slot = None
+        self.step.groups = []
+
+    def _slot_for(self, lora_id: int, in_use: list[int]) -> int:
+        """The slot holding adapter lora_id, copying it into a free one, or else into the least recently used
+        one no row of this step needs."""
+        if lora_id in self.slots:
+            self.slots.move_to_end(lora_id)
+            return self.slots[lora_id]
+        if lora_id not in self.by_lora_id:
+            raise InvalidRequestError(f"LoRA adapter id {lora_id} was removed while a request used it")
+        taken = set(self.slots.values())
+        free = [s for s in range(self.max_loras) if s not in taken]
+        if free:
+            slot = free[0]
+        else:
+            victim = next((i for i in self.slots if i not in in_use), None)
+            if victim is None:
+                raise RuntimeError(f"a step uses more than max_loras={self.max_loras} adapters")
+            slot = self.slots.pop(victim)
+        adapter = self.by_lora_id[lora_id].adapter
+        for layer in self.layers:
+            layer.clear_slot(slot)
+        for key, weights in adapter.weights.items():
+            layer, part = self.targets[key]
+            layer.set_part(slot, part, weights)
+        self.slots[lora_id] = slot
+        self.slot_loads += 1
+        return slot
