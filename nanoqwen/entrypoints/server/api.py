@@ -1,24 +1,22 @@
-"""The FastAPI app: OpenAI-compatible endpoints over one AsyncEngine (chat and completions for a
-generative model; embeddings, or rerank and score, for an embedding or reranker model), with API-key
-checks, body limits, OpenAI-shaped errors, Prometheus metrics and one log line per request; and the
-chat page (ui/) at `/`, which talks to the same /v1/chat/completions."""
+"""The FastAPI app over one AsyncEngine: OpenAI's chat completions, completions and Responses API, Anthropic's
+Messages API and vLLM's tokenize and LoRA routes for a generative model; embeddings, or rerank and score, for an
+embedding or reranker model; errors in OpenAI's shape (Anthropic's on its routes), Prometheus metrics; and the chat
+page (ui/) at `/`, which talks to the same /v1/chat/completions. request_checks.py holds what every route does with
+a request (API key, body, model name) and the access log."""
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nanoqwen.entrypoints.server.anthropic.messages import (
     anthropic_error_response,
@@ -41,7 +39,6 @@ from nanoqwen.entrypoints.server.completions import create_completion
 from nanoqwen.entrypoints.server.lora import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
-    adapter_for,
     adapter_route,
     load_adapter,
     model_cards,
@@ -57,7 +54,7 @@ from nanoqwen.entrypoints.server.openai_responses.protocol import (
 )
 from nanoqwen.entrypoints.server.openai_responses.serving import create_response, delete_response, get_response
 from nanoqwen.entrypoints.server.openapi import ApiDoc
-from nanoqwen.entrypoints.server.pooling import create_embedding, create_rerank, create_score, require_task, served_task
+from nanoqwen.entrypoints.server.pooling import create_embedding, create_rerank, create_score, served_task
 from nanoqwen.entrypoints.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -66,6 +63,7 @@ from nanoqwen.entrypoints.server.protocol import (
     RerankRequest,
     ScoreRequest,
 )
+from nanoqwen.entrypoints.server.request_checks import AccessLog, check_api_key, parse_request
 from nanoqwen.entrypoints.server.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -95,7 +93,6 @@ logger = logging.getLogger("nanoqwen.server")
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 # what a POST endpoint may answer besides 200 (and 401 with an API key, 500 if the engine fails)
 POST_ERRORS = (400, 404, 413, 503)
-M = TypeVar("M", bound=BaseModel)
 UI_DIR = Path(__file__).parent / "ui"
 
 
@@ -183,7 +180,7 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
     @app.get("/v1/models", **doc.route(ModelList))
     async def models(request: Request) -> Response:
         """The one model this server serves."""
-        _check_api_key(state, request)
+        check_api_key(state, request)
         return JSONResponse({"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": state.created,
             "owned_by": "nanoqwen", "max_model_len": engine.max_model_len,
@@ -193,7 +190,7 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
     async def props(request: Request) -> Response:
         """The model and the sampling a request gets by default, in the shape of llama.cpp's
         /props (the chat page shows them)."""
-        _check_api_key(state, request)
+        check_api_key(state, request)
         return JSONResponse(_server_props(state))
 
     @app.post("/v1/chat/completions", **doc.route(
@@ -201,14 +198,14 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
         description=serves("generate", "OpenAI's chat completions, with reasoning_content and "
                                        "tool calls parsed out.")))
     async def chat_completions(request: Request) -> Any:
-        req = await _parse(state, request, ChatCompletionRequest, "generate")
+        req = await parse_request(state, request, ChatCompletionRequest, "generate")
         return await create_chat_completion(state, request, req)
 
     @app.post("/v1/completions", **doc.route(
         CompletionResponse, CompletionRequest, CompletionChunk, POST_ERRORS,
         description=serves("generate", "OpenAI's (legacy) completions of one raw prompt.")))
     async def completions(request: Request) -> Any:
-        req = await _parse(state, request, CompletionRequest, "generate")
+        req = await parse_request(state, request, CompletionRequest, "generate")
         return await create_completion(state, request, req)
 
     # OpenAI's Responses API (openai_responses/)
@@ -218,26 +215,26 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
                                        "function calls; stored responses continue with "
                                        "previous_response_id.")))
     async def responses(request: Request) -> Any:
-        req = await _parse(state, request, ResponsesRequest, "generate")
+        req = await parse_request(state, request, ResponsesRequest, "generate")
         return await create_response(state, request, req)
 
     @app.get("/v1/responses/{response_id}", **doc.route(ResponseObject, errors=[404]))
     async def retrieve_response(response_id: str, request: Request) -> Response:
         """A stored response (404 once deleted or evicted)."""
-        _check_api_key(state, request)
+        check_api_key(state, request)
         return JSONResponse(get_response(state, response_id))
 
     @app.delete("/v1/responses/{response_id}", **doc.route(ResponseDeleted, errors=[404]))
     async def remove_response(response_id: str, request: Request) -> Response:
         """Delete a stored response."""
-        _check_api_key(state, request)
+        check_api_key(state, request)
         return JSONResponse(delete_response(state, response_id))
 
     @app.post("/v1/embeddings", **doc.route(
         EmbeddingResponse, EmbeddingRequest, errors=POST_ERRORS,
         description=serves("embed", "OpenAI's embeddings of texts or token-id lists.")))
     async def embeddings(request: Request) -> Any:
-        req = await _parse(state, request, EmbeddingRequest, "embed")
+        req = await parse_request(state, request, EmbeddingRequest, "embed")
         return await create_embedding(state, request, req)
 
     # vLLM serves the rerank API under all three paths
@@ -249,7 +246,7 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
     @app.post("/v2/rerank", **rerank_doc)
     @app.post("/rerank", **rerank_doc)
     async def rerank(request: Request) -> Any:
-        req = await _parse(state, request, RerankRequest, "score")
+        req = await parse_request(state, request, RerankRequest, "score")
         return await create_rerank(state, request, req)
 
     score_doc = doc.route(ScoreResponse, ScoreRequest, errors=POST_ERRORS,
@@ -259,7 +256,7 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
     @app.post("/score", **score_doc)
     @app.post("/v1/score", **score_doc)
     async def score(request: Request) -> Any:
-        req = await _parse(state, request, ScoreRequest, "score")
+        req = await parse_request(state, request, ScoreRequest, "score")
         return await create_score(state, request, req)
 
     # vLLM's tokenizer endpoints (tokenization.py): any model's tokenizer, whatever its task
@@ -267,26 +264,26 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
     async def tokenize_route(request: Request) -> Response:
         """Token ids of a prompt, or of messages rendered by the chat template as /v1/chat/completions renders
         them (vLLM's shape)."""
-        req = await _parse(state, request, TokenizeRequest, None)
+        req = await parse_request(state, request, TokenizeRequest, None)
         return JSONResponse(await tokenize(state, req.root))
 
     @app.post("/detokenize", **doc.route(DetokenizeResponse, DetokenizeRequest, errors=POST_ERRORS))
     async def detokenize_route(request: Request) -> Response:
         """The text of a list of token ids (vLLM's shape)."""
-        req = await _parse(state, request, DetokenizeRequest, None)
+        req = await parse_request(state, request, DetokenizeRequest, None)
         return JSONResponse(detokenize(state, req))
 
     # LoRA adapters at run time, vLLM's routes (lora.py)
     @app.post("/v1/load_lora_adapter", **adapter_route(doc, LoadLoRAAdapterRequest, POST_ERRORS))
     async def load_lora_adapter(request: Request) -> Response:
         """Load a LoRA adapter (a PEFT folder on the server) and serve it by name (needs --enable-lora)."""
-        req = await _parse(state, request, LoadLoRAAdapterRequest, "generate")
+        req = await parse_request(state, request, LoadLoRAAdapterRequest, "generate")
         return PlainTextResponse(await load_adapter(state, req))
 
     @app.post("/v1/unload_lora_adapter", **adapter_route(doc, UnloadLoRAAdapterRequest, POST_ERRORS))
     async def unload_lora_adapter(request: Request) -> Response:
         """Stop serving a LoRA adapter (a 404 for a name not served)."""
-        req = await _parse(state, request, UnloadLoRAAdapterRequest, "generate")
+        req = await parse_request(state, request, UnloadLoRAAdapterRequest, "generate")
         return PlainTextResponse(await unload_adapter(state, req))
 
     @app.get("/version", **doc.route(VersionResponse, auth=False))
@@ -300,7 +297,7 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
         description=serves("generate", "Anthropic's Messages API: Qwen3's reasoning as thinking blocks, its "
                                        "tool calls as tool_use blocks. The key may also come as x-api-key.")))
     async def messages(request: Request) -> Any:
-        req = await _parse(state, request, MessageCreateRequest, "generate")
+        req = await parse_request(state, request, MessageCreateRequest, "generate")
         return await create_message(state, request, req)
 
     @app.post("/v1/messages/count_tokens", **messages_route(
@@ -308,7 +305,7 @@ def build_app(engine: Any, served_model_name: str, api_key: str | None = None,
         description=serves("generate", "Anthropic's token count: the prompt /v1/messages would render for "
                                        "the same body.")))
     async def count_tokens(request: Request) -> Any:
-        req = await _parse(state, request, MessageCountTokensRequest, "generate")
+        req = await parse_request(state, request, MessageCountTokensRequest, "generate")
         return await count_message_tokens(state, req)
 
     if ui:
@@ -334,87 +331,3 @@ def _server_props(state: ServerState) -> dict[str, Any]:
             # a request without max_tokens runs up to the context, as in vLLM and OpenAI
             "min_p": defaults.min_p, "max_tokens": None, "seed": defaults.seed}},
         "chat_template": engine.tokenizer.chat_templates.get("default")}
-
-
-def _check_api_key(state: ServerState, request: Request) -> None:
-    if state.api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    # or as Anthropic's clients send it
-    if "x-api-key" in request.headers:
-        scheme, token = "bearer", request.headers["x-api-key"]
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                             state.api_key.encode()):
-        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
-                            "'x-api-key: <key>'", type="authentication_error", code="invalid_api_key")
-
-
-async def _parse(state: ServerState, request: Request, model: type[M], task: str | None) -> M:
-    """Auth, then the task the endpoint needs (a 400 that names the right endpoint; None: any), then the body
-    (size-capped while it streams in), then the model name (of the body, or of a RootModel's root)."""
-    _check_api_key(state, request)
-    if task is not None:
-        require_task(state, task)
-    limit = state.max_body_bytes
-    too_big = APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_big
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise too_big
-    try:
-        req = model.model_validate_json(bytes(body))
-    except ValidationError as e:
-        raise _validation_error(e) from None
-    name = getattr(getattr(req, "root", req), "model", None)
-    if name is not None and name != state.served_model_name:
-        if not state.lora_adapters:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves "
-                                f"`{state.served_model_name}`", param="model", code="model_not_found")
-        request.state.lora_request = adapter_for(state, name)  # a LoRA adapter's name (a 404 for none)
-    return req
-
-
-def _validation_error(e: ValidationError) -> APIError:
-    err = e.errors(include_url=False)[0]
-    if err["type"] == "json_invalid":
-        return APIError(400, f"request body is not valid JSON: {err['msg']}", code="invalid_json")
-    if not err["loc"]:
-        return APIError(400, f"request body must be a JSON object: {err['msg']}")
-    # e.g. messages.0.role (a union adds its member: stop.str)
-    where = ".".join(str(p) for p in err["loc"])
-    return APIError(400, f"{where}: {err['msg']} (got {err.get('input')!r:.100})",
-                    param=str(err["loc"][0]))
-
-
-class AccessLog:
-    """Pure ASGI middleware (streams pass straight through): counts each response and logs
-    one line."""
-
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start, status = time.perf_counter(), 500
-        scope.setdefault("state", {})["arrival"] = start
-
-        async def send_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            path = scope["path"]
-            self.metrics.count_http(path, status)
-            client = ":".join(map(str, scope["client"])) if scope.get("client") else "-"
-            extra = scope.get("state", {}).get("log", "")
-            logger.info('%s "%s %s" %d %.0fms %s', client, scope["method"], path, status,
-                        (time.perf_counter() - start) * 1000, extra)
