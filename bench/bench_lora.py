@@ -7,10 +7,12 @@ all seven projections (q/k/v/o, gate/up/down), at batch 1 and at batch 16 spread
 Rows (each the median decode step after a --prompt-len prompt, --steps steps a run, --repeats runs):
 - base: an engine without enable_lora (on CPU its decode steps run the fused C++ decoder, worker/fused_decoder.py);
 - base, lora engine: the same requests on an engine with enable_lora (the hooks are there, no adapter runs);
-- base, per-module: the lora engine's base requests with the fused decoder off: the path every adapter step
-  takes (the fused decoder and CUDA graphs compute the base model only);
-- adapter: every request with one rank-16 adapter (one slot for all rows: x @ A^T @ B);
-- 4 adapters: the batch's requests spread over 4 adapters (the batched matmuls over all slots).
+- base, per-module: the lora engine's base requests with the fused decoder off: the path a step of mixed
+  adapters takes (and, on a GPU, every adapter step: CUDA graphs compute the base model only);
+- adapter: every request with one rank-16 adapter (one slot for all rows: x @ A^T @ B; on CPU in the fused
+  decoder, where it runs);
+- adapter, per-module: the same with the fused decoder off (the hooks' one-slot path);
+- 4 adapters: the batch's requests spread over 4 adapters (the batched matmuls over all slots, per-module).
 The ratio column compares each row with the base row of its batch size.
 """
 
@@ -115,6 +117,10 @@ def main() -> None:
             rows.append(("base, per-module", b, step_ms(llm, b, None, *timing)))
             runner.fused_decoder = fused
         rows.append((f"adapter (rank {args.rank}, 7 projections)", b, step_ms(llm, b, adapters[0], *timing)))
+        if runner.fused_decoder is not None:
+            fused, runner.fused_decoder = runner.fused_decoder, None
+            rows.append((f"adapter, per-module (rank {args.rank})", b, step_ms(llm, b, adapters[0], *timing)))
+            runner.fused_decoder = fused
     spread = [adapters[i % 4] for i in range(args.batch)]
     rows.append((f"4 adapters (rank {args.rank}, 7 projections)", args.batch,
                  step_ms(llm, args.batch, spread, *timing)))

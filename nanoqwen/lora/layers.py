@@ -22,7 +22,9 @@ products, all the same sums:
 - one slot for every row (a batch of one adapter): x @ lora_a[s]^T @ lora_b[s]^T, with B kept a second time as
   one contiguous [out, P * R] matrix a slot.
 Both matmul paths go through the linear's own matmul path (weights [out, in], as a Linear's: on CPUs
-nanoqwen's gemv kernels for few rows).
+nanoqwen's gemv kernels for few rows). The fused CPU decoder (worker/fused_decoder.py) adds the one-slot products
+of a decode step whose rows all use one adapter in C++, from the same matrices through the same kernels
+(LoRAManager.fused_decoder_weights).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoqwen.lora.peft import LoRAWeights
-from nanoqwen.ops.cpu.matmul import TORCH_MATMUL
+from nanoqwen.ops.cpu.matmul import TORCH_MATMUL, MatmulPath
+from nanoqwen.quantization.prequantized import StackedLinear
 
 
 @dataclass
@@ -56,6 +59,14 @@ class LoRAStep:
     @property
     def active(self) -> bool:
         return bool(self.groups)
+
+
+def matmul_path(module: nn.Module) -> MatmulPath:
+    """How an adapted linear's products run (its CPU kernels): its own matmul path, a stack of parts' first part's
+    (StackedLinear), else torch's."""
+    if isinstance(module, StackedLinear):
+        return matmul_path(module.parts[0])
+    return getattr(module, "matmul_path", TORCH_MATMUL)
 
 
 class LoRALayer:
@@ -110,7 +121,7 @@ class LoRALayer:
         x = inputs[0]
         if step.reference:
             return self.add_reference(x, output)
-        linear = getattr(module, "matmul_path", TORCH_MATMUL).linear  # (its CPU kernels)
+        linear = matmul_path(module).linear  # (its CPU kernels)
         if step.uniform_slot is not None:  # two thin products
             u = linear(x, self.lora_a[self.rows(step.uniform_slot)])  # [N, P*R]
             return output + linear(u, self.lora_b_by_slot[step.uniform_slot])

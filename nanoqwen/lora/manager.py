@@ -21,6 +21,7 @@ from nanoqwen.lora.layers import LoRALayer, LoRAStep
 from nanoqwen.lora.peft import LoRAAdapter, load_peft_adapter, module_shape
 from nanoqwen.lora.request import LoRARequest
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
+from nanoqwen.ops.cpu import kernels as cpu_kernels
 
 logger = logging.getLogger("nanoqwen")
 
@@ -49,17 +50,24 @@ class LoRAManager:
         # (layer index, PEFT's short module name) -> (the LoRALayer of its linear, its part there)
         self.targets: dict[tuple[int, str], tuple[LoRALayer, int]] = {}
         self.layers: list[LoRALayer] = []
+        # per decoder layer: the LoRALayer of each adapted linear, by the linear's name (qkv_proj, o_proj, ...)
+        self.layer_linears: list[dict[str, LoRALayer]] = []
+        # PEFT's short module name -> the name of the model's linear that computes it (q_proj -> qkv_proj)
+        self.linear_names = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+                             "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
         self._hooks = []
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
             linears = [(attn.qkv_proj, ["q_proj", "k_proj", "v_proj"]), (attn.o_proj, ["o_proj"])]
             if not config.is_moe_layer(i):
                 linears += [(layer.mlp.gate_up_proj, ["gate_proj", "up_proj"]), (layer.mlp.down_proj, ["down_proj"])]
+            self.layer_linears.append({})
             for linear, names in linears:
                 lora = LoRALayer(module_shape(config, names[0])[0], [module_shape(config, n)[1] for n in names],
                                  max_loras, max_lora_rank, model.dtype, model.device, self.step)
                 self._hooks.append(linear.register_forward_hook(lora.hook))
                 self.layers.append(lora)
+                self.layer_linears[i][self.linear_names[names[0]]] = lora
                 for part, name in enumerate(names):
                     self.targets[(i, name)] = (lora, part)
         self.registry: dict[int, LoadedLoRA] = {}  # by lora_int_id
@@ -67,8 +75,11 @@ class LoRAManager:
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, least recently used first
         self._next_lora_id = 1
         self.slot_loads = 0  # adapters copied into a slot since start
-        logger.info("LoRA: %d slots of rank %d; steps with an adapter run the model's per-module forward (not the "
-                    "fused CPU decoder, not CUDA graphs)", max_loras, max_lora_rank)
+        # slot -> its adapter as the fused CPU decoder takes it (fused_decoder_weights), until the slot is reloaded
+        self._fused_weights: dict[int, object] = {}
+        logger.info("LoRA: %d slots of rank %d; decode steps whose rows all use one adapter run the fused CPU decoder "
+                    "where it is on, other steps with an adapter the model's per-module forward (not CUDA graphs)",
+                    max_loras, max_lora_rank)
 
     def add(self, request: LoRARequest) -> LoadedLoRA:
         """Register request's adapter (read from its files unless its lora_int_id is already loaded from the same
@@ -123,6 +134,24 @@ class LoRAManager:
         step.groups = [(s, rows[step.slots == s]) for s in sorted(set(slots) - {-1})]
         step.reference = self.reference
 
+    def fused_decoder_weights(self, lora_id: int) -> object:
+        """Adapter lora_id as the fused CPU decoder takes it for a step whose rows all use it
+        (cpu_kernels.decoder_lora_weights, worker/fused_decoder.py), put into a slot first where it has none: per
+        layer and linear, views of the matrices the hooks multiply by for such a step (the slot's rows of
+        LoRALayer.lora_a and its lora_b_by_slot), or none where the adapter has no part on that linear. Made once a
+        slot, until the slot takes another adapter."""
+        slot = self._slot_for(lora_id, [lora_id])
+        weights = self._fused_weights.get(slot)
+        if weights is None:
+            adapted = {(layer, self.linear_names[name]) for layer, name in self.by_lora_id[lora_id].adapter.weights}
+            layers = []
+            for i, linears in enumerate(self.layer_linears):
+                layers.append(cpu_kernels.decoder_layer_lora(**{
+                    name: [lora.lora_a[lora.rows(slot)], lora.lora_b_by_slot[slot]] if (i, name) in adapted else []
+                    for name, lora in linears.items()}))
+            weights = self._fused_weights[slot] = cpu_kernels.decoder_lora_weights(layers)
+        return weights
+
     def clear(self) -> None:
         """No adapter until the next prepare."""
         self.step.slots = self.step.one_hot = self.step.uniform_slot = None
@@ -146,6 +175,7 @@ class LoRAManager:
                 raise RuntimeError(f"a step uses more than max_loras={self.max_loras} adapters")
             slot = self.slots.pop(victim)
         adapter = self.by_lora_id[lora_id].adapter
+        self._fused_weights.pop(slot, None)
         for layer in self.layers:
             layer.clear_slot(slot)
         for key, weights in adapter.weights.items():

@@ -21,6 +21,11 @@ no attention bias, an LM head, one rank. NANOQWEN_FUSED_DECODE=0 turns it off (t
 `FusedDecoder.greedy_steps` runs several greedy decode steps in one call (`decode_steps`: the engine's
 num_scheduler_steps), each step's argmax fed to the next in C++, so no Python runs between them: the fast path
 beside ModelRunner's step-by-step loop, and the same tokens (tests/engine/test_multi_step.py).
+
+Both take one LoRA adapter for every row (LoRAManager.fused_decoder_weights, None: the base model): each adapted
+linear adds (x @ A^T) @ B^T to its output as the adapter's forward hook does for a step whose rows all share one
+slot (nanoqwen/lora/layers.py), through the same kernels, so the same logits (tests/lora/test_fused_lora.py). A
+step whose rows use different adapters, or some none, runs the model's per-module forward.
 """
 
 from __future__ import annotations
@@ -115,23 +120,25 @@ class FusedDecoder:
                 "gate_up_proj": linear_parts(mlp.gate_up_proj), "down_proj": linear_parts(mlp.down_proj),
                 "num_heads": attn.num_heads}
 
-    def __call__(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                 lora: object | None = None) -> torch.Tensor:
         """input_ids [B] (one decode token per sequence) -> float32 logits [B, V]: the model's forward and
-        compute_logits."""
+        compute_logits, with the adapter `lora` on every row (LoRAManager.fused_decoder_weights) or none."""
         paged = meta.paged_decode
         return cpu_kernels.decode_model(self.weights, input_ids, meta.positions, kv_cache.k, kv_cache.v,
-                                     meta.slot_mapping, paged.block_tables, paged.context_lens)
+                                        meta.slot_mapping, paged.block_tables, paged.context_lens, lora=lora)
 
     def greedy_steps(self, input_ids: list[int], context_lens: list[int], block_tables: list[list[int]],
-                     stop_token_ids: list[set[int]], num_steps: int, kv_cache: KVCache) -> list[list[int]]:
+                     stop_token_ids: list[set[int]], num_steps: int, kv_cache: KVCache,
+                     lora: object | None = None) -> list[list[int]]:
         """Up to num_steps greedy decode steps of M rows in one call: row m feeds input_ids[m] at position
         context_lens[m] - 1 (its context after step 0), then each step's argmax; block_tables must cover the last
         step. Stops early after a step where every row produced one of its stop ids. -> the tokens of each step
-        run, [steps][M]."""
+        run, [steps][M]. lora: as __call__'s."""
         width = max(map(len, stop_token_ids), default=0)
         stops = [[*sorted(s), *[-1] * (width - len(s))] for s in stop_token_ids]  # [M, S], -1 pads
         tokens = cpu_kernels.decode_steps(
             self.weights, torch.tensor(input_ids), kv_cache.k, kv_cache.v,
             torch.tensor(block_tables, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32),
-            torch.tensor(stops, dtype=torch.long).view(len(stops), width), num_steps)  # [steps run, M]
+            torch.tensor(stops, dtype=torch.long).view(len(stops), width), num_steps, lora=lora)  # [steps run, M]
         return tokens.tolist()

@@ -198,13 +198,16 @@ class ModelRunner:
         step's input. Stops early after a step where every sequence produced a stop token.
 
         The reference runs each step through forward() and the sampler's argmax; the CPU fused
-        decoder runs them all in one C++ call (worker/fused_decoder.py), with the same tokens."""
+        decoder runs them all in one C++ call (worker/fused_decoder.py), with the same tokens, where the
+        sequences all use one LoRA adapter or none."""
         stop_ids = [seq.stop_token_ids for seq in seqs]
-        if self._fused_decode_fits(len(seqs)) and not any(seq.lora_id for seq in seqs):
+        lora_id = one_lora_id([seq.lora_id for seq in seqs])
+        if self._fused_decode_fits(len(seqs)) and lora_id is not None:
             last = [DecodeRow(seq.block_table, seq.num_tokens + num_steps - 1) for seq in seqs]
             steps = self.fused_decoder.greedy_steps(
                 [seq.last_token_id for seq in seqs], [seq.num_tokens for seq in seqs],
-                padded_block_tables(last, self.kv_cache.block_size), stop_ids, num_steps, self.kv_cache)
+                padded_block_tables(last, self.kv_cache.block_size), stop_ids, num_steps, self.kv_cache,
+                self.lora.fused_decoder_weights(lora_id) if lora_id else None)
         else:
             steps = self.greedy_steps_reference(seqs, num_steps, stop_ids)
         return [SampledTokens(seq, list(tokens), [None] * len(tokens))
@@ -319,9 +322,11 @@ class ModelRunner:
         meta = AttentionMetadata.build(step.decode, step.prefill, self.kv_cache.block_size,
                                        self.device, paged_backend=self.attention_backend)
         input_ids = torch.tensor(step.input_ids, device=self.device)
+        lora_id = one_lora_id(step.lora_ids)
         if (not step.prefill and meta.paged_decode is not None and self._fused_decode_fits(len(step.decode))
-                and not step.lora_ids):
-            logits = self.fused_decoder(input_ids, self.kv_cache, meta)  # [N, V]: every row's
+                and lora_id is not None):  # (the rows' one adapter, or none)
+            lora = self.lora.fused_decoder_weights(lora_id) if lora_id else None
+            logits = self.fused_decoder(input_ids, self.kv_cache, meta, lora)  # [N, V]: every row's
             rows = step.sample_rows  # (each row once, in order, unless drafts or forks say otherwise)
             return logits if rows == list(range(len(logits))) else logits[torch.tensor(rows)]
         if step.lora_ids:  # the model's projections add each row's adapter (nanoqwen/lora/layers.py)
@@ -369,7 +374,8 @@ class ModelRunner:
 def lora_rows(batch: ScheduledBatch) -> list[int]:
     """Each row's LoRA adapter (Sequence.lora_id) in ModelRunner.prepare's row order (decode rows with their
     drafts, then the prompt chunks); empty when no sequence of the batch has one. Such a step runs the model's
-    per-module forward: the fused CPU decoder and CUDA graphs compute the base model only."""
+    per-module forward (CUDA graphs compute the base model only), or the fused CPU decoder for a decode step whose
+    rows all use one adapter (one_lora_id)."""
     if not any(seq.lora_id for seq in batch.seqs):
         return []
     rows = []
@@ -378,3 +384,13 @@ def lora_rows(batch: ScheduledBatch) -> list[int]:
     for seq, n in batch.prefill:
         rows += [seq.lora_id] * n
     return rows
+
+
+def one_lora_id(lora_ids: list[int]) -> int | None:
+    """The LoRA adapter of every row of a step (StepInput.lora_ids, or each sequence's lora_id): 0 when none has one
+    (an empty list, or all 0), the adapter's lora_id when they all use it, None when they differ (some rows with
+    another adapter or none): the fused CPU decoder computes one adapter for all rows, or the base model."""
+    if not any(lora_ids):
+        return 0
+    first = lora_ids[0]
+    return first if first and all(i == first for i in lora_ids) else None

@@ -125,7 +125,7 @@ def test_a_stop_token_ends_the_answer_where_one_step_at_a_time_ends_it(fused, mo
     windows = []  # the tokens of each window's steps run, [steps][rows]
     if fused == "1":
         original = cpu_kernels.decode_steps
-        monkeypatch.setattr(cpu_kernels, "decode_steps", lambda *a: windows.append(original(*a).tolist()) or
+        monkeypatch.setattr(cpu_kernels, "decode_steps", lambda *a, **kw: windows.append(original(*a, **kw).tolist()) or
                             torch.tensor(windows[-1]))
     else:
         original = runner.greedy_steps_reference

@@ -339,9 +339,10 @@ def test_multi_step_decoding_with_adapters(base, adapters, llm):
 
 
 @pytest.mark.parametrize("num_scheduler_steps", [1, 4])
-def test_adapter_steps_leave_the_fused_cpu_decoder(checkpoint, tmp_path, num_scheduler_steps):
-    """bf16 on a CPU with nanoqwen's kernels: base steps run the fused C++ decoder, which computes the base model
-    only, so a step with an adapter row takes the per-module path and gets the adapter's tokens."""
+def test_mixed_adapter_steps_leave_the_fused_cpu_decoder(checkpoint, tmp_path, num_scheduler_steps):
+    """bf16 on a CPU with nanoqwen's kernels: the fused C++ decoder computes one adapter for all rows (or none), so
+    a step with an adapter row and a base row takes the per-module path and gets the adapter's tokens (steps on one
+    adapter: test_fused_lora.py)."""
     base = checkpoint("tiny", dtype="bfloat16")
     adapter = write_peft_adapter(base, tmp_path / "a", 5, r=8, lora_alpha=64, target_modules=ALL_SEVEN)
     req = LoRARequest("a", 1, str(adapter))

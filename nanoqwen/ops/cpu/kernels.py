@@ -336,28 +336,44 @@ def decoder_model_weights(**weights: object) -> object:
     return _ext.DecoderModelWeights(**weights)
 
 
+def decoder_layer_lora(**weights: list[torch.Tensor]) -> object:
+    """A decoder layer's LoRA adapters gathered for decode_model: for each of qkv_proj, o_proj, gate_up_proj and
+    down_proj, [] (none) or [a [R, in], b [out, R]] bf16, the scaling in b, adding (x @ a.T) @ b.T to the linear's
+    output. A C++ object that holds the tensors (no copy)."""
+    _require()
+    return _ext.DecoderLayerLoRA(**weights)
+
+
+def decoder_lora_weights(layers: list[object]) -> object:
+    """One LoRA adapter over a model gathered for decode_model and decode_steps (`lora`): a decoder_layer_lora a
+    layer. A C++ object that holds the tensors (no copy)."""
+    _require()
+    return _ext.DecoderLoRAWeights(layers)
+
+
 def decode_model(model: object, input_ids: torch.Tensor, positions: torch.Tensor, k_caches: torch.Tensor,
                  v_caches: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor) -> torch.Tensor:
+                 context_lens: torch.Tensor, lora: object | None = None) -> torch.Tensor:
     """A decode step's forward (decoder_model_weights), one C++ call: input_ids [M] at positions [M] -> float32
-    logits [M, V]; layer i uses the caches k_caches[i], v_caches[i]."""
+    logits [M, V]; layer i uses the caches k_caches[i], v_caches[i]. lora: one adapter for every row
+    (decoder_lora_weights), or None."""
     if _ext is None:
         _require()
     return _ext.decode_model(model, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables,
-                             context_lens)
+                             context_lens, lora)
 
 
 def decode_steps(model: object, input_ids: torch.Tensor, k_caches: torch.Tensor, v_caches: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, stop_token_ids: torch.Tensor,
-                 num_steps: int) -> torch.Tensor:
+                 num_steps: int, lora: object | None = None) -> torch.Tensor:
     """Up to num_steps greedy decode steps (decoder_model_weights), one C++ call: step s feeds each row's token from
     step s - 1 at position context_lens - 1 + s (context_lens [M] int32: step 0's) and takes its logits' argmax;
     stops early once every row has produced one of its stop_token_ids [M, S] (int64, -1 pads). block_tables [M, W]
-    must cover the last step's position. -> the tokens [steps run, M] int64."""
+    must cover the last step's position. lora: as decode_model's. -> the tokens [steps run, M] int64."""
     if _ext is None:
         _require()
     return _ext.decode_steps(model, input_ids, k_caches, v_caches, block_tables, context_lens, stop_token_ids,
-                             num_steps)
+                             num_steps, lora)
 
 
 def _require() -> None:

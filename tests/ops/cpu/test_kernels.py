@@ -752,6 +752,50 @@ def test_decode_model_takes_one_cache_per_layer(kernels):
         kernels.decode_model(model, torch.tensor([3]), torch.tensor([5]), k_caches[:1], v_caches[:1], *step)
 
 
+def test_decode_model_adds_a_lora_adapter_and_refuses_malformed_ones(kernels):
+    """decode_model's `lora` (decoder_lora_weights): an adapter whose A is zero adds exact zeros (the base logits,
+    bit for bit), one with random A and B on a single linear changes them, and decode_steps takes it too; a linear's
+    adapter that is not bf16 (a [R, in], b [out, R]) and an adapter of another number of layers are refused.
+    (That the adapter's products are the LoRA hooks', bit for bit: tests/lora/test_fused_lora.py.)"""
+    g = torch.Generator().manual_seed(7)
+    h, hq, hkv, d, inter, r, vocab = 32, 2, 1, 16, 48, 4, 40
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).bfloat16()
+
+    layers = [kernels.decoder_layer_weights(
+        input_norm=rand(h), post_norm=rand(h), eps=1e-6, qkv_proj=[[rand((hq + 2 * hkv) * d, h)]], q_norm=rand(d),
+        k_norm=rand(d), o_proj=[[rand(h, hq * d)]], gate_up_proj=[[rand(2 * inter, h)]], down_proj=[[rand(h, inter)]],
+        num_heads=hq) for _ in range(2)]
+    model = kernels.decoder_model_weights(embed=[rand(vocab, h)], cos=torch.rand(8, d), sin=torch.rand(8, d),
+                                          layers=layers, norm=rand(h), eps=1e-6, lm_head=[[rand(vocab, h)]])
+    none = dict(qkv_proj=[], o_proj=[], gate_up_proj=[], down_proj=[])
+
+    def adapter(a: torch.Tensor, b: torch.Tensor) -> object:  # on layer 1's down_proj only
+        return kernels.decoder_lora_weights([kernels.decoder_layer_lora(**none),
+                                             kernels.decoder_layer_lora(**{**none, "down_proj": [a, b]})])
+
+    def logits(lora: object | None) -> torch.Tensor:
+        caches = torch.zeros(2, 2, 2, 4, hkv, d, dtype=torch.bfloat16)
+        step = (torch.tensor([5]), torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32))
+        return kernels.decode_model(model, torch.tensor([3]), torch.tensor([5]), *caches, *step, lora=lora)
+
+    base = logits(None)
+    assert torch.equal(logits(adapter(torch.zeros(r, inter, dtype=torch.bfloat16), rand(h, r))), base)
+    lora = adapter(rand(r, inter), rand(h, r))
+    assert not torch.allclose(logits(lora), base, atol=1e-2)
+    steps = [kernels.decode_steps(model, torch.tensor([3]), *torch.zeros(2, 2, 2, 4, hkv, d, dtype=torch.bfloat16),
+                                  torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32),
+                                  torch.full((1, 1), -1), 2, lora=x) for x in (None, lora)]
+    assert steps[0][0].item() == base.argmax().item() and steps[1][0].item() == logits(lora).argmax().item()
+    with pytest.raises(RuntimeError, match="bf16"):
+        adapter(rand(r, inter).float(), rand(h, r))
+    with pytest.raises(RuntimeError, match="bf16"):
+        adapter(rand(r, inter), rand(h, r + 1))
+    with pytest.raises(RuntimeError, match="the adapter has 1 layers, the model 2"):
+        logits(kernels.decoder_lora_weights([kernels.decoder_layer_lora(**none)]))
+
+
 def test_paged_decode_attention_long_contexts(kernels):
     """Contexts of several spans (the kernel splits a row's positions into spans of at most 256 and
     combines their softmax sums): uneven spans, shuffled blocks, GQA 2, and a padding row among them."""

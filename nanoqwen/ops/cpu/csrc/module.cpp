@@ -34,6 +34,23 @@ struct DecoderModelWeights {
   LinearParts lm_head;
 };
 
+// A LoRA adapter on one linear as decode_model adds it: none (no tensors), or (a [R, in], b [out, R]) bf16 with the
+// adapter's scaling in b, adding (x @ a.T) @ b.T to the linear's output (all of its parts: b's rows are its output
+// columns, zero where a part has no adapter). The same matrices and products as nanoqwen/lora/layers.py's LoRALayer
+// for a step whose rows all use one slot.
+using LinearLoRA = std::vector<at::Tensor>;
+
+// A decoder layer's adapters, one for each of its linears (any of them none).
+struct DecoderLayerLoRA {
+  LinearLoRA qkv_proj, o_proj, gate_up_proj, down_proj;
+};
+
+// One adapter over the whole model, as decode_model and decode_steps take it: a DecoderLayerLoRA a layer (the LoRA
+// manager makes one a slot, nanoqwen/lora/manager.py).
+struct DecoderLoRAWeights {
+  std::vector<DecoderLayerLoRA> layers;
+};
+
 namespace {
 
 // A linear part's tensors: (weight) bf16; (q, scale) int8 with a bf16 scale per row; int8 with float32 scales per group:
@@ -59,6 +76,15 @@ at::Tensor linear(const at::Tensor& x, const LinearParts& parts) {
   std::vector<at::Tensor> outputs;
   for (const auto& part : parts) outputs.push_back(linear_part(x, part));
   return at::cat(outputs, -1);
+}
+
+// x through a linear's parts plus its adapter's product, if it has one: the base output, then y + (x @ a.T) @ b.T
+// through bf16_gemv twice, as the LoRA hook computes it on this path (the same kernels in the same order, so the same
+// bits).
+at::Tensor linear_with_lora(const at::Tensor& x, const LinearParts& parts, const LinearLoRA& lora) {
+  at::Tensor y = linear(x, parts);
+  if (lora.empty()) return y;
+  return y + bf16_gemv(bf16_gemv(x, lora[0], std::nullopt), lora[1], std::nullopt);
 }
 
 // The embedding rows of ids [M] as bf16 [M, H], from a table held as a linear's tensors (above): a bf16 table's rows,
@@ -117,20 +143,25 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const at::T
                                                 double next_eps, const at::Tensor& cos, const at::Tensor& sin,
                                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                                const at::Tensor& context_lens) {
+                                                const at::Tensor& context_lens, const DecoderLayerLoRA& lora) {
   const int64_t M = x.size(0), D = k_cache.size(3), q_size = w.num_heads * D;
-  at::Tensor qkv = linear(x_normed, w.qkv_proj);  // [M, (Hq + 2 Hkv) D]
+  at::Tensor qkv = linear_with_lora(x_normed, w.qkv_proj, lora.qkv_proj);  // [M, (Hq + 2 Hkv) D]
   at::Tensor q = attention_inputs(qkv, w.q_norm, w.k_norm, w.eps, w.num_heads, cos, sin, k_cache, v_cache, slot_mapping);
   at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0 / std::sqrt(double(D)));
-  const auto [h, h_normed] = add_rms_norm(x, linear(attn.view({M, q_size}), w.o_proj), w.post_norm, w.eps);
-  return add_rms_norm(h, linear(swiglu(linear(h_normed, w.gate_up_proj)), w.down_proj), next_norm, next_eps);
+  const auto [h, h_normed] = add_rms_norm(x, linear_with_lora(attn.view({M, q_size}), w.o_proj, lora.o_proj),
+                                          w.post_norm, w.eps);
+  const at::Tensor gate_up = linear_with_lora(h_normed, w.gate_up_proj, lora.gate_up_proj);
+  return add_rms_norm(h, linear_with_lora(swiglu(gate_up), w.down_proj, lora.down_proj), next_norm, next_eps);
 }
 
 // A decode step's forward to the LM head's bf16 output [M, V] (decode_model below says what it takes).
 at::Tensor decode_logits(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& positions,
                          const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& slot_mapping,
-                         const at::Tensor& block_tables, const at::Tensor& context_lens) {
+                         const at::Tensor& block_tables, const at::Tensor& context_lens, const DecoderLoRAWeights* lora) {
   const auto& layers = model.layers;
+  static const DecoderLayerLoRA no_lora;
+  TORCH_CHECK(lora == nullptr || lora->layers.size() == layers.size(), "the adapter has ",
+              lora == nullptr ? 0 : lora->layers.size(), " layers, the model ", layers.size());
   TORCH_CHECK(k_caches.dim() == 5 && k_caches.size(0) == int64_t(layers.size()) && v_caches.sizes() == k_caches.sizes(),
               "k_caches and v_caches must be [", layers.size(), ", blocks, block_size, Hkv, D], got ", k_caches.sizes(),
               " and ", v_caches.sizes());
@@ -144,7 +175,8 @@ at::Tensor decode_logits(const DecoderModelWeights& model, const at::Tensor& inp
     const bool last = i + 1 == layers.size();
     std::tie(x, x_normed) = decode_layer(x, x_normed, layers[i], last ? model.norm : layers[i + 1].input_norm,
                                          last ? model.eps : layers[i + 1].eps, cos, sin, k_caches[i], v_caches[i],
-                                         slot_mapping, block_tables, context_lens);
+                                         slot_mapping, block_tables, context_lens,
+                                         lora == nullptr ? no_lora : lora->layers[i]);
   }
   return linear(x_normed, model.lm_head);  // [M, V]: the final norm's output through the LM head
 }
@@ -154,11 +186,12 @@ at::Tensor decode_logits(const DecoderModelWeights& model, const at::Tensor& inp
 // A decode step's forward, one call a step: input_ids [M] (one token per row) at positions [M] -> float32 logits
 // [M, V], as Qwen3ForCausalLM's forward and compute_logits give them on this path (the embedding's rows, cos and
 // sin cast to bf16 as RotaryEmbedding casts them, the layers, the final norm, the LM head). Layer i uses the
-// caches k_caches[i], v_caches[i] ([layers, blocks, block_size, Hkv, D]); the rest is shared by all layers.
+// caches k_caches[i], v_caches[i] ([layers, blocks, block_size, Hkv, D]); the rest is shared by all layers. lora: one
+// adapter for every row (DecoderLoRAWeights), or none (nullptr: the base model).
 at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& positions,
                         const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& slot_mapping,
-                        const at::Tensor& block_tables, const at::Tensor& context_lens) {
-  return decode_logits(model, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables, context_lens)
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, const DecoderLoRAWeights* lora) {
+  return decode_logits(model, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables, context_lens, lora)
       .to(at::kFloat);
 }
 
@@ -170,10 +203,11 @@ at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& inpu
 // context length - 1). Stops after the step where every row has produced one of its stop_token_ids [M, S] (-1 pads
 // a row's list): their sequences are finished. A row whose logits leave nothing to pick (the argmax's logit is
 // NaN or infinite: the sampler's BROKEN_ROW) gets -1 as its token, which ends it too; it is fed token 0 after
-// that, and what it then makes is dropped. Returns the tokens [steps run, M] int64.
+// that, and what it then makes is dropped. lora: as decode_model's. Returns the tokens [steps run, M] int64.
 at::Tensor decode_steps(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& k_caches,
                         const at::Tensor& v_caches, const at::Tensor& block_tables_in,
-                        const at::Tensor& context_lens_in, const at::Tensor& stop_token_ids_in, int64_t num_steps) {
+                        const at::Tensor& context_lens_in, const at::Tensor& stop_token_ids_in, int64_t num_steps,
+                        const DecoderLoRAWeights* lora) {
   const int64_t M = input_ids.numel(), block_size = k_caches.size(2);
   const at::Tensor block_tables = block_tables_in.contiguous(), stops = stop_token_ids_in.contiguous();
   TORCH_CHECK(num_steps >= 1, "num_steps must be >= 1, got ", num_steps);
@@ -204,7 +238,7 @@ at::Tensor decode_steps(const DecoderModelWeights& model, const at::Tensor& inpu
       slots[m] = int64_t(tables[m * W + pos[m] / block_size]) * block_size + pos[m] % block_size;
     }
     const at::Tensor logits = decode_logits(model, ids, positions, k_caches, v_caches, slot_mapping, block_tables,
-                                            context_lens);  // [M, V] bf16
+                                            context_lens, lora);  // [M, V] bf16
     ids = nanoqwen::argmax(logits);  // [M]: each row's next token
     const at::Tensor chosen = logits.gather(1, ids.unsqueeze(1)).to(at::kFloat);  // [M, 1]: its logit
     const float* value = chosen.data_ptr<float>();
@@ -318,14 +352,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("embed"), py::arg("cos"), py::arg("sin"), py::arg("layers"), py::arg("norm"), py::arg("eps"),
            py::arg("lm_head"));
+  py::class_<DecoderLayerLoRA>(m, "DecoderLayerLoRA", "a decoder layer's LoRA adapters as decode_model takes them",
+                               py::module_local())
+      .def(py::init([](LinearLoRA qkv_proj, LinearLoRA o_proj, LinearLoRA gate_up_proj, LinearLoRA down_proj) {
+             for (const auto* lora : {&qkv_proj, &o_proj, &gate_up_proj, &down_proj}) {
+               TORCH_CHECK(lora->empty() || (lora->size() == 2 && (*lora)[0].scalar_type() == at::kBFloat16 &&
+                                             (*lora)[1].scalar_type() == at::kBFloat16 && (*lora)[0].dim() == 2 &&
+                                             (*lora)[1].dim() == 2 && (*lora)[0].size(0) == (*lora)[1].size(1)),
+                           "a linear's adapter is no tensors or bf16 (a [R, in], b [out, R])");
+             }
+             return DecoderLayerLoRA{qkv_proj, o_proj, gate_up_proj, down_proj};
+           }),
+           py::arg("qkv_proj"), py::arg("o_proj"), py::arg("gate_up_proj"), py::arg("down_proj"));
+  py::class_<DecoderLoRAWeights>(m, "DecoderLoRAWeights", "one LoRA adapter over a model as decode_model takes it",
+                                 py::module_local())
+      .def(py::init([](std::vector<DecoderLayerLoRA> layers) { return DecoderLoRAWeights{std::move(layers)}; }),
+           py::arg("layers"));
   m.def("decode_model", &decode_model, "a decode step's forward, input ids to float32 logits, one call a step "
         "(see worker/fused_decoder.py)", py::arg("model"), py::arg("input_ids"), py::arg("positions"), py::arg("k_caches"),
         py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("lora") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("decode_steps", &decode_steps, "greedy decode steps, several in one call: the tokens [steps run, M] "
         "(see worker/fused_decoder.py)", py::arg("model"), py::arg("input_ids"), py::arg("k_caches"), py::arg("v_caches"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("stop_token_ids"),
-        py::arg("num_steps"), py::call_guard<py::gil_scoped_release>());
+        py::arg("num_steps"), py::arg("lora") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
   m.def("has_vnni", &has_vnni, "whether int4_gemv's integer dot products use AVX-512 VNNI (else AVX2)");
   m.def("has_bf16_dot", &has_bf16_dot,
