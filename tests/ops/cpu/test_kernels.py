@@ -720,6 +720,16 @@ def test_paged_decode_attention_short_spans_for_the_threads(kernels, threads):
         torch.set_num_threads(before)
 
 
+
+def tiny_decoder_model(kernels, rand, h: int, hq: int, hkv: int, d: int, inter: int, vocab: int):
+    """decode_model's weights of a random two-layer model (rand(*shape): a bf16 tensor)."""
+    layers = [kernels.decoder_layer_weights(
+        input_norm=rand(h), post_norm=rand(h), eps=1e-6, qkv_proj=[[rand((hq + 2 * hkv) * d, h)]], q_norm=rand(d),
+        k_norm=rand(d), o_proj=[[rand(h, hq * d)]], gate_up_proj=[[rand(2 * inter, h)]], down_proj=[[rand(h, inter)]],
+        num_heads=hq) for _ in range(2)]
+    return kernels.decoder_model_weights(embed=[rand(vocab, h)], cos=torch.rand(8, d), sin=torch.rand(8, d),
+                                         layers=layers, norm=rand(h), eps=1e-6, lm_head=[[rand(vocab, h)]])
+
 def test_decode_model_takes_one_cache_per_layer(kernels):
     """decode_model runs layer i on caches [i] and refuses caches for another number of layers, naming them; it
     returns float32 logits, one row per token, a tensor of its own: the next calls leave it as it was, and a call
@@ -732,12 +742,7 @@ def test_decode_model_takes_one_cache_per_layer(kernels):
     def rand(*shape):
         return torch.randn(*shape, generator=g).bfloat16()
 
-    layers = [kernels.decoder_layer_weights(
-        input_norm=rand(h), post_norm=rand(h), eps=1e-6, qkv_proj=[[rand((hq + 2 * hkv) * d, h)]], q_norm=rand(d),
-        k_norm=rand(d), o_proj=[[rand(h, hq * d)]], gate_up_proj=[[rand(2 * inter, h)]], down_proj=[[rand(h, inter)]],
-        num_heads=hq) for _ in range(2)]
-    model = kernels.decoder_model_weights(embed=[rand(vocab, h)], cos=torch.rand(8, d), sin=torch.rand(8, d),
-                                          layers=layers, norm=rand(h), eps=1e-6, lm_head=[[rand(vocab, h)]])
+    model = tiny_decoder_model(kernels, rand, h, hq, hkv, d, inter, vocab)
     step = (torch.tensor([5]), torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32))
     k_caches, v_caches = torch.zeros(2, 2, blocks, block_size, hkv, d, dtype=torch.bfloat16)
     logits = kernels.decode_model(model, torch.tensor([3]), torch.tensor([5]), k_caches, v_caches, *step)
@@ -763,12 +768,7 @@ def test_decode_model_adds_a_lora_adapter_and_refuses_malformed_ones(kernels):
     def rand(*shape):
         return torch.randn(*shape, generator=g).bfloat16()
 
-    layers = [kernels.decoder_layer_weights(
-        input_norm=rand(h), post_norm=rand(h), eps=1e-6, qkv_proj=[[rand((hq + 2 * hkv) * d, h)]], q_norm=rand(d),
-        k_norm=rand(d), o_proj=[[rand(h, hq * d)]], gate_up_proj=[[rand(2 * inter, h)]], down_proj=[[rand(h, inter)]],
-        num_heads=hq) for _ in range(2)]
-    model = kernels.decoder_model_weights(embed=[rand(vocab, h)], cos=torch.rand(8, d), sin=torch.rand(8, d),
-                                          layers=layers, norm=rand(h), eps=1e-6, lm_head=[[rand(vocab, h)]])
+    model = tiny_decoder_model(kernels, rand, h, hq, hkv, d, inter, vocab)
     none = dict(qkv_proj=[], o_proj=[], gate_up_proj=[], down_proj=[])
 
     def adapter(a: torch.Tensor, b: torch.Tensor) -> object:  # on layer 1's down_proj only
