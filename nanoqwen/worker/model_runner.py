@@ -170,7 +170,6 @@ class ModelRunner:
         if batch.num_steps > 1:
             return self.greedy_steps(batch.decode, batch.num_steps)
         step, seqs, verify = self.prepare(batch)
-        step.lora_ids = lora_rows(batch)
         logits = self.forward(step)
         if logits is None:
             return []
@@ -248,8 +247,13 @@ class ModelRunner:
 
         A sequence's newest token and its drafts are decode rows, one per token, each attending to
         the cache up to itself (its keys are stored before attention runs): each row is computed
-        exactly as a decode step at that position would compute it, through the same kernels."""
+        exactly as a decode step at that position would compute it, through the same kernels.
+
+        step.lora_ids gets each row's LoRA adapter (Sequence.lora_id) when some sequence has one: such a step runs
+        the model's per-module forward (CUDA graphs compute the base model only), or the fused CPU decoder for a
+        decode step whose rows all use one adapter (one_lora_id)."""
         step = StepInput(input_ids=[], decode=[], prefill=[], sample_rows=[])
+        with_lora = any(seq.lora_id for seq in batch.seqs)
         seqs: list[Sequence] = []
         verify_rows: list[tuple[Sequence, range]] = []
 
@@ -262,6 +266,8 @@ class ModelRunner:
             first = len(step.input_ids)
             tokens = [seq.last_token_id, *seq.spec_token_ids]  # (no drafts: a plain decode row)
             step.input_ids += tokens
+            if with_lora:
+                step.lora_ids += [seq.lora_id] * len(tokens)
             step.decode += [DecodeRow(seq.block_table, seq.num_tokens + j)
                             for j in range(len(tokens))]
             if seq.spec_token_ids:
@@ -273,6 +279,8 @@ class ModelRunner:
             if seq.needs_prompt_logprobs:
                 ModelRunner._prompt_logprob_rows(step, seq, start, n)
             step.input_ids += seq.token_ids(start, start + n)
+            if with_lora:
+                step.lora_ids += [seq.lora_id] * n
             step.prefill.append(PrefillRow(seq.block_table, start, n))
             if start + n == seq.num_tokens:
                 sample_from(len(step.input_ids) - 1, seq)
@@ -369,21 +377,6 @@ class ModelRunner:
     def _fused_decode_fits(self, num_rows: int) -> bool:
         """Whether a decode step of num_rows rows runs through the fused CPU decoder (up to the gemv kernels' rows)."""
         return self.fused_decoder is not None and num_rows <= self.model.kernels.matmul.gemv_max_rows
-
-
-def lora_rows(batch: ScheduledBatch) -> list[int]:
-    """Each row's LoRA adapter (Sequence.lora_id) in ModelRunner.prepare's row order (decode rows with their
-    drafts, then the prompt chunks); empty when no sequence of the batch has one. Such a step runs the model's
-    per-module forward (CUDA graphs compute the base model only), or the fused CPU decoder for a decode step whose
-    rows all use one adapter (one_lora_id)."""
-    if not any(seq.lora_id for seq in batch.seqs):
-        return []
-    rows = []
-    for seq in batch.decode + [s.seq for s in batch.spec_decode]:
-        rows += [seq.lora_id] * (1 + len(seq.spec_token_ids))
-    for seq, n in batch.prefill:
-        rows += [seq.lora_id] * n
-    return rows
 
 
 def one_lora_id(lora_ids: list[int]) -> int | None:
