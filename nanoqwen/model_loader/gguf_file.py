@@ -59,7 +59,13 @@ GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1
 
 
 def is_gguf(path: Path) -> bool:
-    return path.suffix.lower() == ".gguf" and path.is_file()
+    """A GGUF file: named *.gguf, or (as Ollama's blobs, named by their digest) starting with GGUF's magic."""
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 @dataclass

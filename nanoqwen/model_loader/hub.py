@@ -6,21 +6,32 @@ from __future__ import annotations
 from pathlib import Path
 
 from nanoqwen.errors import ModelNotFoundError
+from nanoqwen.model_loader.gguf_file import is_gguf
+from nanoqwen.model_loader.ollama import (
+    OLLAMA_NAME,
+    find_ollama_manifest,
+    is_ollama_manifest,
+    ollama_gguf,
+    ollama_models_dirs,
+)
 
 HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.md"]
 
 
 def resolve_model_path(model: str, gguf_file: str | None = None) -> Path:
     """A local folder as is; a GGUF file as is (a folder with no config.json that holds one .gguf: that file);
-    anything else shaped like `org/name` through the Hugging Face hub cache (with gguf_file: that one file of
-    the repo)."""
+    a model Ollama has pulled, by its name (`qwen3:0.6b`) or its manifest's path: the GGUF blob it names
+    (model_loader/ollama.py); anything else shaped like `org/name` through the Hugging Face hub cache (with
+    gguf_file: that one file of the repo)."""
     path = Path(model).expanduser()
     if path.exists():
         if path.is_file():
-            if path.suffix.lower() != ".gguf":
-                raise ModelNotFoundError(f"--model {model}: expected a model folder or a .gguf file, found "
-                                         f"another file")
-            return path
+            if is_gguf(path):
+                return path
+            if is_ollama_manifest(path):
+                return ollama_gguf(path)
+            raise ModelNotFoundError(f"--model {model}: expected a model folder, a .gguf file or an Ollama "
+                                     "manifest, found another file")
         if gguf_file is not None:
             return _gguf_in_folder(path, gguf_file)
         ggufs = sorted(p.name for p in path.glob("*.gguf") if p.is_file())
@@ -30,6 +41,15 @@ def resolve_model_path(model: str, gguf_file: str | None = None) -> Path:
                                          "pass one of them with --model PATH.gguf (or --gguf-file NAME)")
             return path / ggufs[0]
         return path
+    if "/" not in model and (manifest := find_ollama_manifest(f"{model}:latest")) is not None:
+        return ollama_gguf(manifest)  # Ollama's name without a tag: its "latest"
+    if OLLAMA_NAME.match(model):  # Ollama's name:tag (a hub id has no tag)
+        manifest = find_ollama_manifest(model)
+        if manifest is None:
+            where = " or ".join(str(d) for d in ollama_models_dirs())
+            raise ModelNotFoundError(f"--model {model}: no Ollama model of that name in {where} (set OLLAMA_MODELS "
+                                     f"to Ollama's models folder, or `ollama pull {model}` first)")
+        return ollama_gguf(manifest)
     if model.count("/") != 1 or model.startswith((".", "/", "~")):
         raise ModelNotFoundError(
             f"model folder {model} does not exist; pass a folder with config.json and "

@@ -16,7 +16,7 @@ import torch
 from conftest import hf_model, prompt_logits, run_cli, tiny_config
 from gguf_files import T, random_blocks, write_gguf
 
-from nanoqwen import LLM, ConfigError, SamplingParams, WeightsError
+from nanoqwen import LLM, ConfigError, ModelNotFoundError, SamplingParams, WeightsError
 from nanoqwen.model_loader.gguf_file import GGUFCheckpoint
 from nanoqwen.model_loader.hub import resolve_model_path
 from nanoqwen.model_loader.init_random import ASSETS
@@ -237,3 +237,47 @@ def _retype(raw: bytearray, ckpt: GGUFCheckpoint, name: str, new_type: int) -> N
     dims = int.from_bytes(raw[at: at + 4], "little")
     at += 4 + 8 * dims
     raw[at: at + 4] = new_type.to_bytes(4, "little")
+
+
+def ollama_store(root: Path, gguf_path: Path, registry: str = "registry.ollama.ai", name: str = "library/qwen3",
+                 tag: str = "0.6b") -> Path:
+    """An Ollama models folder holding one pulled model as Ollama lays it out: the GGUF as a blob named by its
+    digest, beside template and params blobs, and the manifest that names them. -> the manifest's path."""
+    import hashlib
+
+    blobs = root / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    layers = []
+    for media_type, data in (("application/vnd.ollama.image.model", gguf_path.read_bytes()),
+                             ("application/vnd.ollama.image.template", b"{{ .Prompt }}"),
+                             ("application/vnd.ollama.image.params", b'{"temperature": 0.6}')):
+        digest = hashlib.sha256(data).hexdigest()
+        (blobs / f"sha256-{digest}").write_bytes(data)
+        layers.append({"mediaType": media_type, "digest": f"sha256:{digest}", "size": len(data)})
+    manifest = root / "manifests" / registry / name / tag
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2"
+                                    "+json", "config": layers[-1], "layers": layers}))
+    return manifest
+
+
+def test_a_model_ollama_pulled_runs_by_its_name_or_manifest(gguf_model, tmp_path, monkeypatch):
+    """`--model qwen3:0.6b` (Ollama's name) and the manifest's path load the GGUF blob the manifest names: the same
+    tokens as the .gguf file itself."""
+    path, _ = gguf_model("q4_k_m", Q4_K_M, T.Q4_K)
+    manifest = ollama_store(tmp_path / "models", path)
+    ollama_store(tmp_path / "models", path, registry="ollama.com", name="library/qwen3", tag="latest")
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "models"))
+    blob = resolve_model_path("qwen3:0.6b")
+    assert blob.parent == tmp_path / "models" / "blobs" and blob.read_bytes() == path.read_bytes()
+    assert resolve_model_path(str(manifest)) == blob
+    assert resolve_model_path("qwen3") == resolve_model_path("library/qwen3:latest") == blob  # "latest"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = LLM(str(path), max_model_len=128, kv_cache_memory=32 << 20).generate([PROMPT], params, use_tqdm=False)
+    got = LLM("qwen3:0.6b", max_model_len=128, kv_cache_memory=32 << 20).generate([PROMPT], params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    with pytest.raises(ModelNotFoundError, match=r"qwen3:32b: no Ollama model of that name in .*models.*ollama pull"):
+        resolve_model_path("qwen3:32b")
+    (tmp_path / "models" / "blobs" / blob.name).unlink()
+    with pytest.raises(ModelNotFoundError, match="its weights blob sha256:[0-9a-f]+ is not in the store"):
+        resolve_model_path(str(manifest))
