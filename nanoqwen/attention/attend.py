@@ -43,8 +43,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
     # GPU: all decode rows in one call that reads the cache blocks in place
     if meta.paged_decode is not None:
         p, rows = meta.paged_decode, slice(0, meta.num_decode_tokens)
-        paged_decode_attention(q[rows], kv_cache.k[layer], kv_cache.v[layer], p.block_tables,
-                               p.context_lens, q.shape[-1] ** -0.5, p.backend, out=out[rows])
+        k_pool, v_pool, k_scale, v_scale = kv_cache.layer(layer)
+        paged_decode_attention(q[rows], k_pool, v_pool, p.block_tables, p.context_lens, q.shape[-1] ** -0.5,
+                               p.backend, out=out[rows], k_scale=k_scale, v_scale=v_scale)
     # CPU: decode rows in groups of similar lengths, their blocks gathered
     for group in meta.decode_groups:
         rows = slice(group.start, group.end)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from nanoqwen.config.cache import check_kv_cache_dtype
 from nanoqwen.config.model import Qwen3Config, check_tensor_parallel_size
 from nanoqwen.config.quantization import check_quantization
 from nanoqwen.config.speculative import SpeculativeConfig
@@ -22,6 +23,9 @@ class EngineConfig:
     kv_cache_memory: bytes (int) or a fraction of the free memory (float), per rank; default 4 GiB
     on CPU (or half the available memory), 90% of what the weights leave free on GPU
     (worker/memory.py).
+    kv_cache_dtype: how the KV cache stores keys and values: "auto" (the model's dtype), "int8", "fp8" /
+    "fp8_e4m3" or "fp8_e5m2" (codes and a scale per token and kv head: about half the bytes, so twice the
+    tokens in the same kv_cache_memory; nanoqwen/config/cache.py).
     enforce_eager: no torch.compile (CPU) and no CUDA graphs (GPU): faster start, slower steps.
     quantization: None (the checkpoint's weights), "int8" or "int4" (weight-only, made at load:
     nanoqwen/quantization/).
@@ -43,7 +47,8 @@ class EngineConfig:
     give (each generated token is checked against them all); a request with more is refused.
     enable_lora, max_loras, max_lora_rank: LoRA adapters in PEFT's format (nanoqwen/lora/, docs/lora.md), as
     vLLM's: a request names its adapter (LoRARequest); up to max_loras adapters run in one step, each of rank
-    at most max_lora_rank. Not with tensor parallelism, speculative decoding or a pooling task.
+    at most max_lora_rank. With tensor parallelism each rank holds its shard of every adapter, cut as the base
+    layer is. Not with speculative decoding or a pooling task.
     """
 
     model: str | Path = DEFAULT_MODEL
@@ -59,6 +64,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | float | None = None
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     seed: int | None = 0  # None: a random seed for requests without their own
     enforce_eager: bool = False
@@ -89,6 +95,7 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory={m!r} must be a byte count (int > 0) "
                               "or a fraction of free memory (float in (0, 1])")
         check_quantization(self.quantization)
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype)
         tasks = ("auto", "generate", "embed", "score")
         if self.task not in tasks:
             raise ConfigError(f"task={self.task!r} is not a task; choose one of {', '.join(tasks)}")
@@ -96,9 +103,6 @@ class EngineConfig:
         if self.enable_lora and self.speculative_config is not None:
             raise ConfigError("speculative decoding with LoRA adapters is not supported (the draft would need the "
                               "adapters too): drop speculative_config or enable_lora")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ConfigError("LoRA adapters run with tensor_parallel_size=1 (their A/B are not split over ranks "
-                              "yet): drop enable_lora or use one process")
         if self.speculative_config is not None and self.num_scheduler_steps > 1:
             raise ConfigError(f"num_scheduler_steps={self.num_scheduler_steps} and speculative_config "
                               "both run several tokens a step: choose one (num_scheduler_steps=1 "

@@ -128,7 +128,9 @@ class LLMEngine:
         max_len = config.max_model_len or limit
         tp = self.tp_group
         if tp is not None:
-            tp.send(LoadModel(str(self.model_dir), self.dtype, max_len, config.enforce_eager, self.quantization))
+            tp.send(LoadModel(str(self.model_dir), self.dtype, max_len, config.enforce_eager, self.quantization,
+                              max_loras=config.max_loras if config.enable_lora else 0,
+                              max_lora_rank=config.max_lora_rank))
         model = load_model_with_kernels(self.model_dir, c, self.dtype, self.device, max_len, config.enforce_eager,
                                         self.quantization, tp_rank=0, tp_size=tp.size if tp else 1,
                                         task=self.task)
@@ -150,7 +152,7 @@ class LLMEngine:
         block_size = config.block_size
         budget = kv_cache_budget(config.kv_cache_memory, self.device)
         num_blocks = kv_cache_blocks([m for m in (model, draft) if m is not None], self.dtype, block_size,
-                                     budget)  # the draft's cache too
+                                     budget, config.kv_cache_dtype)  # the draft's cache too
         capacity = num_blocks * block_size
         self.max_model_len = config.max_model_len or min(limit, capacity)
         if capacity < max(self.max_model_len, 2):
@@ -165,7 +167,8 @@ class LLMEngine:
         self.lora = LoRAManager(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager, pooler=pooler, lora=self.lora)
+                                  enforce_eager=config.enforce_eager, pooler=pooler, lora=self.lora,
+                                  kv_cache_dtype=config.kv_cache_dtype)
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if spec is not None and draft is None:
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -173,10 +176,11 @@ class LLMEngine:
             draft_runner = ModelRunner(draft, num_blocks, block_size,
                                        max_num_seqs=config.max_num_seqs,
                                        max_model_len=self.max_model_len,
-                                       enforce_eager=config.enforce_eager)
+                                       enforce_eager=config.enforce_eager,
+                                       kv_cache_dtype=config.kv_cache_dtype)
             self.proposer = DraftModelProposer(draft_runner, config.max_num_batched_tokens)
         if tp is not None:
-            tp.send(KVCacheSize(num_blocks, block_size))  # every rank gets the same blocks
+            tp.send(KVCacheSize(num_blocks, block_size, config.kv_cache_dtype))  # every rank gets the same blocks
             self.rank_weight_bytes = tp.wait_ready(self.weight_bytes)
         return num_blocks
 

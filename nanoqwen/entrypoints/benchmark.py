@@ -117,7 +117,7 @@ def run_nanoqwen(model_dir: str | Path, workload: Workload, device: str | None =
     stats = engine.kv_cache_stats
     c = engine.config
     per_token = KVCache.bytes_per_token(c.num_hidden_layers, engine.model.num_kv_heads, c.head_dim,
-                                        engine.dtype)  # per rank
+                                        engine.dtype, engine.engine_config.kv_cache_dtype)  # per rank
     capacity = stats["num_blocks"] * stats["block_size"]
     result: dict[str, Any] = {
         "requests": len(workload),

@@ -13,6 +13,7 @@ import time
 from typing import TextIO
 
 from nanoqwen.entrypoints.llm import LLM
+from nanoqwen.lora.request import LoRARequest
 from nanoqwen.outputs import speed_summary
 from nanoqwen.sampling_params import SamplingParams
 
@@ -90,9 +91,9 @@ def _partial_tag_suffix(text: str, tag: str) -> int:
 
 
 def answer(llm: LLM, messages: list[dict], params: SamplingParams, enable_thinking: bool,
-           out: TextIO = sys.stdout) -> str:
-    """Stream one assistant answer to `out`, print timing, and return its text (partial if
-    interrupted)."""
+           out: TextIO = sys.stdout, lora_request: LoRARequest | None = None) -> str:
+    """Stream one assistant answer to `out` (with the LoRA adapter lora_request, if any), print timing, and return
+    its text (partial if interrupted)."""
     prompt = llm.get_tokenizer().apply_chat_template(messages, tokenize=True,
                                                      enable_thinking=enable_thinking)
     printer = AnswerPrinter(out)
@@ -100,7 +101,7 @@ def answer(llm: LLM, messages: list[dict], params: SamplingParams, enable_thinki
     first = None
     text, num_tokens = "", 0
     try:
-        for delta, output in llm.stream(prompt, params):
+        for delta, output in llm.stream(prompt, params, lora_request=lora_request):
             first = first or time.perf_counter()
             printer.write(delta)
             text, num_tokens = output.text, len(output.token_ids)
@@ -117,7 +118,7 @@ def answer(llm: LLM, messages: list[dict], params: SamplingParams, enable_thinki
 
 def chat_loop(llm: LLM, params: SamplingParams, enable_thinking: bool = True,
               system: str | None = None, inp: TextIO = sys.stdin,
-              out: TextIO = sys.stdout) -> None:
+              out: TextIO = sys.stdout, lora_request: LoRARequest | None = None) -> None:
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
     out.write(f"nanoqwen chat · thinking {'on' if enable_thinking else 'off'}\n{HELP}\n")
     while True:
@@ -148,5 +149,5 @@ def chat_loop(llm: LLM, params: SamplingParams, enable_thinking: bool = True,
             out.write(f"unknown command {line}. {HELP}\n")
             continue
         messages.append({"role": "user", "content": line})
-        reply = answer(llm, messages, params, enable_thinking, out)
+        reply = answer(llm, messages, params, enable_thinking, out, lora_request)
         messages.append({"role": "assistant", "content": reply})

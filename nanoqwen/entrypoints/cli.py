@@ -19,6 +19,8 @@ from nanoqwen.entrypoints.engine_args import add_engine_args, engine_config_from
 from nanoqwen.entrypoints.llm import LLM
 from nanoqwen.entrypoints.server.run import add_serve_args, serve
 from nanoqwen.errors import ConfigError, InvalidRequestError, NanoQwenError
+from nanoqwen.lora.peft import read_adapter_config
+from nanoqwen.lora.request import LoRARequest
 from nanoqwen.model_loader.hub import resolve_model_path
 from nanoqwen.model_loader.init_random import PRESETS, write_random_model
 from nanoqwen.outputs import RequestOutput, speed_summary
@@ -57,6 +59,19 @@ def build_llm(args: argparse.Namespace):
     return LLM.from_config(engine_config_from_args(args))
 
 
+def lora_from_args(args: argparse.Namespace) -> LoRARequest | None:
+    """--lora PATH (llama.cpp's flag): the adapter every answer runs with. It turns --enable-lora on and raises
+    --max-lora-rank to the adapter's rank where that is larger (call before build_llm)."""
+    if args.lora is None:
+        return None
+    path = Path(args.lora).expanduser()
+    config = read_adapter_config(path)  # (an InvalidRequestError naming the problem)
+    ranks = [config.get("r", 8), *(config.get("rank_pattern") or {}).values()]
+    args.enable_lora = True
+    args.max_lora_rank = max(args.max_lora_rank, *(int(r) for r in ranks))
+    return LoRARequest(path.name, 1, str(path))
+
+
 def sampling_params(llm, args: argparse.Namespace):
     """The model's recommended sampling, with every flag the user gave on top."""
     given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p", "dry_multiplier",
@@ -69,13 +84,14 @@ def sampling_params(llm, args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> None:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    lora = lora_from_args(args)
     llm = build_llm(args)
     params = sampling_params(llm, args)
     if not args.no_chat_template:
         prompt = llm.get_tokenizer().apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=True, enable_thinking=not args.no_think)
     last = None  # the last output carries the metrics
-    for delta, last in llm.stream(prompt, params):  # noqa: B007
+    for delta, last in llm.stream(prompt, params, lora_request=lora):  # noqa: B007
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -268,9 +284,10 @@ def add_pooling_input_args(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    lora = lora_from_args(args)
     llm = build_llm(args)
     chat_loop(llm, sampling_params(llm, args), enable_thinking=not args.no_think,
-              system=args.system)
+              system=args.system, lora_request=lora)
 
 
 def cmd_init_random(args: argparse.Namespace) -> None:
@@ -304,6 +321,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(args)
 
 
+def add_lora_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", default=None, metavar="PATH",
+                   help="a LoRA adapter folder (PEFT's format) to answer with, as llama.cpp's --lora "
+                        "(turns --enable-lora on)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nanoqwen", description="Run Qwen3 models: chat, generate, embed, rerank, serve.")
@@ -317,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-think", action="store_true",
                    help="start with thinking off (/think turns it on)")
     p.add_argument("--system", default=None, help="system prompt")
+    add_lora_arg(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("generate", help="one answer to one prompt, streamed to stdout")
@@ -327,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the prompt text, or - to read it from stdin")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--no-think", action="store_true", help="answer without a thinking part")
+    add_lora_arg(p)
     p.add_argument("--quiet", "-q", action="store_true",
                    help="no speed line on stderr at the end "
                         "(prefill and decode speed, weights, kernels)")

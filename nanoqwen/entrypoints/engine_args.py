@@ -7,6 +7,7 @@ import argparse
 import re
 from dataclasses import fields
 
+from nanoqwen.config.cache import KV_CACHE_DTYPES
 from nanoqwen.config.engine import EngineConfig
 from nanoqwen.config.model import DTYPE_NAMES
 from nanoqwen.config.quantization import CHECKPOINT_METHODS, QUANTIZATION_METHODS
@@ -34,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most tokens per step")
     p.add_argument("--kv-cache-memory", type=memory_size, default=None,
                    help="KV cache size: bytes (e.g. 2GiB) or a fraction of free memory (e.g. 0.5)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=default.kv_cache_dtype,
+                   help="how the KV cache stores keys and values: auto (the model's dtype), int8, fp8 "
+                        "(fp8_e4m3) or fp8_e5m2 (about half the bytes a token: twice the tokens in the same memory)")
     p.add_argument("--block-size", type=int, default=default.block_size,
                    help="tokens per KV-cache block")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",

@@ -12,6 +12,8 @@ up. Each class's `tp_dims` says which dimension of which parameter is cut: the l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -62,6 +64,10 @@ class RowParallelLinear(Linear):
     tp_dims = {"weight": 1}
     # parameters the other ranks do not have (the loader skips them there)
     tp_rank0_only = ("bias",)
+    # Called as a forward hook is, hook(module, (x,), y) -> a new y or None (y unchanged), on this rank's part
+    # of the sum before the all_reduce: LoRA's adapters (nanoqwen/lora/layers.py) add their own part there
+    # (x_shard @ A_shard^T @ B^T), so that the one all_reduce sums both.
+    partial_sum_hook: Callable[[nn.Module, tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor | None] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0,
                  tp_size: int = 1, matmul: MatmulPath = TORCH_MATMUL) -> None:
@@ -70,4 +76,6 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)  # [N, out]: this rank's part of the sum
+        if self.partial_sum_hook is not None and (hooked := self.partial_sum_hook(self, (x,), y)) is not None:
+            y = hooked
         return all_reduce(y) if self.tp_size > 1 else y

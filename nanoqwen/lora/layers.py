@@ -21,6 +21,15 @@ products, all the same sums:
   base matmul for small S * R.
 - one slot for every row (a batch of one adapter): x @ lora_a[s]^T @ lora_b[s]^T, with B kept a second time as
   one contiguous [out, P * R] matrix a slot.
+
+With tensor parallelism each rank holds its shard of every slot's A and B, cut as its base linear is
+(layers/linear.py): a column-parallel linear (qkv_proj, gate_up_proj) keeps 1/tp of each part's output rows, so
+each part's B keeps the same rows (B_p[rank * out_p/tp: (rank + 1) * out_p/tp], the loader's cut of that part's
+weight) and A is whole; a row-parallel linear (o_proj, down_proj) keeps 1/tp of its input columns, so A keeps
+the same columns and B is whole. There the product of this rank's columns, x_shard @ A_shard^T @ B^T, is a part
+of the sum just as the base layer's output is (the sum over ranks of x_r A_r^T is x A^T): the hook adds it
+before the layer's all_reduce (RowParallelLinear.partial_sum_hook), whose one all_reduce sums both.
+
 Both matmul paths go through the linear's own matmul path (weights [out, in], as a Linear's: on CPUs
 nanoqwen's gemv kernels for few rows). The fused CPU decoder (worker/fused_decoder.py) adds the one-slot products
 of a decode step whose rows all use one adapter in C++, from the same matrices through the same kernels
@@ -72,11 +81,18 @@ def matmul_path(module: nn.Module) -> MatmulPath:
 class LoRALayer:
     """Every slot's LoRA A and B of one linear of the model, and the forward hook that adds their products.
 
-    part_sizes: the linear's output parts (qkv_proj: [q, k, v] sizes; o_proj: [out]); step: the engine's LoRAStep,
-    shared by all of its layers."""
+    in_features, part_sizes: the whole linear's input size and output parts (qkv_proj: [q, k, v] sizes; o_proj:
+    [out]); step: the engine's LoRAStep, shared by all of its layers. With tp_size > 1 it holds this rank's shard
+    (module docstring): 1/tp of each part's output rows, or of the input columns where row_parallel."""
 
     def __init__(self, in_features: int, part_sizes: list[int], max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device, step: LoRAStep) -> None:
+                 dtype: torch.dtype, device: torch.device, step: LoRAStep, tp_rank: int = 0, tp_size: int = 1,
+                 row_parallel: bool = False) -> None:
+        self.tp_rank, self.tp_size, self.row_parallel = tp_rank, tp_size, row_parallel
+        if row_parallel:
+            in_features //= tp_size
+        else:
+            part_sizes = [size // tp_size for size in part_sizes]
         self.part_sizes = part_sizes
         self.part_offsets = [sum(part_sizes[:p]) for p in range(len(part_sizes))]
         self.num_parts, self.max_rank, self.max_loras = len(part_sizes), max_rank, max_loras
@@ -101,8 +117,22 @@ class LoRALayer:
         self.lora_b[:, self.rows(slot)] = 0
         self.lora_b_by_slot[slot] = 0
 
+    def shard(self, weights: LoRAWeights) -> LoRAWeights:
+        """This rank's shard of one part's whole A [r, in] and B [out_p, r] (themselves at tp_size 1): the
+        columns of A a row-parallel linear keeps, else the rows of B a column-parallel one keeps."""
+        if self.tp_size == 1:
+            return weights
+        a, b = weights.lora_a, weights.lora_b
+        if self.row_parallel:
+            n = a.shape[1] // self.tp_size
+            return weights._replace(lora_a=a[:, self.tp_rank * n: (self.tp_rank + 1) * n])
+        n = b.shape[0] // self.tp_size
+        return weights._replace(lora_b=b[self.tp_rank * n: (self.tp_rank + 1) * n])
+
     def set_part(self, slot: int, part: int, weights: LoRAWeights) -> None:
-        """Write one part's adapter into a slot (the slot was cleared first)."""
+        """Write one part's adapter (whole, as read: this rank keeps its shard of it) into a slot (the slot was
+        cleared first)."""
+        weights = self.shard(weights)
         r = weights.lora_a.shape[0]
         rows = self.rows(slot, part)
         start, size = self.part_offsets[part], self.part_sizes[part]
@@ -114,7 +144,8 @@ class LoRALayer:
 
     def hook(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
         """The forward hook: the base output plus the adapters' products (None, the output unchanged, when no
-        row of the step has an adapter)."""
+        row of the step has an adapter). On a row-parallel linear with tp_size > 1 it is the linear's
+        partial_sum_hook instead: output is this rank's part of the sum, and so is what it adds."""
         step = self.step
         if not step.active:
             return None

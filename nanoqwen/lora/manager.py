@@ -6,6 +6,15 @@ adapter that no row of the step uses (the scheduler lets at most max_loras adapt
 idle). Each load of an adapter gets its own `lora_id`, which the engine's sequences carry: the slot it maps to,
 and part of their prefix-cache keys (core/block_manager.py), so KV computed under one adapter is never reused
 under another, nor under a later adapter loaded with the same lora_int_id.
+
+With tensor parallelism every rank has a LoRAManager over its shard of the model (each slot holds this rank's
+shard of its adapter: layers.py), and rank 0's decides: the registry lives there (add, remove, with the files read
+once, by rank 0), and so does the choice of slots. Each step rank 0 broadcasts (worker/model_runner.py, StepInput)
+carries a `LoRASync` when something changed for the workers: the adapters its rows use that the workers have not
+had yet (their weights, as rank 0 read them), the adapters removed since, and rank 0's slot table, which each
+worker copies (apply_sync), loading an adapter into the same slot where its own table differs. So every rank runs
+every row with the same adapter in the same slot, and an adapter added at run time reaches the workers with the
+first step that uses it.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from nanoqwen.errors import InvalidRequestError
+from nanoqwen.layers.linear import RowParallelLinear
 from nanoqwen.lora.layers import LoRALayer, LoRAStep
 from nanoqwen.lora.peft import LoRAAdapter, load_peft_adapter, module_shape
 from nanoqwen.lora.request import LoRARequest
@@ -34,6 +44,16 @@ class LoadedLoRA(NamedTuple):
     lora_id: int
 
 
+class LoRASync(NamedTuple):
+    """What the tensor-parallel workers' adapters and slots must become before a step (rank 0's
+    LoRAManager.sync_for_workers; the workers' apply_sync): the adapters new to them (weights as rank 0 read them),
+    the lora_ids removed since the last sync, and rank 0's slot table (lora_id -> slot)."""
+
+    added: list[LoadedLoRA]
+    removed: list[int]
+    slots: dict[int, int]
+
+
 class LoRAManager:
     """The adapters of one engine's model: hooks on its projections, the slot pool, the registry.
 
@@ -42,6 +62,7 @@ class LoRAManager:
 
     def __init__(self, model: Qwen3ForCausalLM, max_loras: int, max_lora_rank: int) -> None:
         config = model.config
+        self.tp_rank, self.tp_size = model.tp_rank, model.tp_size
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.model_config = config
         self.step = LoRAStep()
@@ -63,9 +84,16 @@ class LoRAManager:
                 linears += [(layer.mlp.gate_up_proj, ["gate_proj", "up_proj"]), (layer.mlp.down_proj, ["down_proj"])]
             self.layer_linears.append({})
             for linear, names in linears:
+                # cut as the linear is (layers.py): output rows of a column-parallel one, input columns of a
+                # row-parallel one, whose all_reduce then sums the adapter's parts too
+                row_parallel = isinstance(linear, RowParallelLinear)
                 lora = LoRALayer(module_shape(config, names[0])[0], [module_shape(config, n)[1] for n in names],
-                                 max_loras, max_lora_rank, model.dtype, model.device, self.step)
-                self._hooks.append(linear.register_forward_hook(lora.hook))
+                                 max_loras, max_lora_rank, model.dtype, model.device, self.step,
+                                 self.tp_rank, self.tp_size, row_parallel)
+                if row_parallel and self.tp_size > 1:
+                    linear.partial_sum_hook = lora.hook
+                else:
+                    self._hooks.append(linear.register_forward_hook(lora.hook))
                 self.layers.append(lora)
                 self.layer_linears[i][self.linear_names[names[0]]] = lora
                 for part, name in enumerate(names):
@@ -77,9 +105,14 @@ class LoRAManager:
         self.slot_loads = 0  # adapters copied into a slot since start
         # slot -> its adapter as the fused CPU decoder takes it (fused_decoder_weights), until the slot is reloaded
         self._fused_weights: dict[int, object] = {}
-        logger.info("LoRA: %d slots of rank %d; decode steps whose rows all use one adapter run the fused CPU decoder "
-                    "where it is on, other steps with an adapter the model's per-module forward (not CUDA graphs)",
-                    max_loras, max_lora_rank)
+        # rank 0 under tensor parallelism: the lora_ids whose weights the workers have (sync_for_workers)
+        self._worker_lora_ids: set[int] = set()
+        if self.tp_rank == 0:  # (the workers' managers follow rank 0's)
+            logger.info("LoRA: %d slots of rank %d; decode steps whose rows all use one adapter run the fused CPU "
+                        "decoder where it is on, other steps with an adapter the model's per-module forward (not CUDA "
+                        "graphs)%s", max_loras, max_lora_rank,
+                        f"; each of the {self.tp_size} ranks holds its shard of every adapter" if self.tp_size > 1
+                        else "")
 
     def add(self, request: LoRARequest) -> LoadedLoRA:
         """Register request's adapter (read from its files unless its lora_int_id is already loaded from the same
@@ -117,11 +150,42 @@ class LoRAManager:
         """The registered adapter named `name`, if any."""
         return next((x for x in self.registry.values() if x.request.lora_name == name), None)
 
+    def assign_slots(self, row_lora_ids: list[int]) -> dict[int, int]:
+        """The slot of each adapter of these rows (lora_id per row, 0: none), putting each into one first."""
+        ids = sorted(set(row_lora_ids) - {0})
+        return {lora_id: self._slot_for(lora_id, ids) for lora_id in ids}
+
+    def sync_for_workers(self, row_lora_ids: list[int]) -> LoRASync | None:
+        """On rank 0 under tensor parallelism, before it broadcasts a step whose rows run with these adapters:
+        put them into slots (the step's prepare then finds them there) and say what the workers' registries and
+        slot tables must become (None when no row has an adapter and none was removed since the last sync)."""
+        slot_of = self.assign_slots(row_lora_ids)
+        added = [self.by_lora_id[i] for i in slot_of if i not in self._worker_lora_ids]
+        removed = sorted(self._worker_lora_ids - self.by_lora_id.keys())
+        if not slot_of and not removed:
+            return None
+        self._worker_lora_ids.difference_update(removed)
+        self._worker_lora_ids.update(loaded.lora_id for loaded in added)
+        return LoRASync(added, removed, dict(self.slots))
+
+    def apply_sync(self, sync: LoRASync) -> None:
+        """On a tensor-parallel worker, before a step: take rank 0's changes (sync_for_workers), so that every
+        adapter sits in the slot it has on rank 0 (this rank's shard of it)."""
+        for lora_id in sync.removed:
+            loaded = self.by_lora_id.pop(lora_id, None)
+            if loaded is not None:
+                self.registry.pop(loaded.request.lora_int_id, None)
+        for loaded in sync.added:
+            self.registry[loaded.request.lora_int_id] = self.by_lora_id[loaded.lora_id] = loaded
+        for lora_id, slot in sync.slots.items():
+            if self.slots.get(lora_id) != slot:
+                self._load(lora_id, slot)
+        self.slots = OrderedDict(sync.slots)
+
     def prepare(self, row_lora_ids: list[int]) -> None:
         """Set the step for a forward whose rows run with these adapters (lora_id per row, 0: none), putting
         each into a slot first."""
-        ids = sorted(set(row_lora_ids) - {0})
-        slot_of = {lora_id: self._slot_for(lora_id, ids) for lora_id in ids}
+        slot_of = self.assign_slots(row_lora_ids)
         slots = [slot_of[i] if i else -1 for i in row_lora_ids]
         device = self.layers[0].lora_a.device
         step = self.step
@@ -174,6 +238,13 @@ class LoRAManager:
             if victim is None:
                 raise RuntimeError(f"a step uses more than max_loras={self.max_loras} adapters")
             slot = self.slots.pop(victim)
+        self._load(lora_id, slot)
+        return slot
+
+    def _load(self, lora_id: int, slot: int) -> None:
+        """Copy adapter lora_id (this rank's shard of it) into slot, in place of the one there."""
+        for other in [i for i, s in self.slots.items() if s == slot]:
+            del self.slots[other]
         adapter = self.by_lora_id[lora_id].adapter
         self._fused_weights.pop(slot, None)
         for layer in self.layers:
@@ -183,4 +254,3 @@ class LoRAManager:
             layer.set_part(slot, part, weights)
         self.slots[lora_id] = slot
         self.slot_loads += 1
-        return slot

@@ -26,6 +26,10 @@ Both take one LoRA adapter for every row (LoRAManager.fused_decoder_weights, Non
 linear adds (x @ A^T) @ B^T to its output as the adapter's forward hook does for a step whose rows all share one
 slot (nanoqwen/lora/layers.py), through the same kernels, so the same logits (tests/lora/test_fused_lora.py). A
 step whose rows use different adapters, or some none, runs the model's per-module forward.
+
+Both read and write the KV cache in place whatever its kv_cache_dtype: bf16, or quantized (int8 or float8 codes and
+their scales, KVCache.k_scale and v_scale, attention/kv_cache.py): attention_inputs stores each new key and value
+as quantize_kv would, paged_decode_attention reads the codes with their scales (tests/ops/cpu/test_kv_cache_kernels.py).
 """
 
 from __future__ import annotations
@@ -126,7 +130,8 @@ class FusedDecoder:
         compute_logits, with the adapter `lora` on every row (LoRAManager.fused_decoder_weights) or none."""
         paged = meta.paged_decode
         return cpu_kernels.decode_model(self.weights, input_ids, meta.positions, kv_cache.k, kv_cache.v,
-                                        meta.slot_mapping, paged.block_tables, paged.context_lens, lora=lora)
+                                        meta.slot_mapping, paged.block_tables, paged.context_lens, lora=lora,
+                                        k_scales=kv_cache.k_scale, v_scales=kv_cache.v_scale)
 
     def greedy_steps(self, input_ids: list[int], context_lens: list[int], block_tables: list[list[int]],
                      stop_token_ids: list[set[int]], num_steps: int, kv_cache: KVCache,
@@ -140,5 +145,6 @@ class FusedDecoder:
         tokens = cpu_kernels.decode_steps(
             self.weights, torch.tensor(input_ids), kv_cache.k, kv_cache.v,
             torch.tensor(block_tables, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32),
-            torch.tensor(stops, dtype=torch.long).view(len(stops), width), num_steps, lora=lora)  # [steps run, M]
+            torch.tensor(stops, dtype=torch.long).view(len(stops), width), num_steps, lora=lora,
+            k_scales=kv_cache.k_scale, v_scales=kv_cache.v_scale)  # [steps run, M]
         return tokens.tolist()

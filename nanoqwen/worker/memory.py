@@ -41,9 +41,12 @@ def available_cpu_memory() -> int:
     return 8 << 30  # unknown: assume a modest machine
 
 
-def kv_cache_blocks(models: list[nn.Module], dtype: torch.dtype, block_size: int, budget: int) -> int:
+def kv_cache_blocks(models: list[nn.Module], dtype: torch.dtype, block_size: int, budget: int,
+                    kv_cache_dtype: str = "auto") -> int:
     """How many KV blocks of block_size tokens `budget` bytes hold for every model in `models` (a target and
-    its draft each keep a cache of the same blocks; a tensor-parallel rank's holds only its heads)."""
-    per_token = sum(KVCache.bytes_per_token(m.config.num_hidden_layers, m.num_kv_heads, m.config.head_dim, dtype)
+    its draft each keep a cache of the same blocks; a tensor-parallel rank's holds only its heads), each cache
+    stored as kv_cache_dtype."""
+    per_token = sum(KVCache.bytes_per_token(m.config.num_hidden_layers, m.num_kv_heads, m.config.head_dim, dtype,
+                                            kv_cache_dtype)
                     for m in models)
     return max(0, budget) // (per_token * block_size)

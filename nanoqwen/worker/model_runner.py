@@ -22,7 +22,7 @@ from nanoqwen.attention.metadata import AttentionMetadata, DecodeRow, PrefillRow
 from nanoqwen.core.scheduler import ScheduledBatch
 from nanoqwen.core.sequence import Sequence
 from nanoqwen.layers.pooler import Pooler
-from nanoqwen.lora.manager import LoRAManager
+from nanoqwen.lora.manager import LoRAManager, LoRASync
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.sample.rejection_sampler import rejection_sample
 from nanoqwen.sample.sampler import BROKEN_ROW, TokenLogprobs, compute_prompt_logprobs, greedy_tokens, sample
@@ -72,6 +72,9 @@ class StepInput:
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
     # each row's LoRA adapter (Sequence.lora_id, 0: none); empty when no row has one
     lora_ids: list[int] = field(default_factory=list)
+    # with tensor parallelism: the LoRA adapters and slots the workers take before this step (rank 0's
+    # LoRAManager.sync_for_workers); None when nothing changed for them
+    lora_sync: LoRASync | None = None
 
 
 class SampledTokens(NamedTuple):
@@ -103,7 +106,7 @@ class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, num_blocks: int, block_size: int, *,
                  max_num_seqs: int = 64, max_model_len: int | None = None,
                  enforce_eager: bool = False, pooler: Pooler | None = None,
-                 lora: LoRAManager | None = None) -> None:
+                 lora: LoRAManager | None = None, kv_cache_dtype: str = "auto") -> None:
         self.model = model
         # the engine's LoRA adapters: a step whose rows have adapters sets them before the forward (lora_ids)
         self.lora = lora
@@ -114,7 +117,8 @@ class ModelRunner:
         c = model.config
         # None: the CPU grouped gather path; "cpu": nanoqwen's kernel reading the CPU cache in place
         self.attention_backend = attention_backend(self.device, block_size, model.dtype,
-                                                   cpu_kernels_on=model.kernels.matmul.gemv)
+                                                   cpu_kernels_on=model.kernels.matmul.gemv,
+                                                   kv_cache_dtype=kv_cache_dtype)
         # Graphs need the paged kernels; on CPU they are never captured
         # (NANOQWEN_PAGED_ATTENTION=torch runs the same padded static-buffer steps eagerly there,
         # for tests). Not with tensor parallelism (yet): its collectives would have to be captured
@@ -129,7 +133,7 @@ class ModelRunner:
         # keys/values there.
         self.kv_cache = KVCache(c.num_hidden_layers, num_blocks + use_runner, block_size,
                                 model.num_kv_heads, c.head_dim, model.dtype,
-                                self.device)
+                                self.device, kv_cache_dtype)
         # made since the last step, for the other ranks
         self._block_copies: list[tuple[int, int]] = []
         # computed since the engine last took them (take_prompt_logprobs); rank 0 only
@@ -319,6 +323,8 @@ class ModelRunner:
             return logits
         if self.model.tp_size > 1:
             step.block_copies, self._block_copies = self._block_copies, []
+            if self.lora is not None:  # every rank runs each row's adapter from the same slot
+                step.lora_sync = self.lora.sync_for_workers(step.lora_ids)
             distributed.broadcast_object(step)  # the workers run the same forward on their shards
         return self.run_model(step)
 

@@ -9,7 +9,8 @@ rank 0 is done. A worker:
   2. receives what to load (LoadModel) and loads only its shard of the weights,
   3. receives the KV-cache size rank 0 decided (KVCacheSize), so every rank has the same blocks
      (each holding its heads),
-  4. runs the forward of every StepInput rank 0 broadcasts, until it receives None (stop).
+  4. runs the forward of every StepInput rank 0 broadcasts, until it receives None (stop); with LoRA
+     adapters a step first brings the adapters and slots that changed (StepInput.lora_sync).
 
 Failures never hang rank 0: a worker that raises (out of memory, a bug) reports its error over a
 pipe (WorkerFailed) and exits; a killed worker just exits. Rank 0's next collective then fails at
@@ -38,6 +39,7 @@ import torch
 
 import nanoqwen.distributed as distributed
 from nanoqwen.errors import ConfigError, EngineDeadError
+from nanoqwen.lora.manager import LoRAManager
 from nanoqwen.model_loader.loader import load_config
 from nanoqwen.quantization import weight_bytes
 from nanoqwen.worker.loading import load_model_with_kernels
@@ -58,6 +60,9 @@ class LoadModel:
     max_model_len: int
     enforce_eager: bool = False
     quantization: str | None = None
+    # LoRA adapters (nanoqwen/lora/): the slots and their rank, as rank 0's LoRAManager has them (0: no adapters)
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
 
 @dataclass
@@ -66,6 +71,7 @@ class KVCacheSize:
 
     num_blocks: int
     block_size: int
+    kv_cache_dtype: str = "auto"
 
 
 # ---- a worker's reports to rank 0, over its pipe
@@ -379,9 +385,12 @@ def run_worker(rank: int, size: int, device: torch.device, model_dir: Path | Non
     kv: KVCacheSize | None = distributed.broadcast_object()
     if kv is None:
         return
-    num_blocks, block_size = kv.num_blocks, kv.block_size
-    runner = ModelRunner(model, num_blocks, block_size)
+    # this rank's shard of every adapter, in the slots rank 0 chooses (StepInput.lora_sync)
+    lora = LoRAManager(model, load.max_loras, load.max_lora_rank) if load.max_loras else None
+    runner = ModelRunner(model, kv.num_blocks, kv.block_size, kv_cache_dtype=kv.kv_cache_dtype, lora=lora)
     distributed.gather_objects(weight_bytes(model))  # ready, and what this rank holds
     while (step := distributed.broadcast_object()) is not None:
+        if step.lora_sync is not None:  # adapters rank 0 added or removed, and its slots
+            lora.apply_sync(step.lora_sync)
         runner.run_model(step)
 

@@ -151,6 +151,20 @@ def test_tp2_with_the_gpu_decode_attention(case_dir, monkeypatch):
         assert got[key] == expected[key], key
 
 
+def test_tp2_with_a_quantized_kv_cache(case_dir):
+    """kv_cache_dtype int8: each rank stores its heads' codes and scales (a scale per token and kv head, so the
+    same as TP=1's for those heads)."""
+    path = case_dir("gqa2-untied")
+    expected = run_all(make_llm(path, kv_cache_dtype="int8"))
+    with tp_llm(path, kv_cache_dtype="int8") as llm:
+        assert llm.llm_engine.runner.kv_cache.k.dtype == torch.int8
+        got = run_all(llm)
+    for key in ("batch", "again", "forks"):
+        assert got[key] == expected[key], key
+    for a, b in zip(got["logprobs"], expected["logprobs"], strict=True):  # (a bf16-cache rank would move them)
+        assert a == pytest.approx(b, abs=1e-4)
+
+
 def test_tp2_under_preemption_and_chunked_prefill(checkpoint):
     """A KV pool too small for the batch (preemptions) and 3-token steps (chunked prefill) on both
     ranks."""

@@ -209,7 +209,7 @@ class FakeLLM:
     def get_tokenizer(self) -> FakeTokenizer:
         return self.tokenizer
 
-    def stream(self, prompt, params):
+    def stream(self, prompt, params, lora_request=None):
         text = ""
         try:
             for i, delta in enumerate(self.deltas):

@@ -361,3 +361,23 @@ def test_mixed_adapter_steps_leave_the_fused_cpu_decoder(checkpoint, tmp_path, n
     finally:
         runner.fused_decoder = fused
     assert mixed == reference and mixed[0] != base_alone
+
+
+def test_cli_lora_flag_answers_with_the_adapter(base, adapters, llm):
+    """`nanoqwen generate --lora PATH` (llama.cpp's flag): --enable-lora and the adapter's rank come with it, and
+    the answer is LLM.generate's with that adapter (not the base model's)."""
+    from conftest import run_cli
+
+    name = "r4-all-seven"
+    params = SamplingParams(temperature=0, max_tokens=6)
+    text = "Hello there"
+    expected = llm.generate([text], params, lora_request=request(adapters, name), use_tqdm=False)[0].outputs[0].text
+    base_text = llm.generate([text], params, use_tqdm=False)[0].outputs[0].text
+    assert expected != base_text
+    r = run_cli("generate", "--model", str(base), "--dtype", "float32", "--lora", str(adapters[name]),
+                "--prompt", text, "--no-chat-template", "--temperature", "0", "--max-tokens", "6",
+                "--kv-cache-memory", "8MiB", "--max-model-len", "128", "--block-size", "4", "-q")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected + "\n"
+    bad = run_cli("generate", "--model", str(base), "--lora", str(base), "--prompt", "x", "-q")
+    assert bad.returncode == 1 and "no adapter_config.json" in bad.stderr

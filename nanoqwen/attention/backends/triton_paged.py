@@ -7,7 +7,8 @@ block table, and keeps an online softmax (running max, running sum of exponentia
 values) in float32. The G query heads are padded to 16 rows so both products run as `tl.dot` (the
 tensor cores' smallest tile); the padding rows are zeros and never stored. A row with context_len 0
 (a CUDA-graph padding row) runs no iteration and stores zeros. Float32 caches use exact (IEEE)
-products rather than tf32.
+products rather than tf32. A quantized cache (int8 or float8 codes with a float32 scale per token and kv
+head, nanoqwen/attention/kv_cache.py) is read as codes * scale, rounded to the query's dtype for the products.
 
 Run on CPU tensors with TRITON_INTERPRET=1 set before this module is imported
 (tests/attention/test_paged_attention.py).
@@ -22,12 +23,14 @@ import triton.language as tl
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale, k_scale_ptr, v_scale_ptr,
     stride_qb, stride_qh,  # q [B, Hq, D]; D contiguous
     stride_ob, stride_oh,  # out [B, Hq, D]; D contiguous
     stride_kb, stride_ks, stride_kh,  # k_cache [num_blocks, block_size, Hkv, D]; D contiguous
     stride_vb, stride_vs, stride_vh,  # v_cache likewise
     stride_tb,  # block_tables [B, max_blocks]
+    stride_sb, stride_ss,  # k_scale, v_scale [num_blocks, block_size, Hkv] (QUANTIZED only); Hkv contiguous
+    QUANTIZED: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -57,6 +60,12 @@ def _paged_decode_kernel(
         v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
                     + kv_head * stride_vh + d[None, :],
                     mask=kv_mask, other=0.0)
+        if QUANTIZED:  # codes * their token's scale, in the query's dtype
+            scale_at = block * stride_sb + offset * stride_ss + kv_head
+            ks = tl.load(k_scale_ptr + scale_at, mask=ok, other=0.0)  # [BLOCK_N]
+            vs = tl.load(v_scale_ptr + scale_at, mask=ok, other=0.0)
+            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
         if IEEE:  # float32 caches: exact products, not tf32
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -81,10 +90,11 @@ def _paged_decode_kernel(
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float, out: torch.Tensor | None = None,
+                                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                                   block_n: int = 64) -> torch.Tensor:
-    """q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
-    block_tables [B, max_blocks] int32; context_lens [B] int32 -> [B, Hq, D] (written into out when
-    given)."""
+    """q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (for a quantized cache: codes, with
+    k_scale, v_scale [num_blocks, block_size, Hkv]); block_tables [B, max_blocks] int32; context_lens [B] int32
+    -> [B, Hq, D] (written into out when given)."""
     b, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -93,12 +103,18 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
     group = hq // hkv
+    quantized = k_scale is not None
+    if not quantized:  # (never read)
+        k_scale = v_scale = context_lens
+    elif not (k_scale.is_contiguous() and v_scale.is_contiguous()):
+        raise ValueError("k_scale and v_scale must be contiguous")
     _paged_decode_kernel[(b, hkv)](
-        q, k_cache, v_cache, out, block_tables, context_lens, scale,
+        q, k_cache, v_cache, out, block_tables, context_lens, scale, k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
+        k_scale.stride(0) if quantized else 0, k_scale.stride(1) if quantized else 0, QUANTIZED=quantized,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         DIM_PAD=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32,

@@ -50,6 +50,14 @@ per step that is more time than the matmuls' of a 4-bit model (bench/bench_decod
 computes what its reference in models/qwen3.py or attention/backends/paged.py computes, rounding where it rounds
 (tests/ops/cpu/test_kernels.py).
 
+`attention_inputs` and `paged_decode_attention` (so `decode_model` and `decode_steps`) also take a quantized KV
+cache (kv_cache_dtype int8, fp8_e4m3, fp8_e5m2: attention/kv_cache.py's codes and float32 scales, one a token and
+kv head) in place: the new keys and values are stored as quantize_kv stores them, to the bit, and attention widens
+each code to float32 as it reads it (int8 and e5m2 exactly; e4m3 through float16 bits, its value / 256, the 256
+folded into the scale), a score's key scale applied after its dot product and a value's scale folded into its
+softmax weight (tests/ops/cpu/test_kv_cache_kernels.py). Half the bytes of a bf16 cache to read, the same
+arithmetic on them.
+
 `available()` says whether the kernels can be used: False where NANOQWEN_CPU_GEMV=0 (read until the kernels
 are loaded), where the CPU lacks AVX2/FMA, or where the build fails (one warning with the reason, then False
 for the rest of the process).
@@ -300,25 +308,35 @@ def loaded() -> bool:
 
 def attention_inputs(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, num_heads: int,
                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> torch.Tensor:
+                     slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """decode_model's step between qkv_proj and attention, for bf16 qkv [M, (Hq + 2 Hkv) D]: q and k through
     rms_norm (per head) and apply_rope, k and v stored at slot_mapping in k_cache, v_cache [blocks, block_size,
-    Hkv, D] -> q [M, Hq, D]; the same bits as those kernels and index_copy_."""
+    Hkv, D] -> q [M, Hq, D]; the same bits as those kernels and index_copy_. A quantized cache (int8 or float8
+    codes, KVCache's k, v for a kv_cache_dtype) with its float32 scales k_scale, v_scale [blocks, block_size, Hkv]
+    gets each head's bf16 k (those bits) and v as attention/kv_cache.py's quantize_kv makes them, to the bit."""
     if _ext is None:
         _require()
-    return _ext.attention_inputs(qkv, q_norm, k_norm, eps, num_heads, cos, sin, k_cache, v_cache, slot_mapping)
+    return _ext.attention_inputs(qkv, q_norm, k_norm, eps, num_heads, cos, sin, k_cache, v_cache, slot_mapping,
+                                 k_scale, v_scale)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """attention/backends/paged.py's paged_decode_attention_reference for bf16 on CPU, reading the cache
     blocks in place: threads take spans of up to 256 positions of a sequence (shorter, down to 32, while a
     sequence has fewer spans than threads), all heads at once (a position's heads lie side by side in the
-    cache), and each sequence's spans are combined as flash decoding combines them."""
+    cache), and each sequence's spans are combined as flash decoding combines them.
+
+    A quantized cache (int8, float8_e4m3fn or float8_e5m2 codes with float32 scales k_scale, v_scale [blocks,
+    block_size, Hkv]: attention/kv_cache.py) is read in place too, each code widened as it is used: the
+    reference's function over the dequantized cache (dequantize_kv), up to float32 rounding, from half the bytes.
+    Another cache dtype, or scales missing or given with a bf16 cache, raises RuntimeError naming them."""
     if _ext is None:
         _require()
-    result = _ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    result = _ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     return result if out is None else out.copy_(result)
 
 
@@ -353,27 +371,31 @@ def decoder_lora_weights(layers: list[object]) -> object:
 
 def decode_model(model: object, input_ids: torch.Tensor, positions: torch.Tensor, k_caches: torch.Tensor,
                  v_caches: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, lora: object | None = None) -> torch.Tensor:
+                 context_lens: torch.Tensor, lora: object | None = None, k_scales: torch.Tensor | None = None,
+                 v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's forward (decoder_model_weights), one C++ call: input_ids [M] at positions [M] -> float32
     logits [M, V]; layer i uses the caches k_caches[i], v_caches[i]. lora: one adapter for every row
-    (decoder_lora_weights), or None."""
+    (decoder_lora_weights), or None. k_scales, v_scales [layers, blocks, block_size, Hkv]: a quantized cache's
+    scales (KVCache.k_scale, v_scale; None for a bf16 cache)."""
     if _ext is None:
         _require()
     return _ext.decode_model(model, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables,
-                             context_lens, lora)
+                             context_lens, lora, k_scales, v_scales)
 
 
 def decode_steps(model: object, input_ids: torch.Tensor, k_caches: torch.Tensor, v_caches: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, stop_token_ids: torch.Tensor,
-                 num_steps: int, lora: object | None = None) -> torch.Tensor:
+                 num_steps: int, lora: object | None = None, k_scales: torch.Tensor | None = None,
+                 v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Up to num_steps greedy decode steps (decoder_model_weights), one C++ call: step s feeds each row's token from
     step s - 1 at position context_lens - 1 + s (context_lens [M] int32: step 0's) and takes its logits' argmax;
     stops early once every row has produced one of its stop_token_ids [M, S] (int64, -1 pads). block_tables [M, W]
-    must cover the last step's position. lora: as decode_model's. -> the tokens [steps run, M] int64."""
+    must cover the last step's position. lora, k_scales, v_scales: as decode_model's. -> the tokens [steps run, M]
+    int64."""
     if _ext is None:
         _require()
     return _ext.decode_steps(model, input_ids, k_caches, v_caches, block_tables, context_lens, stop_token_ids,
-                             num_steps, lora)
+                             num_steps, lora, k_scales, v_scales)
 
 
 def _require() -> None:

@@ -7,8 +7,8 @@
 //                   prefill_attention: a prompt chunk's attention, its two products through the same kernel
 //   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill)
 //   decode_ops.cpp  rms_norm, add_rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a
-//                   decode step's rest; argmax: the sampler's greedy choice; top_p_threshold, exponential_race:
-//                   its top-p filter and its draw
+//                   decode step's rest (a bf16 KV cache, or int8 / float8 codes with their scales); argmax: the
+//                   sampler's greedy choice; top_p_threshold, exponential_race: its top-p filter and its draw
 //   module.cpp      decode_model (a decode step's whole forward in one call) and the Python bindings
 #pragma once
 
@@ -337,9 +337,12 @@ at::Tensor exponential_race(const at::Tensor& probs, const std::optional<at::Ten
 at::Tensor attention_inputs(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
                             double eps, int64_t num_heads, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slot_mapping);
+                            const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale = std::nullopt,
+                            const std::optional<at::Tensor>& v_scale = std::nullopt);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale);
+                                  const at::Tensor& context_lens, double scale,
+                                  const std::optional<at::Tensor>& k_scale = std::nullopt,
+                                  const std::optional<at::Tensor>& v_scale = std::nullopt);
 
 }  // namespace nanoqwen

@@ -143,11 +143,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const at::T
                                                 double next_eps, const at::Tensor& cos, const at::Tensor& sin,
                                                 const at::Tensor& k_cache, const at::Tensor& v_cache,
                                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                                const at::Tensor& context_lens, const DecoderLayerLoRA& lora) {
+                                                const at::Tensor& context_lens, const DecoderLayerLoRA& lora,
+                                                const std::optional<at::Tensor>& k_scale,
+                                                const std::optional<at::Tensor>& v_scale) {
   const int64_t M = x.size(0), D = k_cache.size(3), q_size = w.num_heads * D;
   at::Tensor qkv = linear_with_lora(x_normed, w.qkv_proj, lora.qkv_proj);  // [M, (Hq + 2 Hkv) D]
-  at::Tensor q = attention_inputs(qkv, w.q_norm, w.k_norm, w.eps, w.num_heads, cos, sin, k_cache, v_cache, slot_mapping);
-  at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0 / std::sqrt(double(D)));
+  at::Tensor q = attention_inputs(qkv, w.q_norm, w.k_norm, w.eps, w.num_heads, cos, sin, k_cache, v_cache, slot_mapping,
+                                  k_scale, v_scale);
+  at::Tensor attn = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 1.0 / std::sqrt(double(D)),
+                                           k_scale, v_scale);
   const auto [h, h_normed] = add_rms_norm(x, linear_with_lora(attn.view({M, q_size}), w.o_proj, lora.o_proj),
                                           w.post_norm, w.eps);
   const at::Tensor gate_up = linear_with_lora(h_normed, w.gate_up_proj, lora.gate_up_proj);
@@ -157,7 +161,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const at::T
 // A decode step's forward to the LM head's bf16 output [M, V] (decode_model below says what it takes).
 at::Tensor decode_logits(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& positions,
                          const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& slot_mapping,
-                         const at::Tensor& block_tables, const at::Tensor& context_lens, const DecoderLoRAWeights* lora) {
+                         const at::Tensor& block_tables, const at::Tensor& context_lens, const DecoderLoRAWeights* lora,
+                         const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales) {
   const auto& layers = model.layers;
   static const DecoderLayerLoRA no_lora;
   TORCH_CHECK(lora == nullptr || lora->layers.size() == layers.size(), "the adapter has ",
@@ -166,6 +171,13 @@ at::Tensor decode_logits(const DecoderModelWeights& model, const at::Tensor& inp
               "k_caches and v_caches must be [", layers.size(), ", blocks, block_size, Hkv, D], got ", k_caches.sizes(),
               " and ", v_caches.sizes());
   TORCH_CHECK(!layers.empty(), "a model without decoder layers");
+  for (const auto* scales : {&k_scales, &v_scales})
+    TORCH_CHECK(!scales->has_value() || ((*scales)->dim() == 4 && (*scales)->size(0) == k_caches.size(0)),
+                "k_scales and v_scales must be [", layers.size(), ", blocks, block_size, Hkv], got ",
+                (*scales)->sizes());
+  auto layer_of = [](const std::optional<at::Tensor>& t, int64_t i) {  // layer i's scales, if the cache has them
+    return t.has_value() ? std::optional<at::Tensor>((*t)[i]) : std::nullopt;
+  };
   const RecycledOutputs recycled(input_ids.numel());  // the kernels' outputs: the last step's (cpu_kernels.h)
   at::Tensor x = embed_rows(model.embed, input_ids);  // [M, H]
   at::Tensor x_normed = rms_norm(x, layers[0].input_norm, layers[0].eps);
@@ -176,7 +188,8 @@ at::Tensor decode_logits(const DecoderModelWeights& model, const at::Tensor& inp
     std::tie(x, x_normed) = decode_layer(x, x_normed, layers[i], last ? model.norm : layers[i + 1].input_norm,
                                          last ? model.eps : layers[i + 1].eps, cos, sin, k_caches[i], v_caches[i],
                                          slot_mapping, block_tables, context_lens,
-                                         lora == nullptr ? no_lora : lora->layers[i]);
+                                         lora == nullptr ? no_lora : lora->layers[i], layer_of(k_scales, i),
+                                         layer_of(v_scales, i));
   }
   return linear(x_normed, model.lm_head);  // [M, V]: the final norm's output through the LM head
 }
@@ -187,11 +200,15 @@ at::Tensor decode_logits(const DecoderModelWeights& model, const at::Tensor& inp
 // [M, V], as Qwen3ForCausalLM's forward and compute_logits give them on this path (the embedding's rows, cos and
 // sin cast to bf16 as RotaryEmbedding casts them, the layers, the final norm, the LM head). Layer i uses the
 // caches k_caches[i], v_caches[i] ([layers, blocks, block_size, Hkv, D]); the rest is shared by all layers. lora: one
-// adapter for every row (DecoderLoRAWeights), or none (nullptr: the base model).
+// adapter for every row (DecoderLoRAWeights), or none (nullptr: the base model). A quantized cache (int8 or float8
+// codes: nanoqwen/attention/kv_cache.py) comes with its scales k_scales, v_scales [layers, blocks, block_size, Hkv]
+// (none for bf16), layer i's read and written by attention_inputs and paged_decode_attention in place.
 at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& positions,
                         const at::Tensor& k_caches, const at::Tensor& v_caches, const at::Tensor& slot_mapping,
-                        const at::Tensor& block_tables, const at::Tensor& context_lens, const DecoderLoRAWeights* lora) {
-  return decode_logits(model, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables, context_lens, lora)
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, const DecoderLoRAWeights* lora,
+                        const std::optional<at::Tensor>& k_scales, const std::optional<at::Tensor>& v_scales) {
+  return decode_logits(model, input_ids, positions, k_caches, v_caches, slot_mapping, block_tables, context_lens, lora,
+                       k_scales, v_scales)
       .to(at::kFloat);
 }
 
@@ -203,11 +220,13 @@ at::Tensor decode_model(const DecoderModelWeights& model, const at::Tensor& inpu
 // context length - 1). Stops after the step where every row has produced one of its stop_token_ids [M, S] (-1 pads
 // a row's list): their sequences are finished. A row whose logits leave nothing to pick (the argmax's logit is
 // NaN or infinite: the sampler's BROKEN_ROW) gets -1 as its token, which ends it too; it is fed token 0 after
-// that, and what it then makes is dropped. lora: as decode_model's. Returns the tokens [steps run, M] int64.
+// that, and what it then makes is dropped. lora, k_scales, v_scales: as decode_model's. Returns the tokens [steps
+// run, M] int64.
 at::Tensor decode_steps(const DecoderModelWeights& model, const at::Tensor& input_ids, const at::Tensor& k_caches,
                         const at::Tensor& v_caches, const at::Tensor& block_tables_in,
                         const at::Tensor& context_lens_in, const at::Tensor& stop_token_ids_in, int64_t num_steps,
-                        const DecoderLoRAWeights* lora) {
+                        const DecoderLoRAWeights* lora, const std::optional<at::Tensor>& k_scales,
+                        const std::optional<at::Tensor>& v_scales) {
   const int64_t M = input_ids.numel(), block_size = k_caches.size(2);
   const at::Tensor block_tables = block_tables_in.contiguous(), stops = stop_token_ids_in.contiguous();
   TORCH_CHECK(num_steps >= 1, "num_steps must be >= 1, got ", num_steps);
@@ -238,7 +257,7 @@ at::Tensor decode_steps(const DecoderModelWeights& model, const at::Tensor& inpu
       slots[m] = int64_t(tables[m * W + pos[m] / block_size]) * block_size + pos[m] % block_size;
     }
     const at::Tensor logits = decode_logits(model, ids, positions, k_caches, v_caches, slot_mapping, block_tables,
-                                            context_lens, lora);  // [M, V] bf16
+                                            context_lens, lora, k_scales, v_scales);  // [M, V] bf16
     ids = nanoqwen::argmax(logits);  // [M]: each row's next token
     const at::Tensor chosen = logits.gather(1, ids.unsqueeze(1)).to(at::kFloat);  // [M, 1]: its logit
     const float* value = chosen.data_ptr<float>();
@@ -329,10 +348,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_inputs", &attention_inputs, "q, k normed and rotated, k and v stored: decode_layer's step "
         "between qkv_proj and attention", py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
         py::arg("num_heads"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>());
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention reading the paged KV cache in place",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        py::arg("slot_mapping"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention reading the paged KV cache in place "
+        "(bf16, or int8 / float8 codes with their scales)", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
   // (module_local: two builds of this extension in one process each keep their own)
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", "a decoder layer's weights as decode_model takes them",
                                   py::module_local())
@@ -371,11 +392,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_model", &decode_model, "a decode step's forward, input ids to float32 logits, one call a step "
         "(see worker/fused_decoder.py)", py::arg("model"), py::arg("input_ids"), py::arg("positions"), py::arg("k_caches"),
         py::arg("v_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("lora") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("lora") = py::none(), py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("decode_steps", &decode_steps, "greedy decode steps, several in one call: the tokens [steps run, M] "
         "(see worker/fused_decoder.py)", py::arg("model"), py::arg("input_ids"), py::arg("k_caches"), py::arg("v_caches"),
         py::arg("block_tables"), py::arg("context_lens"), py::arg("stop_token_ids"),
-        py::arg("num_steps"), py::arg("lora") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("num_steps"), py::arg("lora") = py::none(), py::arg("k_scales") = py::none(),
+        py::arg("v_scales") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 + FMA kernels (else the scalar loops)");
   m.def("has_vnni", &has_vnni, "whether int4_gemv's integer dot products use AVX-512 VNNI (else AVX2)");
   m.def("has_bf16_dot", &has_bf16_dot,

@@ -1,0 +1,216 @@
+"""Long contexts on CPU: prompt processing and batch-1 decode at 1k, 4k and 16k tokens (32k with --lengths),
+nanoqwen with each KV cache type (kv_cache_dtype) against llama.cpp with an f16 and a q8_0 cache (flash attention
+on), on the same weights.
+
+    python bench/bench_long_context.py [--lengths 1024 4096 16384 32768] [--write]
+
+Systems (each in a process of its own, one after the other, all threads):
+- nanoqwen on the bf16 checkpoint with kv_cache_dtype auto (bf16), int8 and fp8_e4m3, and with int4 weights and an
+  int8 cache;
+- llama.cpp (llama-cpp-python, built as bench/bench_llamacpp.py's docstring says, whose GGUF files it reuses) on
+  the bf16 GGUF with an f16 cache and with a q8_0 cache, and on the q4_0 GGUF with a q8_0 cache.
+
+At each length L, a system processes a fresh prompt of L tokens (nanoqwen: generate 1 token, its default chunked
+prefill of 2048-token steps; llama.cpp: one `eval`, batch 512), then decodes 32 tokens after it (nanoqwen: a
+generate of 33 tokens minus one of 1 on the same prompt, both served from its prefix cache; llama.cpp: 32 one-token
+`eval` calls). Each figure is the best of --repeats. The decode bound is the read bandwidth (bench_llamacpp's
+ReadBandwidth: the higher of its two readings, just before the timing) over the bytes one step reads: the weights
+(nanoqwen: every matrix once; llama.cpp: the file's tensors) and the keys and values of the L + 16 positions (on
+average) it attends to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_llamacpp  # noqa: E402  (its GGUF files and llama.cpp build)
+import bench_model  # noqa: E402  (its checkpoint, bandwidth and BENCHMARKS.md writer)
+
+DECODE_TOKENS = 32
+SYSTEMS = {  # name: (engine, weights, cache)
+    "nanoqwen bf16, cache bf16": ("nanoqwen", None, "auto"),
+    "nanoqwen bf16, cache int8": ("nanoqwen", None, "int8"),
+    "nanoqwen bf16, cache fp8_e4m3": ("nanoqwen", None, "fp8_e4m3"),
+    "nanoqwen int4, cache int8": ("nanoqwen", "int4", "int8"),
+    "llama.cpp bf16, cache f16": ("llama", "bf16", "f16"),
+    "llama.cpp bf16, cache q8_0": ("llama", "bf16", "q8_0"),
+    "llama.cpp q4_0, cache q8_0": ("llama", "q4_0", "q8_0"),
+}
+# bytes a cached value takes: llama.cpp's q8_0 holds 32 values in 34 bytes
+LLAMA_CACHE_BYTES = {"f16": 2.0, "q8_0": 34 / 32}
+
+
+def load_nanoqwen(model_dir: str, quantization: str | None, cache: str, max_len: int):
+    """(prefill(prompt) -> s, decode(prompt) -> s, facts) for nanoqwen in this process."""
+    import torch
+
+    from nanoqwen import LLM, SamplingParams
+    from nanoqwen.attention.kv_cache import KVCache
+    from nanoqwen.layers.linear import Linear
+    from nanoqwen.quantization import weight_bytes
+
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    per_token = KVCache.bytes_per_token(c["num_hidden_layers"], c["num_key_value_heads"], c["head_dim"],
+                                        torch.bfloat16, cache)
+    llm = LLM(model_dir, dtype="bfloat16", device="cpu", quantization=quantization, kv_cache_dtype=cache,
+              max_model_len=max_len, kv_cache_memory=int(per_token * (max_len + 64) * 1.05))
+
+    def run(prompt: list[int], n: int) -> float:
+        start = time.perf_counter()
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        seconds = time.perf_counter() - start
+        if len(out[0].outputs[0].token_ids) != n:
+            sys.exit(f"nanoqwen made {len(out[0].outputs[0].token_ids)} of {n} tokens")
+        return seconds
+
+    def decode(prompt: list[int]) -> float:  # its blocks cached by the prefill before
+        return run(prompt, 1 + DECODE_TOKENS) - run(prompt, 1)
+
+    model = llm.llm_engine.model
+    weights = sum(weight_bytes(m) for m in model.modules() if isinstance(m, Linear))
+    facts = {"step_weight_bytes": weights, "kv_bytes_per_token": per_token, "kernels": llm.llm_engine.kernel_path}
+    return lambda prompt: run(prompt, 1), decode, facts
+
+
+def load_llama(gguf: str, cache: str, max_len: int):
+    """As load_nanoqwen, for llama.cpp on one GGUF file with flash attention and a cache of `cache` type."""
+    import llama_cpp
+
+    ggml_type = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}[cache]
+    threads = os.cpu_count() or 1
+    llm = llama_cpp.Llama(gguf, n_ctx=max_len + 64, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads, flash_attn=True, type_k=ggml_type, type_v=ggml_type,
+                          verbose=False)
+    meta = llm.metadata
+    arch = meta["general.architecture"]
+    per_token = (2 * int(meta[f"{arch}.block_count"]) * int(meta[f"{arch}.attention.head_count_kv"])
+                 * int(meta[f"{arch}.attention.key_length"]) * LLAMA_CACHE_BYTES[cache])
+
+    def prefill(prompt: list[int]) -> float:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        return time.perf_counter() - start
+
+    def decode(prompt: list[int]) -> float:  # after prefill(prompt): the cache holds it
+        start = time.perf_counter()
+        for i in range(DECODE_TOKENS):
+            llm.eval([1000 + i])
+        return time.perf_counter() - start
+
+    facts = {"step_weight_bytes": bench_llamacpp.gguf_tensor_bytes(Path(gguf)), "kv_bytes_per_token": per_token}
+    return prefill, decode, facts
+
+
+def child(system: str, model: str, lengths: list[int], repeats: int) -> None:
+    """Time one system at every length; print one JSON line of results."""
+    engine, weights, cache = SYSTEMS[system]
+    max_len = max(lengths) + DECODE_TOKENS + 16
+    if engine == "nanoqwen":
+        prefill, decode, facts = load_nanoqwen(model, weights, cache, max_len)
+    else:
+        prefill, decode, facts = load_llama(model, cache, max_len)
+    bandwidth = bench_llamacpp.ReadBandwidth()
+    rows = []
+    prefill(bench_model.prompts(1, 64)[0])  # warm-up
+    decode(bench_model.prompts(1, 64)[0])
+    for length in lengths:
+        best_prefill = best_decode = float("inf")
+        read = 0.0
+        for r in range(repeats):
+            prompt = [1000 + (7 * i + 13 * r + length) % 50000 for i in range(length)]  # fresh: no cache hits
+            best_prefill = min(best_prefill, prefill(prompt))
+            read = max(read, *(x for x in bandwidth() if x is not None))
+            best_decode = min(best_decode, decode(prompt))
+        step_bytes = facts["step_weight_bytes"] + facts["kv_bytes_per_token"] * (length + DECODE_TOKENS / 2)
+        rows.append({"length": length, "prefill_tok_s": length / best_prefill,
+                     "decode_tok_s": DECODE_TOKENS / best_decode, "bound_tok_s": read * 1e9 / step_bytes,
+                     "bandwidth_gb_s": read, "step_bytes": step_bytes})
+    facts["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print("RESULT " + json.dumps({"facts": facts, "rows": rows}), flush=True)
+
+
+def run_child(system: str, model: str, lengths: list[int], repeats: int, env: dict) -> dict | None:
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run([sys.executable, __file__, "--child", system, "--model", model, "--repeats",
+                               str(repeats), "--lengths", *map(str, lengths)],
+                              stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+        err.seek(0)
+        print(f"{system} failed:\n{err.read()[-3000:]}", file=sys.stderr)
+        return None
+
+
+def table(results: dict[str, dict], lengths: list[int]) -> str:
+    lines = ["| context | system | prefill tok/s | decode tok/s | decode bound tok/s | of bound | KV bytes a token |",
+             "|---|---|---|---|---|---|---|"]
+    for length in lengths:
+        for system, result in results.items():
+            row = next(r for r in result["rows"] if r["length"] == length)
+            lines.append(f"| {length:,} | {system} | {row['prefill_tok_s']:.0f} | {row['decode_tok_s']:.1f} | "
+                         f"{row['bound_tok_s']:.1f} | {row['decode_tok_s'] / row['bound_tok_s']:.0%} | "
+                         f"{result['facts']['kv_bytes_per_token'] / 1024:.1f} KiB |")
+    lines += ["", "Peak memory of each system's process (resident, all lengths): " + "; ".join(
+        f"{system} {result['facts']['peak_rss_bytes'] / 2**30:.2f} GiB" for system, result in results.items()) + "."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model folder (default: bench_model's random Qwen3-0.6B)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--repeats", type=int, default=2, help="timings per figure (the best counts)")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS), metavar="SYSTEM")
+    parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.model, args.lengths, args.repeats)
+    model_dir = Path(args.model) if args.model else bench_model.DEFAULT_DIR
+    bench_model.ensure_checkpoint(model_dir)
+    llama_wanted = any(SYSTEMS[s][0] == "llama" for s in args.systems)
+    files = {}
+    if llama_wanted:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            sys.exit("llama-cpp-python is not installed (bench/bench_llamacpp.py's docstring says how), or leave "
+                     "the llama.cpp systems out with --systems")
+        files = bench_llamacpp.gguf_files(model_dir)
+    results = {}
+    for system in args.systems:
+        engine, weights, _ = SYSTEMS[system]
+        model = str(model_dir) if engine == "nanoqwen" else str(files[weights])
+        print(f"timing {system} ...", file=sys.stderr, flush=True)
+        result = run_child(system, model, args.lengths, args.repeats, dict(os.environ))
+        if result is not None:
+            results[system] = result
+            print(json.dumps(result), file=sys.stderr)
+    if not results:
+        sys.exit("no system ran")
+    instructions = bench_llamacpp.llama_instructions() if llama_wanted else []
+    body = (f"### Long contexts: nanoqwen's KV cache types vs llama.cpp's, CPU\n\n"
+            f"`{bench_model.command_line('bench_long_context.py', sys.argv[1:])}` on "
+            f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}; "
+            f"llama.cpp (flash attention on) built for: {' '.join(instructions) or '-'}. "
+            f"{os.cpu_count()} threads; the best of {args.repeats} timings; the decode bound as the script's "
+            "docstring says (weights and the cached keys and values read once a step).\n\n"
+            f"{bench_model.machine_line('cpu')}\n\n" + table(results, args.lengths))
+    print(body)
+    if args.write:
+        bench_model.write_benchmarks(bench_model.section_name("bench_long_context", "cpu"), body)
+
+
+if __name__ == "__main__":
+    main()
