@@ -129,8 +129,11 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs
                 path: MatmulPath, *supers: torch.Tensor) -> torch.Tensor:
     """x @ W4.T: nanoqwen's int4 kernel for bf16 rows on CPU (any number of them: one function for every
     step), else W4 unpacked block by block (module docstring). The kernel is used whatever the CPU's matmul
-    path: torch has no int4 kernel that reads near the bandwidth."""
+    path: torch has no int4 kernel that reads near the bandwidth; from the path's int4_amx_min_rows rows on it
+    computes on AMX tiles (int4_amx, the same bits as its panels)."""
     if x.device.type == "cpu" and x.dtype == torch.bfloat16 and cpu_kernels.available():
+        if path.int4_amx_min_rows:
+            return cpu_kernels.int4_gemv(x, packed, scale, offset, *supers, amx_min_rows=path.int4_amx_min_rows)
         return cpu_kernels.int4_gemv(x, packed, scale, offset, *supers)
     return int4_dequantized_linear(x, packed, scale, offset, torch.float32 if path.upcast_16bit(x) else None,
                                    *supers)

@@ -41,10 +41,15 @@ def compile_flags() -> list[str]:
     if missing:
         raise RuntimeError(f"this CPU lacks {' and '.join(missing).upper()} (or /proc/cpuinfo is unreadable)")
     cflags = ["-O3", "-fopenmp", "-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in flags else [])
-    limited = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2")
-    if "avx512vl" in flags and not limited:  # AVX-512 instructions on 256-bit vectors, where the CPU has them
+    if "avx512vl" in flags and not limited_to_avx2():  # AVX-512 instructions on 256-bit vectors, where the CPU has them
         cflags += ["-mavx512vl"] + [f"-mavx512{isa}" for isa in ("vnni", "bf16") if f"avx512_{isa}" in flags]
     return cflags
+
+
+def limited_to_avx2() -> bool:
+    """Whether this process measures an AVX2-only CPU's speed (ATEN_CPU_CAPABILITY=avx2 or default): the kernels are
+    then built without AVX-512 and run without AMX tiles."""
+    return os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2")
 
 
 def build_digest() -> str:

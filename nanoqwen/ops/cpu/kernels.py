@@ -75,6 +75,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from functools import partial
 from types import ModuleType
 
 import torch
@@ -219,15 +220,44 @@ def int8_group_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offse
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-              *supers: torch.Tensor) -> torch.Tensor:
+              *supers: torch.Tensor, amx_min_rows: int = 0) -> torch.Tensor:
     """y = x' @ W.T for bf16 x [..., K] and int4 W (packed [N, K/2], scale and offset [N, K/G]: bf16 or float32, or
     uint8 with supers = (super_scale, super_offset) float32 [N, K/(8G)]: two levels); y bf16 [..., N].
     x' is x quantised to int8 in blocks of W's group size (int4_gemv_reference): the dot products are integer
     ones. Any number of rows: up to 8 stream the weights (decode), more go through int4_gemm's panels
-    (prefill)."""
+    (prefill); from amx_min_rows rows on (0: never) int4_amx's tiles, where amx_int8_available()."""
     if _ext is None:
         _require()
-    return _int4(_ext.int4_gemv, x, packed, scale, offset, *supers)
+    if amx_min_rows <= 0:
+        return _int4(_ext.int4_gemv, x, packed, scale, offset, *supers)
+    # (the extension checks the tiles are there; the selection sets amx_min_rows only where amx_int8_available())
+    return _int4(partial(_ext.int4_gemv, amx_min_rows=amx_min_rows), x, packed, scale, offset, *supers)
+
+
+def int4_amx(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+             *supers: torch.Tensor) -> torch.Tensor:
+    """int4_gemm's product on AMX tiles (csrc/amx.cpp: a group of 16 rows of x times 16 weight rows is one tdpbsud),
+    whatever the row count: the same bits as int4_gemm. Needs amx_int8_available() and a group size of at most 64
+    or a multiple of 64."""
+    if not amx_int8_available():
+        raise RuntimeError("int4_amx needs AMX-INT8 tiles: this CPU has none, Linux did not grant them, or "
+                           "ATEN_CPU_CAPABILITY limits it to AVX2")
+    return _int4(_ext.int4_amx, x, packed, scale, offset, *supers)
+
+
+def set_int4_amx_min_rows(rows: int) -> None:
+    """From how many rows decode_model's int4 products run on AMX tiles (0: never; the tiles compute the same bits,
+    so only the speed changes): the process's choice, set by ops/cpu/selection.py. Nothing to set (and no
+    decode_model to run) where the kernels are not loaded."""
+    if _ext is not None:
+        _ext.set_int4_amx_min_rows(rows)
+
+
+def amx_int8_available() -> bool:
+    """Whether int4_amx can run: the kernels available(), this CPU with AMX-INT8 tiles and AVX-512BW, Linux granting
+    the process the tiles' state (asked once), and the process not limited to AVX2 (ATEN_CPU_CAPABILITY=avx2)."""
+    return (available() and _ext is not None and not cpu_build.limited_to_avx2()
+            and bool(_ext.amx_int8_ready()))
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,

@@ -59,6 +59,9 @@ class MatmulPath:
     gemv_reason: str = ""  # why
     gemm: bool = False  # on the float32 path, more rows through nanoqwen's bf16_gemm, not upcast_linear
     gemm_reason: str = ""  # why
+    # int4 products of at least this many rows on AMX tiles (cpu_kernels.int4_amx; 0: never), and why
+    int4_amx_min_rows: int = 0
+    int4_amx_reason: str = ""
 
     @property
     def gemv(self) -> bool:
@@ -67,6 +70,8 @@ class MatmulPath:
 
     def describe(self) -> str:
         few = f"<= {self.gemv_max_rows} rows: nanoqwen's gemv kernels ({self.gemv_reason}); " if self.gemv else ""
+        if self.int4_amx_min_rows:
+            few += f"int4 products of >= {self.int4_amx_min_rows} rows on AMX tiles ({self.int4_amx_reason}); "
         if self.path == "bf16":
             return f"{few}bf16 matmuls ({self.reason})"
         more = max(UPCAST_MIN_ROWS, self.gemv_max_rows + 1)  # (the rows the gemv kernels leave)

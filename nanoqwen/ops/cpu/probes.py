@@ -9,7 +9,9 @@ and thread count (and, for the kernels' probes, per build of nanoqwen's kernels)
 - matmul_gflops: torch's bf16 and float32 matmul on PROBE_SHAPE (which path);
 - gemv_probe: nanoqwen's bf16 gemv kernel against what the rows take without it, by row count (how many rows
   the gemv kernels take);
-- gemm_probe: nanoqwen's bf16_gemm against upcast_linear (float32 path: whether the GEMM takes many rows).
+- gemm_probe: nanoqwen's bf16_gemm against upcast_linear (float32 path: whether the GEMM takes many rows);
+- int4_amx_probe: int4 products on AMX tiles against int4_gemv, by row count (from how many rows int4 layers use
+  the tiles, where the CPU has them).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ PROBE_SHAPE = (256, 1024, 1024)
 # out, in, copies: a Qwen3-0.6B qkv_proj, 8 copies (64 MiB) so that they come from memory
 GEMV_PROBE_SHAPE = (4096, 1024, 8)
 GEMV_PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# out, in, copies: a Qwen3-0.6B qkv_proj in int4 (2 MiB, group 64), 32 copies so that they come from memory
+AMX_PROBE_SHAPE = (4096, 1024, 32)
+AMX_PROBE_ROWS = (2, 4, 8, 16, 32, 64)
 
 def cached(cache_dir: Path | None, what: str, measure: Callable[[], dict]) -> dict:
     """measure()'s result, cached per CPU model, CPU flags, torch version and thread count in
@@ -107,6 +112,26 @@ def gemv_probe(path: str = "bf16", gemm: bool = False) -> dict[int, tuple[float,
         calls = [over_copies(cpu_kernels.bf16_gemv, x), over_copies(probe_alternative(path, rows, gemm), x)]
         own, theirs = (round(copies * n * k * 2 / t / 1e9, 1) for t in _best_seconds(calls, rounds=5))
         speeds[rows] = (own, theirs)
+    return speeds
+
+
+def int4_amx_probe() -> dict[int, tuple[float, float]]:
+    """For each row count of AMX_PROBE_ROWS, GB/s of int4 weights read by cpu_kernels.int4_amx and by int4_gemv
+    (without the tiles), over copies of an AMX_PROBE_SHAPE matrix that together exceed the L3 cache; best of five
+    rounds, the two alternating."""
+    n, k, copies = AMX_PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+                torch.rand(n, k // 64, generator=g).bfloat16(), torch.rand(n, k // 64, generator=g).bfloat16())
+               for _ in range(copies)]
+    nbytes = sum(t.numel() * t.element_size() for w in weights for t in w)
+    speeds = {}
+    for rows in AMX_PROBE_ROWS:
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        calls = [lambda kernel=kernel, x=x: [kernel(x, *w) for w in weights]
+                 for kernel in (cpu_kernels.int4_amx, cpu_kernels.int4_gemv)]
+        amx, theirs = (round(nbytes / t / 1e9, 1) for t in _best_seconds(calls, rounds=5))
+        speeds[rows] = (amx, theirs)
     return speeds
 
 

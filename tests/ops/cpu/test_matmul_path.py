@@ -26,6 +26,12 @@ from nanoqwen.quantization.int8 import pick_kernel
 LONG_PROMPT = [(7 * i + 3) % 5000 + 100 for i in range(80)]
 
 
+@pytest.fixture(autouse=True)
+def no_int4_amx_probe(monkeypatch):
+    """select_matmul_path's int4 AMX-tile probe off (it measures this machine; tests/ops/cpu/test_amx.py tests it)."""
+    monkeypatch.setenv("NANOQWEN_CPU_AMX", "0")
+
+
 @pytest.mark.parametrize("forced", ["bf16", "float32"])
 def test_the_environment_forces_either_path(forced, monkeypatch, tmp_path):
     monkeypatch.setenv("NANOQWEN_CPU_MATMUL", forced)

@@ -5,7 +5,8 @@
 //   gemv.cpp        bf16_gemv, int8_gemv: y = x @ w.T for few rows of x, streaming the weights once
 //   gemm.cpp        bf16_gemm, int8_gemm: y = x @ w.T for many rows of x in float32 from bf16 / int8 weights;
 //                   prefill_attention: a prompt chunk's attention, its two products through the same kernel
-//   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill)
+//   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill);
+//                   int4_amx: the same product on AMX tiles (amx.cpp), where the CPU has them
 //   decode_ops.cpp  rms_norm, add_rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a
 //                   decode step's rest (a bf16 KV cache, or int8 / float8 codes with their scales); argmax: the
 //                   sampler's greedy choice; top_p_threshold, exponential_race: its top-p filter and its draw
@@ -320,10 +321,25 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 // int4_gemv.cpp
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const at::Tensor& offset, const std::optional<at::Tensor>& super_scale = std::nullopt,
-                     const std::optional<at::Tensor>& super_offset = std::nullopt);
+                     const std::optional<at::Tensor>& super_offset = std::nullopt, int64_t amx_min_rows = 0);
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const at::Tensor& offset, const std::optional<at::Tensor>& super_scale = std::nullopt,
                      const std::optional<at::Tensor>& super_offset = std::nullopt);
+at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                    const at::Tensor& offset, const std::optional<at::Tensor>& super_scale = std::nullopt,
+                    const std::optional<at::Tensor>& super_offset = std::nullopt);
+// amx.cpp: AMX tiles for int4_gemv.cpp's int4_amx (amx_int4_tile's comment says what it computes)
+bool amx_int8_ready();
+// From how many rows decode_model's int4 products run on AMX tiles (0, the default: never): the process's choice
+// (nanoqwen/ops/cpu/selection.py sets it with its int4_amx_min_rows). The tiles compute the same bits as the other
+// int4 kernels, so this changes only the speed.
+void set_int4_amx_min_rows(int64_t rows);
+int64_t int4_amx_min_rows();
+void amx_int4_begin(int64_t G);
+void amx_end();
+void amx_int4_tile(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_t G, int64_t m0, int rows,
+                   const uint8_t* panel, const float* scale, const float* offset, int np, const int* cols, int64_t N,
+                   int64_t n0, at::BFloat16* y, const uint8_t* ahead, int64_t ahead_bytes);
 // decode_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& y, const at::Tensor& weight,

@@ -569,18 +569,56 @@ void int4_panels(const Int4Product& p) {
 #endif
 }
 
+// ---- The panels' product on AMX tiles (amx.cpp): two panels (32 weight rows) at a time, x's rows 16 at a time
+// (x's int8 copy padded with zero rows to a whole tile), the same function as int4_panels.
+bool amx_takes_group(int64_t G) { return G <= 64 || G % 64 == 0; }
+
+template <typename S>
+void int4_amx_panels(const Int4Product& p) {
+  const int64_t M = p.M, K = p.K, N = p.N, G = p.G, groups = K / G;
+  std::vector<int8_t> xq((M + 15) / 16 * 16 * K, 0);
+  std::memcpy(xq.data(), p.xq.xq.data(), M * K);
+  const int64_t panels = (N + kBlockRows - 1) / kBlockRows, pairs = (panels + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> panel(2 * kBlockRows * K);
+    std::vector<float> panel_scale(2 * kBlockRows * groups), panel_offset(2 * kBlockRows * groups);
+    amx_int4_begin(G);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n0 = 2 * i * kBlockRows;
+      const int np = 2 * i + 1 < panels ? 2 : 1;
+      int cols[2] = {0, 0};
+      for (int j = 0; j < np; ++j) {
+        cols[j] = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0 - j * kBlockRows));
+        pack_panel<S>(p.wp(), p, N, K, G, n0 + j * kBlockRows, panel.data() + j * kBlockRows * K,
+                      panel_scale.data() + j * kBlockRows * groups, panel_offset.data() + j * kBlockRows * groups);
+      }
+      // the next pair's packed weights, fetched into L2 while this pair's first tile of rows computes
+      const int64_t next = std::min(N, n0 + 2 * kBlockRows), next_rows = std::min(N, next + 2 * kBlockRows) - next;
+      const uint8_t* ahead = i + 1 < end ? p.wp() + next * (K / 2) : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += 16)
+        amx_int4_tile(xq.data(), p.xq.d.data(), p.xq.xs.data(), K, G, m0, static_cast<int>(std::min<int64_t>(16, M - m0)),
+                      panel.data(), panel_scale.data(), panel_offset.data(), np, cols, N, n0, p.yp(),
+                      m0 == 0 ? ahead : nullptr, next_rows * (K / 2));
+    }
+    amx_end();
+  });
+}
+
 }  // namespace
 
 // Few rows: passes that stream the weights; more: the panels (bench/bench_gemv.py --rows measures it: below 9
 // rows, the panels' unpacking costs more than it saves; at 16 the panels are faster than two passes).
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const at::Tensor& offset, const std::optional<at::Tensor>& super_scale,
-                     const std::optional<at::Tensor>& super_offset) {
+                     const std::optional<at::Tensor>& super_offset, int64_t amx_min_rows) {
   const Int4Product p = prepare_int4(x, packed, scale, offset, super_scale, super_offset);
   if (p.M == 0 || p.N == 0) return p.y;
+  const bool amx = amx_min_rows > 0 && p.M >= amx_min_rows && amx_takes_group(p.G) && amx_int8_ready();
   with_scale_type(p, [&](auto type) {
     using S = typename decltype(type)::type;
-    if (p.M <= kMaxRowsInt4)
+    if (amx)
+      int4_amx_panels<S>(p);
+    else if (p.M <= kMaxRowsInt4)
       int4_passes<S>(p);
     else
       int4_panels<S>(p);
@@ -596,6 +634,23 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const Int4Product p = prepare_int4(x, packed, scale, offset, super_scale, super_offset);
   if (p.M > 0 && p.N > 0)
     with_scale_type(p, [&](auto type) { int4_panels<typename decltype(type)::type>(p); });
+  return p.y;
+}
+
+}  // namespace nanoqwen
+
+namespace nanoqwen {
+
+// int4_gemv's product on AMX tiles whatever the row count (int4_gemv takes them from amx_min_rows rows on; exposed
+// so that tests and the selection's probe reach them). Needs amx_int8_ready() and G <= 64 or a multiple of 64.
+at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                    const at::Tensor& offset, const std::optional<at::Tensor>& super_scale,
+                    const std::optional<at::Tensor>& super_offset) {
+  TORCH_CHECK(amx_int8_ready(), "int4_amx: this CPU has no AMX-INT8 tiles, or Linux did not grant them");
+  const Int4Product p = prepare_int4(x, packed, scale, offset, super_scale, super_offset);
+  TORCH_CHECK(amx_takes_group(p.G), "int4_amx: group size ", p.G, " is not <= 64 or a multiple of 64");
+  if (p.M > 0 && p.N > 0)
+    with_scale_type(p, [&](auto type) { int4_amx_panels<typename decltype(type)::type>(p); });
   return p.y;
 }
 

@@ -63,7 +63,8 @@ at::Tensor linear_part(const at::Tensor& x, const std::vector<at::Tensor>& t) {
   if (t[0].scalar_type() == at::kFloat8_e4m3fn) return fp8_gemv(x, t[0], t[1]);
   if (t[1].scalar_type() == at::kChar) return int8_group_gemv(x, t[0], t[1], std::nullopt, t[2]);
   if (t[0].scalar_type() == at::kByte)
-    return t.size() == 5 ? int4_gemv(x, t[0], t[1], t[2], t[3], t[4]) : int4_gemv(x, t[0], t[1], t[2]);
+    return t.size() == 5 ? int4_gemv(x, t[0], t[1], t[2], t[3], t[4], int4_amx_min_rows())
+                         : int4_gemv(x, t[0], t[1], t[2], std::nullopt, std::nullopt, int4_amx_min_rows());
   if (t[1].scalar_type() == at::kFloat)
     return int8_group_gemv(x, t[0], t[1], t.size() == 3 ? std::optional<at::Tensor>(t[2]) : std::nullopt);
   return int8_gemv(x, t[0], t[1]);
@@ -324,9 +325,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ (q * scale + offset).T for few rows of x (int8 weights, a float32 scale and offset per group)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("offset") = py::none(),
         py::arg("super_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("int4_gemv", &int4_gemv, "y = x @ (offset + scale * q).T for few rows of x (group-wise int4 weights)",
+  m.def("int4_gemv", &int4_gemv, "y = x @ (offset + scale * q).T for few rows of x (group-wise int4 weights); "
+        "from amx_min_rows rows on (0: never) on AMX tiles where amx_int8_ready()",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::arg("super_scale") = py::none(),
+        py::arg("super_offset") = py::none(), py::arg("amx_min_rows") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("int4_amx", &int4_amx, "int4_gemv's product on AMX tiles whatever the row count (needs amx_int8_ready())",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::arg("super_scale") = py::none(),
         py::arg("super_offset") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("amx_int8_ready", &amx_int8_ready, "whether this CPU has AMX-INT8 tiles and Linux lets this process use them");
+  m.def("set_int4_amx_min_rows", &set_int4_amx_min_rows,
+        "from how many rows decode_model's int4 products run on AMX tiles (0: never)", py::arg("rows"));
   m.def("int4_gemm", &int4_gemm, "int4_gemv's product for many rows of x: packed panels, a small GEMM",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::arg("super_scale") = py::none(),
         py::arg("super_offset") = py::none(), py::call_guard<py::gil_scoped_release>());

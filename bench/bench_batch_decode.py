@@ -1,0 +1,257 @@
+"""Batched decode on a CPU against its roofline: nanoqwen's decode tok/s at batch 1 to 64 for bf16, int8 and int4
+weights, beside what the machine allows.
+
+    python bench/bench_batch_decode.py                        # random checkpoint with the exact Qwen3-0.6B shape
+    python bench/bench_batch_decode.py --write                # also record the table in BENCHMARKS.md
+    python bench/bench_batch_decode.py --batches 1,16 --formats int4
+    python bench/bench_batch_decode.py --baseline-env NANOQWEN_CPU_AMX=0   # each format also without AMX tiles
+    python bench/bench_batch_decode.py --amx-ab        # int4 without and with AMX tiles, alternating in one process
+
+Each format runs in its own subprocess on the same checkpoint (bench_model.py's random Qwen3-0.6B one), the same
+token ids and the same procedure: B prompts of PROMPT_LEN tokens, a generate call with 1 new token each and one with
+1 + N (greedy, EOS ignored); B * N / (difference) is the decode rate. Best of --repeats.
+
+The two bounds of a decode step of B rows, measured in the same run:
+- reading the weights once a step: B * read bandwidth / (bytes of the projections and the LM head), the read
+  bandwidth a torch sum over 1 GiB (bench_model.read_bandwidth);
+- the matrix unit's peak: (measured multiply-add rate) / (2 * weights a token), the rate a large torch product:
+  bf16 (oneDNN; AMX bf16 tiles where the CPU has them) for bf16 and int8 weights (int8 widens exactly to bf16),
+  int8 x int8 -> int32 (torch._int_mm) for int4 weights, whose kernels quantise x to int8.
+The roofline is the lower of the two; "of roofline" is the measured rate's share of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_model  # noqa: E402
+
+FORMATS = ("bf16", "int8", "int4")
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+PROMPT_LEN = 16
+PEAK_SIZE = 2048  # square products that measure the matrix unit's peak
+
+
+def peaks() -> dict:
+    """The machine's bounds: read GB/s, bf16 and int8 matmul TOP/s (best of five after a warm-up)."""
+    import torch
+
+    read = bench_model.read_bandwidth()
+    n = PEAK_SIZE
+    a = torch.randn(n, n).bfloat16()
+    bf16 = 2 * n**3 / bench_model.best_of(lambda: a @ a, 1) / 1e12  # (warm-up: oneDNN picks its kernel)
+    bf16 = 2 * n**3 / bench_model.best_of(lambda: a @ a, 5) / 1e12
+    q = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    torch._int_mm(q, q)
+    int8 = 2 * n**3 / bench_model.best_of(lambda: torch._int_mm(q, q), 5) / 1e12
+    return {"read_gb_s": read, "bf16_tflop_s": bf16, "int8_tops": int8}
+
+
+def set_int4_amx(model, rows: int) -> None:
+    """int4 products of `rows` or more rows on AMX tiles (0: never) in this process: the layers' MatmulPath and the
+    one-call decode step's setting."""
+    from nanoqwen.ops.cpu import kernels as cpu_kernels
+    from nanoqwen.ops.cpu.matmul import MatmulPath
+
+    cpu_kernels.set_int4_amx_min_rows(rows)
+    for module in model.modules():
+        path = getattr(module, "matmul_path", None)
+        if isinstance(path, MatmulPath):
+            module.matmul_path = dataclasses.replace(path, int4_amx_min_rows=rows)
+
+
+def int4_projections_ms(model, batches: list[int], repeats: int) -> dict[int, tuple[float, float]]:
+    """For each batch, ms a decode step's int4 products take (every int4 layer of the model once, B rows of x), through
+    int4_gemv without AMX tiles and through int4_amx: best of 2 * repeats + 1 rounds, the two alternating."""
+    import torch
+
+    from nanoqwen.ops.cpu import kernels as cpu_kernels
+    from nanoqwen.quantization.int4 import Int4Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    times = {}
+    for batch in batches:
+        xs = {m.in_features: torch.randn(batch, m.in_features).bfloat16() for m in layers}
+
+        def step(kernel, xs: dict = xs) -> None:
+            for m in layers:
+                kernel(xs[m.in_features], m.weight, m.scale, m.offset, *m.supers())
+
+        best = {kernel: float("inf") for kernel in (cpu_kernels.int4_gemv, cpu_kernels.int4_amx)}
+        for kernel in best:
+            step(kernel)
+        for _ in range(2 * repeats + 1):
+            for kernel in best:
+                start = time.perf_counter()
+                step(kernel)
+                best[kernel] = min(best[kernel], time.perf_counter() - start)
+        times[batch] = tuple(1e3 * t for t in best.values())
+        print(f"  int4 products at {batch} rows: {times[batch][0]:.1f} ms, on AMX tiles {times[batch][1]:.1f} ms",
+              file=sys.stderr, flush=True)
+    return times
+
+
+def run_format(model_dir: str, fmt: str, batches: list[int], tokens: int, repeats: int, amx_ab: bool = False) -> dict:
+    """tok/s for each batch of one format, and the model's bytes read a step and weights a token. amx_ab (int4 on a
+    CPU with AMX tiles): each timing alternates a run without the tiles and one with them from 2 rows on, in this
+    process on this model, so that both see the same machine; "tok_s" then holds the runs with them and
+    "tok_s_without_amx" the others."""
+    from nanoqwen import LLM, SamplingParams
+    from nanoqwen.layers.linear import Linear
+    from nanoqwen.ops.cpu import kernels as cpu_kernels
+    from nanoqwen.quantization import weight_bytes
+
+    llm = LLM(model_dir, dtype="bfloat16", device="cpu", max_model_len=PROMPT_LEN + tokens + 8,
+              max_num_seqs=max(batches), max_num_batched_tokens=max(2048, PROMPT_LEN * max(batches)),
+              enable_prefix_caching=False, quantization=None if fmt == "bf16" else fmt)
+    model = llm.llm_engine.model
+    matrices = [m for m in model.modules() if isinstance(m, Linear)]
+    result = {"read_bytes": sum(weight_bytes(m) for m in matrices),
+              "params": sum(map(bench_model.params, matrices)),
+              "kernel_path": llm.llm_engine.kernel_path, "tok_s": {}}
+
+    def gen(batch: list[list[int]], n: int):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return lambda: llm.generate(batch, params, use_tqdm=False)
+
+    variants = {"tok_s": None}
+    if amx_ab and fmt == "int4" and cpu_kernels.amx_int8_available():
+        variants = {"tok_s_without_amx": 0, "tok_s": 2}
+        result["tok_s_without_amx"] = {}
+        result["projections_ms"] = int4_projections_ms(model, batches, repeats)
+    for batch in batches:
+        p = bench_model.prompts(batch, PROMPT_LEN)
+        gen(p, 2)()  # warm-up
+        first, full = dict.fromkeys(variants, float("inf")), dict.fromkeys(variants, float("inf"))
+        for _ in range(repeats):
+            for key, rows in variants.items():
+                if rows is not None:
+                    set_int4_amx(model, rows)
+                first[key] = min(first[key], bench_model.best_of(gen(p, 1), 1))
+                full[key] = min(full[key], bench_model.best_of(gen(p, 1 + tokens), 1))
+        for key in variants:
+            result[key][batch] = batch * tokens / (full[key] - first[key])
+        shown = ", ".join(f"{key} {result[key][batch]:.1f}" for key in variants)
+        print(f"  {fmt} batch {batch}: {shown}", file=sys.stderr, flush=True)
+    return result
+
+
+def child(what: str, args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    result = peaks() if what == "peaks" else run_format(
+        args.model, what, [int(b) for b in args.batches.split(",")], args.tokens, args.repeats, args.amx_ab)
+    print("RESULT " + json.dumps(result))
+
+
+def run_child(what: str, args: argparse.Namespace, env: dict[str, str] | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--child", what, "--model", str(args.model), "--batches", args.batches,
+           "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    cmd += ["--amx-ab"] if args.amx_ab else []
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        sys.exit(f"{what} benchmark failed (exit {proc.returncode})")
+    return json.loads(line[len("RESULT "):])
+
+
+def table(results: dict[str, dict], ceil: dict) -> str:
+    """One row per format (and run: "int4 NANOQWEN_CPU_AMX=0" a --baseline-env one) and batch: tok/s, both bounds,
+    the roofline's share."""
+    lines = ["| weights | batch | tok/s | weights-once bound | matrix-unit bound | of roofline |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        fmt = name.split()[0]
+        peak = (ceil["int8_tops"] if fmt == "int4" else ceil["bf16_tflop_s"]) * 1e12
+        compute = peak / (2 * r["params"])
+        runs = [(name, r["tok_s"])]
+        if "tok_s_without_amx" in r:
+            runs = [(f"{name}, no AMX tiles", r["tok_s_without_amx"]), (f"{name}, AMX tiles", r["tok_s"])]
+        for batch in r["tok_s"]:
+            read = int(batch) * ceil["read_gb_s"] * 1e9 / r["read_bytes"]
+            roof = min(read, compute)
+            for label, rates in runs:
+                rate = rates[batch]
+                lines.append(f"| {label} | {batch} | {rate:.1f} | {read:.0f} | {compute:.0f} | {rate / roof:.0%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help=f"model folder (default: a random one in "
+                                                      f"{bench_model.DEFAULT_DIR})")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="weights: bf16, int8, int4, comma-separated")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes, comma-separated")
+    parser.add_argument("--tokens", type=int, default=16, help="new tokens a sequence decodes (after the first)")
+    parser.add_argument("--repeats", type=int, default=3, help="best of N timings")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch's threads (default: all)")
+    parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
+    parser.add_argument("--baseline-env", default=None, metavar="NAME=VALUE",
+                        help="also run each format with this environment variable set, just before its default run "
+                             "(e.g. NANOQWEN_CPU_AMX=0: without AMX tiles), as rows of their own")
+    parser.add_argument("--amx-ab", action="store_true",
+                        help="int4 on a CPU with AMX tiles: time each batch without and with the tiles, alternating "
+                             "in one process (rows of their own)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args)
+    formats = [f for f in args.formats.split(",") if f]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        sys.exit(f"--formats: {', '.join(unknown)} is not one of {', '.join(FORMATS)}")
+    model_dir = Path(args.model) if args.model else bench_model.DEFAULT_DIR
+    bench_model.ensure_checkpoint(model_dir)
+    args.model_given, args.model = args.model is not None, str(model_dir)
+    start = time.perf_counter()
+    ceil = run_child("peaks", args)
+    print(f"peaks: {json.dumps(ceil)}", file=sys.stderr, flush=True)
+    baseline = None
+    if args.baseline_env:
+        name, eq, value = args.baseline_env.partition("=")
+        if not eq or not name:
+            sys.exit(f"--baseline-env {args.baseline_env!r}: give NAME=VALUE, e.g. NANOQWEN_CPU_AMX=0")
+        baseline = {name: value}
+    results = {}
+    for fmt in formats:
+        if baseline:
+            print(f"running {fmt} with {args.baseline_env} ...", file=sys.stderr, flush=True)
+            results[f"{fmt} {args.baseline_env}"] = run_child(fmt, args, baseline)
+        print(f"running {fmt} ...", file=sys.stderr, flush=True)
+        results[fmt] = run_child(fmt, args)
+    name = "a random checkpoint with the exact Qwen3-0.6B shape" if not args.model_given else model_dir.name
+    body = (f"### Batched decode against the roofline ({', '.join(formats)} weights)\n\n"
+            f"`{bench_model.command_line('bench_batch_decode.py', sys.argv[1:])}` on "
+            f"{name}"
+            f": B prompts of {PROMPT_LEN} tokens, {args.tokens} new tokens each (greedy, EOS ignored), best of "
+            f"{args.repeats}, {args.threads} threads. Weights-once bound: B x read bandwidth "
+            f"({ceil['read_gb_s']:.1f} GB/s, a torch sum over "
+            f"1 GiB) / bytes of the projections and LM head; matrix-unit bound: the measured peak of a {PEAK_SIZE}^3 "
+            f"product (bf16: {ceil['bf16_tflop_s']:.2f} TFLOP/s, for bf16 and int8 weights; int8 x int8 "
+            f"torch._int_mm: {ceil['int8_tops']:.2f} TOP/s, for int4 weights, whose kernels quantise x to int8) / "
+            f"2 x weights a token. Kernels: {results[formats[0]]['kernel_path']}\n\n"
+            f"{bench_model.machine_line('cpu')}\n\n" + table(results, ceil))
+    for r in results.values():
+        if "projections_ms" in r:
+            body += ("\n\nA decode step's int4 products alone (every int4 layer once, B rows; best of "
+                     f"{2 * args.repeats + 1}, alternating): ms without and with AMX tiles\n\n"
+                     "| batch | int4_gemv (no tiles) | int4_amx (tiles) | speed-up |\n|---:|---:|---:|---:|\n")
+            body += "\n".join(f"| {b} | {t[0]:.1f} | {t[1]:.1f} | {t[0] / t[1]:.2f}x |"
+                               for b, t in r["projections_ms"].items())
+    print(body)
+    print(f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    if args.write:
+        bench_model.write_benchmarks(bench_model.section_name("bench_batch_decode", "cpu"), body)
+
+
+if __name__ == "__main__":
+    main()
