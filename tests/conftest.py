@@ -207,3 +207,27 @@ def triton_kernel(monkeypatch):
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
     return tpa.paged_decode_attention_triton
+
+
+def shuffled_decode_rows(block_size: int, num_blocks: int, generator: torch.Generator) -> list:
+    """Five decode rows, one at each block-boundary case (1, block_size, 3 blocks + 1, 5 blocks - 1, 2 tokens), on
+    shuffled (non-consecutive) blocks of a pool of num_blocks."""
+    from nanoqwen.attention.metadata import DecodeRow
+
+    lens = [1, block_size, 3 * block_size + 1, 5 * block_size - 1, 2]
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    decode, used = [], 0
+    for n in lens:
+        nb = -(-n // block_size)
+        decode.append(DecodeRow(perm[used: used + nb], n))
+        used += nb
+    return decode
+
+
+@pytest.fixture(scope="module")
+def one_thread_per_rank():
+    """Two ranks on two cores: one thread each, for the TP=1 reference too (the tensor-parallel tests use it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

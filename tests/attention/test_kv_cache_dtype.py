@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernel on CPU tenso
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from conftest import shuffled_decode_rows  # noqa: E402
 
 from nanoqwen import LLM  # noqa: E402
 from nanoqwen.attention.backends.paged import (  # noqa: E402
@@ -81,14 +82,8 @@ def random_quantized_cache(name: str, groups: int = 2, block_size: int = 4, num_
     k = (torch.randn(len(slots), hkv, d, generator=g) * 3).bfloat16()
     v = torch.randn(len(slots), hkv, d, generator=g).bfloat16()
     cache.store(0, k, v, slots)
-    lens = [1, block_size, 3 * block_size + 1, 5 * block_size - 1, 2]
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    decode, used = [], 0
-    for n in lens:
-        nb = -(-n // block_size)
-        decode.append(DecodeRow(perm[used: used + nb], n))
-        used += nb
-    q = torch.randn(len(lens), hkv * groups, d, generator=g).bfloat16()
+    decode = shuffled_decode_rows(block_size, num_blocks, g)
+    q = torch.randn(len(decode), hkv * groups, d, generator=g).bfloat16()
     return cache, q, decode, (k, v)
 
 

@@ -15,6 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from conftest import shuffled_decode_rows  # noqa: E402
 
 from nanoqwen import LLM, SamplingParams  # noqa: E402
 from nanoqwen.attention import attend
@@ -42,14 +43,8 @@ def random_cache(groups: int, dtype=torch.float32, num_blocks: int = 24, block_s
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     # a row at each block-boundary case
-    lens = [1, block_size, 3 * block_size + 1, 5 * block_size - 1, 2]
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    decode, used = [], 0
-    for n in lens:
-        nb = -(-n // block_size)
-        decode.append(DecodeRow(perm[used: used + nb], n))
-        used += nb
-    q = torch.randn(len(lens), hkv * groups, d, generator=g).to(dtype)
+    decode = shuffled_decode_rows(block_size, num_blocks, g)
+    q = torch.randn(len(decode), hkv * groups, d, generator=g).to(dtype)
     return cache, q, decode
 
 

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import PROMPTS, make_llm
 
 from nanoqwen import LoRARequest, SamplingParams
@@ -19,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lora"))  # (lora_t
 from lora_testing import ALL_SEVEN, write_peft_adapter  # noqa: E402
 
 pytest.importorskip("peft")
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.tensor_parallel]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.tensor_parallel,
+              pytest.mark.usefixtures("one_thread_per_rank")]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=2)
 # (LoraConfig fields): all seven projections, ranks 4 and 8 (a rank below the slots' max pads with zeros), one
@@ -30,6 +30,7 @@ ADAPTERS = {
     "c": dict(r=8, lora_alpha=6, target_modules=ALL_SEVEN, use_rslora=True),
 }
 OPTIONS = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "enforce_eager": True}
+
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +62,6 @@ def assert_same(got, expected) -> None:
             assert mine.keys() == theirs.keys() and mine
             for token, logprob in mine.items():
                 assert logprob == pytest.approx(theirs[token], abs=1e-4)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread_per_rank():
-    """Two ranks on two cores: one thread each, for the TP=1 reference too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_tp2_runs_adapters_as_tp1(base, requests):

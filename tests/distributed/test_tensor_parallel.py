@@ -30,7 +30,7 @@ from nanoqwen.distributed import free_port
 from nanoqwen.model_loader.init_random import preset_config, write_random_model
 
 # a hang fails the test instead of blocking the run
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.usefixtures("one_thread_per_rank")]
 
 PROMPTS = [
     SYSTEM + [9707, 11, 847, 829, 374],
@@ -79,15 +79,6 @@ def case_dir(checkpoint, tmp_path_factory):
         return made[case]
 
     return make
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread_per_rank():
-    """Two ranks on two cores: one thread each, for the TP=1 reference too."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # where steps stay under the compiled kernels' 64 tokens: skip compiling them
