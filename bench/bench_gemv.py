@@ -1,17 +1,17 @@
 """Matrix-vector speed on CPU: torch's bf16 F.linear and int8 `_weight_int8pack_mm` against nanoqwen's
-bf16_gemv, int8_gemv and int4_gemv (nanoqwen/ops/cpu/kernels.py), on Qwen3-0.6B's weight shapes, at 1 and 4 rows
-of x.
+bf16_gemv, int8_gemv, int4_gemv and fp8_gemv (nanoqwen/ops/cpu/kernels.py), on Qwen3-0.6B's weight shapes, at 1 and 4
+rows of x.
 
     python bench/bench_gemv.py                 # 2 threads
     python bench/bench_gemv.py --threads 1 --rows 1 2 4 8
 
-Each cell is GB/s of weights read (weight bytes / time; int8 weights are half the bytes of bf16), the time of
-one call (the median over calls, best of three interleaved rounds; int4: packed weights, scales and offsets,
-4.5 bits a weight), and the share of "read (sum)": torch
+Each cell is GB/s of weights read (weight bytes / time; int8 weights are half the bytes of bf16), the time of one
+call (the median over calls, best of three interleaved rounds; int4: packed weights, scales and offsets, 4.5 bits a
+weight; fp8: e4m3 weights and their float32 scale per row and 128 inputs), and the share of "read (sum)": torch
 summing a float32 tensor of the bf16 weight's bytes, timed in the same rounds, i.e. the read bandwidth at that
-moment and size. Each call reads a different copy of the weight, cycling through copies that together exceed
-the L3 cache several times, so the weights come from memory as in a decode step. The read bandwidth of a 1 GiB
-sum is printed before and after the table (a shared machine's bandwidth drifts; the two show by how much).
+moment and size. Each call reads a different copy of the weight, cycling through copies that together exceed the L3
+cache several times, so the weights come from memory as in a decode step. The read bandwidth of a 1 GiB sum is
+printed before and after the table (a shared machine's bandwidth drifts; the two show by how much).
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def main() -> None:
         "torch int8pack_mm": ("int8", lambda x, q, s: torch.ops.aten._weight_int8pack_mm(x, q, s)),
         "nanoqwen int8_gemv": ("int8", lambda x, q, s: cpu_kernels.int8_gemv(x, q, s)),
         "nanoqwen int4_gemv": ("int4", lambda x, q4, s: cpu_kernels.int4_gemv(x, *q4)),
+        "nanoqwen fp8_gemv": ("fp8", lambda x, w8, s: cpu_kernels.fp8_gemv(x, *w8)),
     }
     if not ok:
         kernels = {k: v for k, v in kernels.items() if not k.startswith("nanoqwen")}
@@ -105,6 +106,8 @@ def main() -> None:
         }
         int4 = quantize_int4(weights["bf16"][0])
         weights["int4"] = [tuple(t.clone() for t in int4) for _ in range(copies * 3)]
+        block_scales = torch.rand(n, -(-k // 128), generator=g) / 100  # Qwen's FP8: a scale per 128 x 128 block
+        weights["fp8"] = [(w.to(torch.float8_e4m3fn), block_scales) for w in weights["bf16"] * 2]
         scale = (torch.rand(n, generator=g) / 1000).to(torch.bfloat16)
         for m in args.rows:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)

@@ -5,8 +5,9 @@ hold them to it.
 
 - prompt chunks: backends/sdpa.py's attention_sdpa (torch's fused scaled_dot_product_attention: GPU,
   and float32 on CPU) or prefill_attention_blocked (CPU in bf16/fp16, where it is faster than the
-  fused kernel); on the float32 matmul path where nanoqwen's GEMM was chosen
-  (nanoqwen/ops/cpu/matmul.py), its function in one C++ call (nanoqwen/ops/cpu/kernels.py);
+  fused kernel); its function faster where nanoqwen's kernels are on: on the bf16 matmul path
+  backends/cpu_prefill.py (torch's products around nanoqwen's softmax), on the float32 path where
+  nanoqwen's GEMM was chosen (nanoqwen/ops/cpu/matmul.py) one C++ call (nanoqwen/ops/cpu/kernels.py);
 - decode rows: the paged kernels that read the KV cache in place (backends/paged.py: Triton,
   flash-attn, nanoqwen's C++ on CPU, a PyTorch reference), or on CPU without them backends/sdpa.py's
   decode_attention over each group's gathered blocks.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoqwen.attention.backends.cpu_prefill import prefill_attention_bf16
 from nanoqwen.attention.backends.paged import paged_decode_attention
 from nanoqwen.attention.backends.sdpa import (
     PREFILL_BLOCK,
@@ -66,7 +68,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: 
         return cpu_kernels.prefill_attention(q, k[0].transpose(0, 1), v[0].transpose(0, 1), num_cached,
                                              q.shape[-1] ** -0.5, PREFILL_BLOCK)
     qh = q.transpose(0, 1)  # [Hq, T, D]
-    if q.device.type == "cpu" and q.dtype != torch.float32:
+    if matmul.own_prompt_softmax(q):
+        out = prefill_attention_bf16(qh, k[0], v[0], num_cached)
+    elif q.device.type == "cpu" and q.dtype != torch.float32:
         out = prefill_attention_blocked(qh, k[0], v[0], num_cached, upcast=matmul.upcast_16bit(q))
     else:
         # nothing cached before: the plain causal mask

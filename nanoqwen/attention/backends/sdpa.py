@@ -34,18 +34,19 @@ def prefill_attention_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     hkv = k.shape[0]
     dtype = q.dtype
     compute = torch.float32 if upcast else dtype
-    # one copy out of the paged pool's layout
-    k, v = k.to(compute).contiguous(), v.to(compute).contiguous()
+    # one copy out of the paged pool's layout, the keys transposed: the first `keys` of each head are then a
+    # matrix of the layout the product takes as it is (a slice of [S, D] rows is copied by the product first)
+    k_t, v = k.to(compute).transpose(1, 2).contiguous(), v.to(compute).contiguous()  # [Hkv, D, S], [Hkv, S, D]
     # the G query heads of each key/value head, never repeating K/V
     qg = q.view(hkv, hq // hkv, t, d)
     out = torch.empty_like(qg)
     future = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)  # key after query
-    no_bias = k.new_empty(1, 1, 1)
+    no_bias = v.new_empty(1, 1, 1)
     for start in range(0, t, block):
         end = min(start + block, t)
         b, keys = end - start, num_cached + end
         qb = qg[:, :, start:end].reshape(hkv, -1, d).to(compute)  # [Hkv, G*b, D]
-        scores = torch.baddbmm(no_bias, qb, k[:, :keys].transpose(1, 2), beta=0, alpha=d**-0.5)
+        scores = torch.baddbmm(no_bias, qb, k_t[:, :, :keys], beta=0, alpha=d**-0.5)
         scores = scores.to(dtype)  # (a no-op unless computed in float32)
         scores.view(hkv, -1, b, keys)[..., keys - b:].masked_fill_(future[:b, :b], float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [Hkv, G*b, keys]

@@ -37,7 +37,8 @@ float32. `bf16_gemm` (and `int8_gemm`) do that as BLIS and OpenBLAS structure a 
 once, the weights converted to float32 while they are packed into cache-sized panels, a 6 x 16 register-tiled FMA
 kernel; the same function as upcast_linear (convert blocks, then torch's float32 product), faster where
 ops/cpu/matmul.py measured it so. `prefill_attention` runs a prompt chunk's attention through the same kernel in
-one call, rounding where attention/attend.py's prefill_attention_blocked rounds.
+one call, rounding where attention/attend.py's prefill_attention_blocked rounds. On the bf16 path, `causal_softmax_`
+is that function's masked softmax in one pass, between torch's two products (attention/backends/cpu_prefill.py).
 
 The extension is compiled on first use (ops/cpu/build.py: torch.utils.cpp_extension, a C++ compiler needed;
 the build cached under a name that hashes the source and flags, so an edit rebuilds).
@@ -186,6 +187,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cac
     if _ext is None:
         _require()
     return _ext.prefill_attention(q, k, v, num_cached, scale, block)
+
+
+def causal_softmax_(scores: torch.Tensor, block: int) -> torch.Tensor:
+    """In place: bf16 scores [..., R, keys], R a multiple of block, row r the query at block position r % block
+    whose last visible key is keys - block + r % block -> bf16(softmax) over each row's visible keys (float32
+    inside), 0 after them: prefill_attention_blocked's masked_fill and softmax in one pass. Returns scores."""
+    if _ext is None:
+        _require()
+    _ext.causal_softmax_(scores, block)
+    return scores
 
 
 def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

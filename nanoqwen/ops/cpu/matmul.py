@@ -110,6 +110,11 @@ class MatmulPath:
         GEMM was chosen, on the float32 path."""
         return self.gemm and x.dtype == torch.bfloat16 and self.upcast_16bit(x)
 
+    def own_prompt_softmax(self, x: torch.Tensor) -> bool:
+        """Whether a bf16 prompt chunk's attention (queries x) runs torch's two products around nanoqwen's
+        softmax kernel (attention/backends/cpu_prefill.py): on the bf16 path, where nanoqwen's kernels are on."""
+        return self.gemv and self.path == "bf16" and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
     def upcast_16bit(self, x: torch.Tensor) -> bool:
         """Whether a product over x's rows computes in float32 from 16-bit operands (CPU without fast
         bf16)."""

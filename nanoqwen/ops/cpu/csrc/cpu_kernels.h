@@ -4,7 +4,8 @@
 //
 //   gemv.cpp        bf16_gemv, int8_gemv: y = x @ w.T for few rows of x, streaming the weights once
 //   gemm.cpp        bf16_gemm, int8_gemm: y = x @ w.T for many rows of x in float32 from bf16 / int8 weights;
-//                   prefill_attention: a prompt chunk's attention, its two products through the same kernel
+//                   prefill_attention: a prompt chunk's attention, its two products through the same kernel;
+//                   causal_softmax_: the softmax between torch's two products on the bf16 path
 //   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill);
 //                   int4_amx: the same product on AMX tiles (amx.cpp), where the CPU has them
 //   decode_ops.cpp  rms_norm, add_rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a
@@ -95,6 +96,28 @@ inline __m256 load8(const at::Half* p) {
 #endif
 }
 
+// 8 float16 bit patterns (16-bit lanes) -> 8 float32 (exact).
+inline __m256 half8_to_float(__m128i h) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(h);
+#else
+  alignas(16) uint16_t bits[8];
+  alignas(32) float f[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(bits), h);
+  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(at::Half(bits[i], at::Half::from_bits()));
+  return _mm256_load_ps(f);
+#endif
+}
+
+// 8 e4m3 bytes (float8_e4m3fn) -> their values / 256 in float32, exact, normals and subnormals alike: a byte
+// s eeee mmm as the float16 bits s 0eeee mmm 0000000 (the exponent's bias moves from 7 to 15). The byte sign-extended
+// to 16 bits and shifted left by 7 has s at bits 15 and 14 and the rest in place: bit 14 cleared. (e4m3 has no
+// infinities; its NaN patterns come out as float16 ones of other values.)
+inline __m256 load8_e4m3_div256(const uint8_t* p) {
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return half8_to_float(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF))));
+}
+
 // float32 -> bf16 bits (round to nearest even) in the low half of each int32 lane, as at::BFloat16 rounds
 // finite values.
 inline __m256i bf16_bits(__m256 v) {
@@ -121,6 +144,39 @@ inline __m256 exp8(__m256 x) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+
+#ifdef __AVX512F__
+// exp8's function on 16 lanes (AVX-512).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(c));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+// load8_e4m3_div256 on 16 lanes.
+inline __m512 load16_e4m3_div256(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
+}
+// 16 bf16 -> 16 float32; 16 float32 -> 16 bf16 (round to nearest even, bf16_bits' rounding).
+inline __m512 load16_bf16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16_bf16(uint16_t* p, __m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+#endif
 
 // The sum of the 8 lanes of v.
 inline float hsum(__m256 v) {
@@ -318,6 +374,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_cached,
                              double scale, int64_t block);
+void causal_softmax_(const at::Tensor& scores, int64_t block);
 // int4_gemv.cpp
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const at::Tensor& offset, const std::optional<at::Tensor>& super_scale = std::nullopt,

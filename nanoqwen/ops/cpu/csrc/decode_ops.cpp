@@ -29,18 +29,6 @@ inline float widen(at::Float8_e5m2 v) { return static_cast<float>(v); }
 inline float widen(at::Float8_e4m3fn v) { return static_cast<float>(v) * (1.0f / 256.0f); }
 
 #ifdef NANOQWEN_AVX2
-// 8 float16 bit patterns (16-bit lanes) -> 8 float32 (exact).
-inline __m256 half8_to_float(__m128i h) {
-#ifdef __F16C__
-  return _mm256_cvtph_ps(h);
-#else
-  alignas(16) uint16_t bits[8];
-  alignas(32) float f[8];
-  _mm_store_si128(reinterpret_cast<__m128i*>(bits), h);
-  for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(at::Half(bits[i], at::Half::from_bits()));
-  return _mm256_load_ps(f);
-#endif
-}
 inline __m256 widen8(const uint16_t* p) { return load8_bf16(p); }
 inline __m256 widen8(const int8_t* p) { return load8_int8(p); }
 // An e5m2 byte is the upper byte of the float16 of the same value.
@@ -48,14 +36,8 @@ inline __m256 widen8(const at::Float8_e5m2* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return half8_to_float(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
 }
-// An e4m3 byte s eeee mmm as the float16 bits s 0eeee mmm 0000000: the value / 256, normals and subnormals alike (the
-// exponent's bias moves from 7 to 15; no e4m3 infinity, and its NaN, 0x7F, is never written: codes are at most 448).
-// The byte sign-extended to 16 bits and shifted left by 7 has s at bits 15 and 14 and the rest in place: bit 14
-// cleared.
-inline __m256 widen8(const at::Float8_e4m3fn* p) {
-  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return half8_to_float(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<int16_t>(0xBFFF))));
-}
+// Its value / 256 (cpu_kernels.h; e4m3's NaN, 0x7F, is never written: codes are at most 448).
+inline __m256 widen8(const at::Float8_e4m3fn* p) { return load8_e4m3_div256(reinterpret_cast<const uint8_t*>(p)); }
 #endif
 
 // sum_i a[i] * widen(b[i]) for float32 a (the positions attention_scores leaves over, fewer than eight).

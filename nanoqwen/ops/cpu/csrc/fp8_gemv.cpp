@@ -4,19 +4,22 @@
 //   fp8_gemv(x [M,K] bf16, w [N,K] float8_e4m3fn, scale [N,K/B] float32) -> y [M,N] bf16,
 //       y[m, n] = sum_b scale[n, b] * (sum_{k in block b} x[m, k] * w[n, k])
 //
-// Each weight is widened to float32 as it is read (no dequantised copy): an e4m3 byte s eeee mmm is, for e > 0,
-// (-1)^s 2^(e - 7) (1 + m / 8), whose float32 bits are s << 31 | (eeee mmm) << 20 plus 120 << 23 (the exponent bias
-// moved from 7 to 127); for e = 0 (subnormal) (-1)^s m 2^-9. (e4m3 has no infinities; its one NaN pattern does not
-// occur in a checkpoint's weights.) The products accumulate in float32 per block, each block's sum is scaled once,
-// and each output is rounded to bf16 once: fp8_gemv_reference (ops/cpu/kernels.py) computes the same function up to
-// the order of float32 additions. Threads split the weight rows.
+// Each weight is widened to float32 as it is read (no dequantised copy), through the float16 conversion: an e4m3
+// byte's bits moved into a float16's give its value / 256 exactly (cpu_kernels.h load8_e4m3_div256), and the 256
+// goes into the block's scale. A tile multiplies R weight rows by T rows of x at once, each of the T * R products
+// its own vector accumulator (independent FMA chains: one chain per output waits on each FMA's latency), 16 lanes
+// with AVX-512 and 8 with AVX2. At the end of a block each accumulator's lanes are scaled by the block's scale into
+// a running vector total, and each total's lanes are summed and rounded to bf16 once at the end: the same function as
+// fp8_gemv_reference (ops/cpu/kernels.py), the products' sums in another order (tests/ops/cpu/test_kernels.py).
+// Threads split the weight rows.
 
 #include "cpu_kernels.h"
 
 namespace nanoqwen {
 namespace {
 
-constexpr int kTileFp8 = 4;  // rows of x per register tile
+constexpr int kTileRows = 4;  // rows of x a tile takes at most
+constexpr int64_t kChunkBytes = 64 << 10;  // weights a thread multiplies by every row of x before the next ones
 
 inline float e4m3_to_float(uint8_t v) {
   const uint32_t e = (v >> 3) & 0xF, m = v & 7;
@@ -25,53 +28,99 @@ inline float e4m3_to_float(uint8_t v) {
   return v & 0x80 ? -magnitude : magnitude;
 }
 
-#ifdef NANOQWEN_AVX2
-// 8 e4m3 bytes -> 8 float32 (exact).
-inline __m256 load8_e4m3(const uint8_t* p) {
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i bits = _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7F)), 20),
-                                        _mm256_set1_epi32(120 << 23));
-  const __m256i mant = _mm256_and_si256(v, _mm256_set1_epi32(7));
-  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(mant), _mm256_set1_ps(1.0f / 512.0f));
-  const __m256i is_sub = _mm256_cmpeq_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x78)), _mm256_setzero_si256());
-  const __m256 magnitude = _mm256_blendv_ps(_mm256_castsi256_ps(bits), subnormal, _mm256_castsi256_ps(is_sub));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
-  return _mm256_or_ps(magnitude, _mm256_castsi256_ps(sign));
-}
+// The vector a tile computes with: its lanes, and the operations the kernel needs.
+#if defined(__AVX512F__)
+struct Lanes {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static constexpr int kProducts = 8;  // accumulators a tile (and as many running totals): 16 of the 32 registers
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V weights(const uint8_t* p) { return load16_e4m3_div256(p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(NANOQWEN_AVX2)
+struct Lanes {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static constexpr int kProducts = 4;  // accumulators a tile (and as many totals): 8 of the 16 registers
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float v) { return _mm256_set1_ps(v); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V weights(const uint8_t* p) { return load8_e4m3_div256(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V v) { return hsum(v); }
+};
 #endif
 
-// y[m0 .. m0 + T - 1, n] for weight row n (w: its K bytes, s: its K / B scales); xf: x in float32 [M, K].
-template <int T>
-void fp8_row_tile(const float* xf, int64_t K, int64_t B, int64_t m0, const uint8_t* w, const float* s, int64_t N,
-                  int64_t n, at::BFloat16* y) {
-  float total[T] = {};
-  for (int64_t b = 0; b * B < K; ++b) {
+// y[m0 + t, n + r] for t < T, r < R: weight rows n .. n + R - 1 (w: row n's K bytes; s: row n's `blocks` scales)
+// times x rows m0 .. m0 + T - 1 (xf: x in float32 [M, K]).
+template <int T, int R>
+void fp8_tile(const float* xf, int64_t K, int64_t B, int64_t blocks, int64_t m0, const uint8_t* w, const float* s,
+              int64_t N, int64_t n, at::BFloat16* y) {
+  float rest[T][R] = {};  // the positions past the last whole vector of a block, and every position without AVX2
+#ifdef NANOQWEN_AVX2
+  using V = Lanes::V;
+  constexpr int L = Lanes::kWidth;
+  V total[T][R];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) total[t][r] = Lanes::zero();
+#else
+  constexpr int L = 1 << 30;  // (no vectors)
+#endif
+  for (int64_t b = 0; b < blocks; ++b) {
     const int64_t first = b * B, last = std::min(K, first + B);
-    float block[T] = {};
     int64_t k = first;
 #ifdef NANOQWEN_AVX2
-    __m256 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-    for (; k + 8 <= last; k += 8) {
-      const __m256 wv = load8_e4m3(w + k);
-      for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + (m0 + t) * K + k), acc[t]);
+    V acc[T][R];
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) acc[t][r] = Lanes::zero();
+    for (; k + L <= last; k += L) {
+      V wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = Lanes::weights(w + r * K + k);
+      for (int t = 0; t < T; ++t) {
+        const V xv = Lanes::load(xf + (m0 + t) * K + k);
+        for (int r = 0; r < R; ++r) acc[t][r] = Lanes::fma(wv[r], xv, acc[t][r]);
+      }
     }
-    for (int t = 0; t < T; ++t) block[t] = hsum(acc[t]);
+    for (int r = 0; r < R; ++r) {  // (the 256 the weights were divided by, in the scale)
+      const V scale = Lanes::set1(s[r * blocks + b] * 256.0f);
+      for (int t = 0; t < T; ++t) total[t][r] = Lanes::fma(acc[t][r], scale, total[t][r]);
+    }
 #endif
-    for (; k < last; ++k)
-      for (int t = 0; t < T; ++t) block[t] = std::fma(e4m3_to_float(w[k]), xf[(m0 + t) * K + k], block[t]);
-    for (int t = 0; t < T; ++t) total[t] = std::fma(block[t], s[b], total[t]);
+    if (k < last)
+      for (int t = 0; t < T; ++t)
+        for (int r = 0; r < R; ++r) {
+          float part = 0.0f;
+          for (int64_t j = k; j < last; ++j) part = std::fma(e4m3_to_float(w[r * K + j]), xf[(m0 + t) * K + j], part);
+          rest[t][r] = std::fma(part, s[r * blocks + b], rest[t][r]);
+        }
   }
-  for (int t = 0; t < T; ++t) y[(m0 + t) * N + n] = at::BFloat16(total[t]);  // one rounding, RNE
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) {
+#ifdef NANOQWEN_AVX2
+      rest[t][r] += Lanes::sum(total[t][r]);
+#endif
+      y[(m0 + t) * N + n + r] = at::BFloat16(rest[t][r]);  // one rounding, RNE
+    }
 }
 
-template <int T = kTileFp8>
-void fp8_row_tiles(int rows, const float* xf, int64_t K, int64_t B, int64_t m0, const uint8_t* w, const float* s,
-                   int64_t N, int64_t n, at::BFloat16* y) {
-  if constexpr (T > 1) {
-    if (rows < T) return fp8_row_tiles<T - 1>(rows, xf, K, B, m0, w, s, N, n, y);
-  }
-  fp8_row_tile<T>(xf, K, B, m0, w, s, N, n, y);
+#ifdef NANOQWEN_AVX2
+constexpr int kProducts = Lanes::kProducts;
+#else
+constexpr int kProducts = 4;
+#endif
+
+// Weight rows [begin, end) times x rows m0 .. m0 + T - 1: R = kProducts / T rows a tile, the last few one at a time.
+template <int T>
+void fp8_rows(const float* xf, int64_t K, int64_t B, int64_t blocks, int64_t m0, const uint8_t* w, const float* s,
+              int64_t N, int64_t begin, int64_t end, at::BFloat16* y) {
+  constexpr int R = std::max(1, kProducts / T);
+  int64_t n = begin;
+  for (; n + R <= end; n += R) fp8_tile<T, R>(xf, K, B, blocks, m0, w + n * K, s + n * blocks, N, n, y);
+  for (; n < end; ++n) fp8_tile<T, 1>(xf, K, B, blocks, m0, w + n * K, s + n * blocks, N, n, y);
 }
 
 }  // namespace
@@ -98,11 +147,19 @@ at::Tensor fp8_gemv(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t blocks = scale.size(1);
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, K));
+  const int64_t chunk = std::max<int64_t>(kProducts, kChunkBytes / K);  // weight rows all tiles of x take in turn
   parallel_rows(N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += kTileFp8)
-        fp8_row_tiles(static_cast<int>(std::min<int64_t>(kTileFp8, M - m0)), xf, K, B, m0, wp + n * K,
-                      sp + n * blocks, N, n, yp);
+    for (int64_t n0 = begin; n0 < end; n0 += chunk) {
+      const int64_t n1 = std::min(end, n0 + chunk);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {  // (the chunk's weights read from L2 after the first tile)
+        switch (std::min<int64_t>(kTileRows, M - m0)) {
+          case 1: fp8_rows<1>(xf, K, B, blocks, m0, wp, sp, N, n0, n1, yp); break;
+          case 2: fp8_rows<2>(xf, K, B, blocks, m0, wp, sp, N, n0, n1, yp); break;
+          case 3: fp8_rows<3>(xf, K, B, blocks, m0, wp, sp, N, n0, n1, yp); break;
+          default: fp8_rows<4>(xf, K, B, blocks, m0, wp, sp, N, n0, n1, yp); break;
+        }
+      }
+    }
   });
   return y;
 }

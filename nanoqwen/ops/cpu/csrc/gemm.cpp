@@ -306,4 +306,70 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return out;
 }
 
+// ---- Prompt attention's softmax on the bf16 path (attention/backends/cpu_prefill.py): torch's products around it.
+// scores [R, keys] bf16, in place: the rows of one block of b query positions (row r is query r % b, whose
+// last visible key is keys - b + r % b) -> bf16(softmax) over the visible keys in float32, 0 after them. What
+// prefill_attention_blocked's masked_fill and torch.softmax compute, in one pass over the scores instead of
+// four, and without their float32 temporaries.
+void causal_softmax_(const at::Tensor& scores, int64_t block) {
+  TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == at::kBFloat16 && scores.is_contiguous() &&
+                  scores.dim() >= 2,
+              "causal_softmax_: scores must be a contiguous bfloat16 CPU tensor [..., rows, keys], got ",
+              scores.scalar_type(), " ", scores.sizes());
+  const int64_t keys = scores.size(-1), R = scores.numel() / std::max<int64_t>(keys, 1);
+  TORCH_CHECK(block > 0 && block <= keys && R % block == 0,
+              "causal_softmax_: the rows must be whole blocks of ", block, " queries, at most one per key; got ",
+              scores.sizes());
+  auto* base = reinterpret_cast<uint16_t*>(scores.data_ptr());
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> e(keys);
+    for (int64_t r = r0; r < r1; ++r) {
+      uint16_t* row = base + r * keys;
+      const int64_t visible = keys - block + r % block + 1;
+      float mx = -INFINITY, sum = 0.0f;
+      int64_t j = 0;
+#ifdef __AVX512F__
+      __m512 vmx = _mm512_set1_ps(-INFINITY);
+      for (; j + 16 <= visible; j += 16) vmx = _mm512_max_ps(vmx, load16_bf16(row + j));
+      mx = _mm512_reduce_max_ps(vmx);
+#elif defined(NANOQWEN_AVX2)
+      __m256 vmx = _mm256_set1_ps(-INFINITY);
+      for (; j + 8 <= visible; j += 8) vmx = _mm256_max_ps(vmx, load8_bf16(row + j));
+      mx = hmax(vmx);
+#endif
+      for (; j < visible; ++j) mx = std::max(mx, bf16_to_float(row[j]));
+      j = 0;  // e = e^(s - mx), float32, and its sum
+#ifdef __AVX512F__
+      __m512 vsum = _mm512_setzero_ps();
+      for (; j + 16 <= visible; j += 16) {
+        const __m512 ej = exp16(_mm512_sub_ps(load16_bf16(row + j), _mm512_set1_ps(mx)));
+        _mm512_storeu_ps(e.data() + j, ej);
+        vsum = _mm512_add_ps(vsum, ej);
+      }
+      sum = _mm512_reduce_add_ps(vsum);
+#elif defined(NANOQWEN_AVX2)
+      __m256 vsum = _mm256_setzero_ps();
+      for (; j + 8 <= visible; j += 8) {
+        const __m256 ej = exp8(_mm256_sub_ps(load8_bf16(row + j), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(e.data() + j, ej);
+        vsum = _mm256_add_ps(vsum, ej);
+      }
+      sum = hsum(vsum);
+#endif
+      for (; j < visible; ++j) sum += (e[j] = std::exp(bf16_to_float(row[j]) - mx));
+      const float inv = 1.0f / sum;  // e * (1 / sum), as torch's softmax normalises
+      j = 0;
+#ifdef __AVX512F__
+      for (; j + 16 <= visible; j += 16)
+        store16_bf16(row + j, _mm512_mul_ps(_mm512_loadu_ps(e.data() + j), _mm512_set1_ps(inv)));
+#elif defined(NANOQWEN_AVX2)
+      for (; j + 8 <= visible; j += 8)
+        store8_bf16(row + j, _mm256_mul_ps(_mm256_loadu_ps(e.data() + j), _mm256_set1_ps(inv)));
+#endif
+      for (; j < visible; ++j) row[j] = float_to_bf16(e[j] * inv);
+      std::fill(row + visible, row + keys, uint16_t{0});
+    }
+  });
+}
+
 }  // namespace nanoqwen

@@ -319,6 +319,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "a prompt chunk's causal attention in float32 from bf16 q, k, v "
         "(attention/attend.py prefill_attention_blocked's function)", py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("num_cached"), py::arg("scale"), py::arg("block"), py::call_guard<py::gil_scoped_release>());
+  m.def("causal_softmax_", &causal_softmax_, "in place: bf16 scores [..., rows, keys] of blocks of `block` queries "
+        "-> bf16(softmax) over each query's visible keys, 0 after them", py::arg("scores"), py::arg("block"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("fp8_gemv", &fp8_gemv, "y = x @ (w * scale).T for few rows of x (e4m3 weights, a float32 scale per row and "
         "block of inputs)", py::arg("x"), py::arg("w"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("int8_group_gemv", &int8_group_gemv,
