@@ -8,9 +8,10 @@
 //                   causal_softmax_: the softmax between torch's two products on the bf16 path
 //   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill);
 //                   int4_amx: the same product on AMX tiles (amx.cpp), where the CPU has them
-//   decode_ops.cpp  rms_norm, add_rms_norm, apply_rope, swiglu, attention_inputs, paged_decode_attention: a
-//                   decode step's rest (a bf16 KV cache, or int8 / float8 codes with their scales); argmax: the
+//   decode_ops.cpp  rms_norm, add_rms_norm, apply_rope, swiglu: a decode step's elementwise rest; argmax: the
 //                   sampler's greedy choice; top_p_threshold, exponential_race: its top-p filter and its draw
+//   kv_cache_ops.cpp  paged_decode_attention, attention_inputs: attention over the paged KV cache and a decode
+//                   step's store into it (a bf16 cache, or int8 / float8 codes with their scales)
 //   module.cpp      decode_model (a decode step's whole forward in one call) and the Python bindings
 #pragma once
 
@@ -50,6 +51,10 @@ constexpr int kRowPrefetchBytes = 1024;
 constexpr int kOwnSharePercent = 85;         // of a product's rows, split evenly over threads (parallel_rows below)
 constexpr int kChunksPerThread = 4;          // the other rows: this many chunks per thread
 constexpr int64_t kClaimBytes = 16 << 10;    // weight bytes a claim takes at least (parallel_rows_stealing)
+
+// A bf16 tensor's data as its bits.
+inline const uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+inline uint16_t* bf16_ptr_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
 // bf16 -> float32: a bf16 is the upper 16 bits of a float32.
 inline float bf16_to_float(uint16_t h) {
@@ -407,6 +412,12 @@ at::Tensor argmax(const at::Tensor& values);
 at::Tensor top_p_threshold(const at::Tensor& probs, const at::Tensor& top_p);
 at::Tensor exponential_race(const at::Tensor& probs, const std::optional<at::Tensor>& token_ids,
                             const at::Tensor& keys);
+// (their row functions and checks, shared with kv_cache_ops.cpp's attention_inputs)
+void check_bf16(const at::Tensor& t, const char* name);
+void rms_norm_row(const uint16_t* xr, const uint16_t* wp, int64_t D, float eps, uint16_t* yr);
+void rope_row(const uint16_t* xr, const uint16_t* c, const uint16_t* s, int64_t D, uint16_t* yr);
+void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t N, int64_t D);
+// kv_cache_ops.cpp
 at::Tensor attention_inputs(const at::Tensor& qkv, const at::Tensor& q_norm, const at::Tensor& k_norm,
                             double eps, int64_t num_heads, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& k_cache, const at::Tensor& v_cache,
