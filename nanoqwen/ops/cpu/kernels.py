@@ -264,6 +264,21 @@ def set_int4_amx_min_rows(rows: int) -> None:
         _ext.set_int4_amx_min_rows(rows)
 
 
+def bf16_amx(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y = x @ w.T for bf16 x [M, K] and w [N, K] (K a multiple of 32, N of 16) on AMX-BF16 tiles, in float32, rounded
+    to bf16 once: bf16_gemv_reference's function for many rows (needs amx_bf16_available()). The weights are read as
+    stored, 16 rows of 32 values a tile; x is packed once into the tiles' pair layout (csrc/amx.cpp)."""
+    if _ext is None:
+        _require()
+    return _ext.bf16_amx(x, w)
+
+
+def amx_bf16_available() -> bool:
+    """Whether bf16_amx can run: as amx_int8_available, for AMX-BF16 tiles."""
+    return (available() and _ext is not None and not cpu_build.limited_to_avx2()
+            and bool(_ext.amx_bf16_ready()))
+
+
 def amx_int8_available() -> bool:
     """Whether int4_amx can run: the kernels available(), this CPU with AMX-INT8 tiles and AVX-512BW, Linux granting
     the process the tiles' state (asked once), and the process not limited to AVX2 (ATEN_CPU_CAPABILITY=avx2)."""

@@ -13,10 +13,11 @@ Either path computes the same function: bf16 inputs, products accumulated in flo
 rounded to bf16 once. Only the order of the float32 additions differs, so greedy tokens agree within
 bf16's tolerance.
 
-Beside the path, the choice says which rows nanoqwen's own kernels take (nanoqwen/ops/cpu/kernels.py):
-up to `gemv_max_rows` rows its gemv kernels (decode steps), and on the float32 path more rows its GEMM
-where it was measured faster (`gemm`). `TORCH_MATMUL`, the default, is torch's own kernels for
-everything: the reference, and what GPUs use.
+Beside the path, the choice says which rows nanoqwen's own kernels take (nanoqwen/ops/cpu/kernels.py): up to
+`gemv_max_rows` rows its gemv kernels (decode steps), on CPUs with AMX tiles bf16 products of `bf16_amx_min_rows`
+to AMX_MAX_ROWS rows on them (batched decode steps: torch's product reads the weights more slowly there), and on
+the float32 path more rows its GEMM where it was measured faster (`gemm`). `TORCH_MATMUL`, the default, is torch's
+own kernels for everything: the reference, and what GPUs use.
 """
 
 from __future__ import annotations
@@ -34,12 +35,19 @@ PATHS = ("bf16", "float32")
 UPCAST_MIN_ROWS = 16
 # up to this many rows, nanoqwen's own kernels (ops/cpu/kernels.py) where they are on and measured faster
 GEMV_MAX_ROWS = 64
+# bf16 products of up to this many rows (batched decode steps, short prompt chunks) on AMX tiles where chosen
+AMX_MAX_ROWS = 64
 # int8 rows go through nanoqwen's int8 kernel up to this many, or up to the bf16 kernel's count if more
 INT8_GEMV_MIN_ROWS = 16
 # The largest float32 copy of a weight block that a product over many rows makes at a time on a CPU (upcast_linear,
 # and the int8/int4 layers' unpacking): small enough that the copy is still in the L3 cache when the matmul reads
 # it, so that the weights come from memory once, as 16-bit (or 8- or 4-bit) values.
 UPCAST_BLOCK_BYTES = 4 << 20
+
+
+def amx_shape(weight: torch.Tensor) -> bool:
+    """Whether cpu_kernels.bf16_amx takes this weight: [N, K] with K a multiple of 32 and N of 16."""
+    return weight.dim() == 2 and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,9 @@ class MatmulPath:
     # int4 products of at least this many rows on AMX tiles (cpu_kernels.int4_amx; 0: never), and why
     int4_amx_min_rows: int = 0
     int4_amx_reason: str = ""
+    # bf16 products of bf16_amx_min_rows .. AMX_MAX_ROWS rows on AMX tiles (cpu_kernels.bf16_amx; 0: never), and why
+    bf16_amx_min_rows: int = 0
+    bf16_amx_reason: str = ""
 
     @property
     def gemv(self) -> bool:
@@ -72,6 +83,9 @@ class MatmulPath:
         few = f"<= {self.gemv_max_rows} rows: nanoqwen's gemv kernels ({self.gemv_reason}); " if self.gemv else ""
         if self.int4_amx_min_rows:
             few += f"int4 products of >= {self.int4_amx_min_rows} rows on AMX tiles ({self.int4_amx_reason}); "
+        if self.bf16_amx_min_rows:  # (rows the gemv kernels take go to them first)
+            fewest = max(self.bf16_amx_min_rows, self.gemv_max_rows + 1)
+            few += f"bf16 products of {fewest}-{AMX_MAX_ROWS} rows on AMX tiles ({self.bf16_amx_reason}); "
         if self.path == "bf16":
             return f"{few}bf16 matmuls ({self.reason})"
         more = max(UPCAST_MIN_ROWS, self.gemv_max_rows + 1)  # (the rows the gemv kernels leave)
@@ -82,12 +96,15 @@ class MatmulPath:
         """F.linear for x [N, in] on this path: a few bf16 rows through the gemv kernel (when on), many
         16-bit rows computed in float32 (on the float32 path: nanoqwen's bf16_gemm where chosen, else
         upcast_linear), everything else torch's own F.linear (tensors off the CPU included)."""
-        if self.path == "bf16" and not self.gemv:
+        if self.path == "bf16" and not self.gemv and not self.bf16_amx_min_rows:
             return F.linear(x, weight, bias)
         rows = x.shape[0]
         bf16 = x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu"
         if bf16 and rows <= self.gemv_max_rows:
             return cpu_kernels.bf16_gemv(x, weight, bias)
+        if bf16 and self.amx_rows(rows) and x.dim() == 2 and amx_shape(weight):
+            y = cpu_kernels.bf16_amx(x, weight)
+            return y if bias is None else y + bias
         if rows >= UPCAST_MIN_ROWS and self.upcast_16bit(x):
             if self.own_gemm(x) and bf16 and bias is None:
                 return cpu_kernels.bf16_gemm(x, weight)
@@ -109,6 +126,10 @@ class MatmulPath:
         (bf16_gemm) and a prompt chunk's attention (cpu_kernels.prefill_attention, its two products). Where the
         GEMM was chosen, on the float32 path."""
         return self.gemm and x.dtype == torch.bfloat16 and self.upcast_16bit(x)
+
+    def amx_rows(self, rows: int) -> bool:
+        """Whether a bf16 product of this many rows runs on AMX tiles (cpu_kernels.bf16_amx)."""
+        return 0 < self.bf16_amx_min_rows <= rows <= AMX_MAX_ROWS
 
     def own_prompt_softmax(self, x: torch.Tensor) -> bool:
         """Whether a bf16 prompt chunk's attention (queries x) runs torch's two products around nanoqwen's

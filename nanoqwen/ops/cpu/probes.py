@@ -135,6 +135,24 @@ def int4_amx_probe() -> dict[int, tuple[float, float]]:
     return speeds
 
 
+def bf16_amx_probe() -> dict[int, tuple[float, float]]:
+    """For each row count of AMX_PROBE_ROWS, GB/s of bf16 weights read by cpu_kernels.bf16_amx and by torch's
+    F.linear, over copies of an AMX_PROBE_SHAPE matrix that together exceed the L3 cache; best of five rounds, the
+    two alternating."""
+    n, k, copies = AMX_PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=g) / k**0.5).bfloat16() for _ in range(copies // 2)]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    speeds = {}
+    for rows in AMX_PROBE_ROWS:
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        calls = [lambda kernel=kernel, x=x: [kernel(x, w) for w in weights]
+                 for kernel in (cpu_kernels.bf16_amx, F.linear)]
+        amx, theirs = (round(nbytes / t / 1e9, 1) for t in _best_seconds(calls, rounds=5))
+        speeds[rows] = (amx, theirs)
+    return speeds
+
+
 def probe_alternative(path: str, rows: int, gemm: bool = False
                       ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """What `MatmulPath.linear` runs for this many bf16 rows on this path (with bf16_gemm or not) without the gemv

@@ -2,19 +2,19 @@
 once per machine, not guessed from the CPU's name (nanoqwen/ops/cpu/matmul.py says what each choice means).
 
 `select_matmul_path`: NANOQWEN_CPU_MATMUL=bf16|float32 forces the path; otherwise a probe times a bf16 and a
-float32 matmul of a prompt-sized shape (about a second, once) and the result is cached per CPU model, CPU
-flags, torch version and thread count in ~/.cache/nanoqwen/cpu-matmul.json. A second probe, cached beside
-it, times nanoqwen's bf16 gemv kernel against what those rows would take otherwise (torch's F.linear, or
-upcast_linear) at 1 to 64 rows and sets how many rows (decode steps, short prompt chunks) the gemv kernels
-take, on any CPU (NANOQWEN_CPU_GEMV=0|1 forces them off or on). Where the CPU has AMX tiles, a fourth times int4
-products on them against int4_gemv at 2 to 64 rows and sets from how many rows int4 layers use them
-(select_int4_amx; NANOQWEN_CPU_AMX=0|1 forces them off or on; the one-call decode step, which has no MatmulPath,
-takes the last choice made in the process: the tiles compute the same bits, so only the speed differs). On the
-float32 path a third, also cached, times nanoqwen's bf16_gemm against upcast_linear on a prompt-sized product:
-where it is faster, it takes the rows past the gemv kernels' (the same arithmetic with the weights converted
-inside the product). The probes and their cache are nanoqwen/ops/cpu/probes.py; this module decides from
-what they measure. The engine calls it once and builds its model with the result
-(nanoqwen/worker/kernel_selection.py); nothing here is kept but that int4 AMX choice.
+float32 matmul of a prompt-sized shape (about a second, once) and the result is cached per CPU model, CPU flags,
+torch version and thread count in ~/.cache/nanoqwen/cpu-matmul.json. A second probe, cached beside it, times
+nanoqwen's bf16 gemv kernel against what those rows would take otherwise (torch's F.linear, or upcast_linear) at 1
+to 64 rows and sets how many rows (decode steps, short prompt chunks) the gemv kernels take, on any CPU
+(NANOQWEN_CPU_GEMV=0|1 forces them off or on). Where the CPU has AMX tiles, a fourth times int4 products on them
+against int4_gemv at 2 to 64 rows and sets from how many rows int4 layers use them, and a fifth bf16 products on
+them against torch's (select_int4_amx, select_bf16_amx; NANOQWEN_CPU_AMX=0|1 forces them off or on; the one-call
+decode step, which has no MatmulPath, takes the last choice made in the process: the tiles compute the same bits,
+so only the speed differs). On the float32 path a third, also cached, times nanoqwen's bf16_gemm against
+upcast_linear on a prompt-sized product: where it is faster, it takes the rows past the gemv kernels' (the same
+arithmetic with the weights converted inside the product). The probes and their cache are
+nanoqwen/ops/cpu/probes.py; this module decides from what they measure. The engine calls it once and builds its
+model with the result (nanoqwen/worker/kernel_selection.py); nothing here is kept but that int4 AMX choice.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ logger = logging.getLogger("nanoqwen")
 # one-call C++ decode step and the int8 kernel, which gain more than that loses where torch's one-row bf16
 # kernel ties with nanoqwen's (bench/bench_gemv.py and bench/bench_decode_step.py measure both).
 GEMV_MIN_SHARE = 0.8
-AMX_ENV = "NANOQWEN_CPU_AMX"  # 0: int4 products never on AMX tiles; 1: from 2 rows on; else measured
+AMX_ENV = "NANOQWEN_CPU_AMX"  # 0: int4 and bf16 products never on AMX tiles; 1: from 2 rows on; else measured
 SLOW_BF16 = 0.5  # bf16 below half of float32's speed: compute in float32
 
 
@@ -56,6 +56,8 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
     if wanted == "0" or not cpu_kernels.available():
         return choice
     choice = select_int4_amx(choice, cache_dir)
+    if choice.path == "bf16":
+        choice = select_bf16_amx(choice, cache_dir)
     if choice.path == "float32":
         choice = _select_gemm(choice, wanted == "1", cache_dir)
     if wanted == "1":
@@ -101,6 +103,23 @@ def select_int4_amx(choice: MatmulPath, cache_dir: Path | None = None) -> Matmul
     return chosen
 
 
+def select_bf16_amx(choice: MatmulPath, cache_dir: Path | None = None) -> MatmulPath:
+    """From how many rows on bf16 products run on AMX tiles (cpu_kernels.bf16_amx, up to matmul.AMX_MAX_ROWS), where
+    the CPU has AMX-BF16 (cpu_kernels.amx_bf16_available()): NANOQWEN_CPU_AMX=0 never, =1 from 2 rows on; otherwise
+    the fewest rows of cpu_probes.AMX_PROBE_ROWS from which the tiles were measured faster than torch's F.linear at
+    every larger count (cpu_probes.bf16_amx_probe, once per machine and build of the kernels, cached)."""
+    forced = os.environ.get(AMX_ENV, "auto")
+    if forced == "0" or not cpu_kernels.amx_bf16_available():
+        return choice
+    if forced == "1":
+        return replace(choice, bf16_amx_min_rows=2, bf16_amx_reason=f"{AMX_ENV}=1")
+    what = f"bf16 on AMX tiles against F.linear, kernels {cpu_build.build_digest()}"
+    speeds = {int(m): v for m, v in cpu_probes.cached(cache_dir, what, cpu_probes.bf16_amx_probe).items()}
+    shown = ", ".join(f"{m}: {amx:.1f} vs {theirs:.1f}" for m, (amx, theirs) in sorted(speeds.items()))
+    return replace(choice, bf16_amx_min_rows=amx_min_rows(speeds),
+                   bf16_amx_reason=f"measured GB/s by rows, tiles vs torch: {shown}")
+
+
 def amx_min_rows(speeds: dict[int, tuple[float, float]]) -> int:
     """The fewest rows from which the tiles were faster at every measured count ({rows: (tiles, int4_gemv)}), 0
     where they were not at the most rows measured."""
@@ -132,7 +151,8 @@ def _select_path(cache_dir: Path | None) -> MatmulPath:
                        forced, ", ".join(PATHS))
     found = cpu_probes.cached(cache_dir, "matmul", lambda: asdict(probe()))
     kept = {f.name for f in fields(MatmulPath)} - {"gemv_max_rows", "gemv_reason", "gemm", "gemm_reason",
-                                                   "int4_amx_min_rows", "int4_amx_reason"}
+                                                   "int4_amx_min_rows", "int4_amx_reason",
+                                                   "bf16_amx_min_rows", "bf16_amx_reason"}
     return MatmulPath(**{k: v for k, v in found.items() if k in kept})
 
 

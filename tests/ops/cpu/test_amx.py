@@ -171,3 +171,83 @@ def test_an_int4_model_decodes_the_same_bits_with_the_tiles(amx, checkpoint, mon
     assert 2 in seen and 0 in seen  # the module path passed the choice
     assert len({repr(v) for v in outputs.values()}) == 1
     cpu_kernels.set_int4_amx_min_rows(0)
+
+
+# ---- bf16 products on AMX-BF16 tiles (cpu_kernels.bf16_amx) and MatmulPath's use of them
+
+@pytest.fixture(scope="module")
+def amx_bf16():
+    if not cpu_kernels.available():
+        pytest.skip(f"CPU kernels not available here ({cpu_kernels._failure or 'NANOQWEN_CPU_GEMV=0'})")
+    if not cpu_kernels.amx_bf16_available():
+        pytest.skip("no AMX-BF16 tiles on this CPU (or limited to AVX2 by ATEN_CPU_CAPABILITY)")
+    return cpu_kernels
+
+
+@pytest.mark.parametrize("k, n", [(32, 16), (1024 + 32, 48), (2048, 160)])  # one or two weight tiles a block
+@pytest.mark.parametrize("m", (1, 5, 16, 17, 32, 33, 64))  # one or two blocks of x a pass, and a second pass
+def test_bf16_amx_is_the_bf16_product(amx_bf16, m, k, n):
+    """bf16_amx computes bf16_gemv_reference's function (float32 sums, one rounding) within its float32 order."""
+    g = torch.Generator().manual_seed(m * 7 + k + n)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    got = amx_bf16.bf16_amx(x, w)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert_within_one_ulp(got, amx_bf16.bf16_gemv_reference(x, w), x.float().abs() @ w.float().abs().T)
+    # each output its own (a weight row or a row of x moved changes only its own outputs)
+    assert torch.equal(amx_bf16.bf16_amx(x.flip(0), w.flip(0)), got.flip(0, 1))
+
+
+def test_bf16_amx_refuses_shapes_it_does_not_take(amx_bf16):
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="K a multiple of 32 and N of 16"):
+        amx_bf16.bf16_amx(x[:, :48], torch.randn(16, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="K a multiple of 32 and N of 16"):
+        amx_bf16.bf16_amx(x, torch.randn(24, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        amx_bf16.bf16_amx(x.float(), torch.randn(16, 64))
+
+
+def test_linear_takes_the_bf16_tiles_for_their_rows(amx_bf16, monkeypatch):
+    """MatmulPath.linear sends bf16 products of bf16_amx_min_rows .. AMX_MAX_ROWS rows to the tiles (a bias added
+    after), fewer to the gemv kernels, more and shapes the tiles do not take to torch."""
+    seen, original = [], cpu_kernels.bf16_amx
+    monkeypatch.setattr(cpu_kernels, "bf16_amx", lambda x, w: seen.append(x.shape[0]) or original(x, w))
+    path = cpu.MatmulPath("bf16", "test", gemv_max_rows=4, bf16_amx_min_rows=8)
+    g = torch.Generator().manual_seed(3)
+    w, bias = (torch.randn(64, 128, generator=g) / 12).bfloat16(), torch.randn(64, generator=g).bfloat16()
+    for rows in (4, 8, 64, 65):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        torch.testing.assert_close(path.linear(x, w, bias), torch.nn.functional.linear(x, w, bias), atol=0.05,
+                                   rtol=0.02)
+    path.linear(torch.randn(16, 120).bfloat16(), torch.randn(64, 120).bfloat16())  # K not a multiple of 32
+    assert seen == [8, 64]
+    assert "bf16 products of 8-64 rows on AMX tiles" in path.describe()
+
+
+def test_the_bf16_tiles_are_chosen_by_measurement_once_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "amx_bf16_available", lambda: True)
+    calls = []
+    monkeypatch.setattr(cpu_probes, "bf16_amx_probe", lambda: calls.append(1) or SPEEDS)
+    monkeypatch.setenv("NANOQWEN_CPU_AMX", "auto")
+    base = cpu.MatmulPath("bf16", "test")
+    first = selection.select_bf16_amx(base, tmp_path)
+    assert first.bf16_amx_min_rows == 8 and "8: 14.0 vs 9.0" in first.bf16_amx_reason
+    assert selection.select_bf16_amx(base, tmp_path) == first and len(calls) == 1  # from the cache
+    monkeypatch.setenv("NANOQWEN_CPU_AMX", "1")
+    assert selection.select_bf16_amx(base, tmp_path).bf16_amx_min_rows == 2
+    monkeypatch.setenv("NANOQWEN_CPU_AMX", "0")
+    assert selection.select_bf16_amx(base, tmp_path) == base
+    monkeypatch.setenv("NANOQWEN_CPU_AMX", "auto")
+    monkeypatch.setattr(cpu_kernels, "amx_bf16_available", lambda: False)  # no AMX-BF16: no probe
+    assert selection.select_bf16_amx(base, tmp_path) == base and len(calls) == 1
+
+
+def test_the_bf16_amx_probe_measures_both_kernels(monkeypatch):
+    seen = set()
+    monkeypatch.setattr(cpu_probes, "AMX_PROBE_SHAPE", (32, 128, 4))
+    monkeypatch.setattr(cpu_kernels, "bf16_amx", lambda x, w: seen.add(("amx", x.shape[0])))
+    monkeypatch.setattr(cpu_probes.F, "linear", lambda x, w: seen.add(("torch", x.shape[0])))
+    speeds = cpu_probes.bf16_amx_probe()
+    assert sorted(speeds) == list(cpu_probes.AMX_PROBE_ROWS)
+    assert seen == {(kernel, rows) for kernel in ("amx", "torch") for rows in cpu_probes.AMX_PROBE_ROWS}

@@ -1,4 +1,14 @@
-// AMX tiles (Intel Xeon from Sapphire Rapids on: amx_tile, amx_int8) for int4 products over several rows of x.
+// AMX tiles (Intel Xeon from Sapphire Rapids on: amx_tile, amx_int8, amx_bf16) for int4 and bf16 products over
+// several rows of x.
+//
+// bf16_amx (bf16 weights, 2 to 64 rows of x: batched decode steps, short prompt chunks): the weights are the A
+// operand as they are stored, 16 rows of 32 values (64 bytes each) a tile load straight from the matrix; x is the B
+// operand, packed once a call into AMX's pair layout ([K / 2][16 rows][2 values], zero rows past M). One tdpbf16ps
+// adds a 16 x 16 block of weight rows by rows of x (bf16 products summed in float32), two weight tiles by up to
+// two blocks of x rows a pass (a third and fourth block of x, past 32 rows, read the weights again); the float32
+// sums are rounded to bf16 once: bf16_gemv_reference's function, the sums in another order. Torch's bf16 product
+// reads the weights well below the machine's bandwidth at these row counts (bench/bench_gemv.py --rows 16,
+// bench/bench_batch_decode.py); selection.py measures where the tiles are faster.
 //
 // int4_gemm (int4_gemv.cpp) unpacks each block of 16 weight rows into a panel laid out for an integer dot product:
 // for each 4 consecutive elements of a group (a quad), the 16 rows' 4 values side by side, 64 bytes. That is
@@ -23,6 +33,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define NANOQWEN_AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512dq,avx512vl")))
+#define NANOQWEN_AMX_BF16_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl")))
 #endif
 
 namespace nanoqwen {
@@ -137,9 +148,107 @@ NANOQWEN_AMX_TARGET void amx_int4_tile(const int8_t* xq, const float* d, const f
     }
 }
 
+namespace {
+bool cpu_has_amx_bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return ((b >> 16) & 1) && ((b >> 30) & 1) && ((d >> 24) & 1) && ((d >> 22) & 1);  // avx512f, bw, amx_tile, bf16
+}
+
+// Tiles for bf16_amx: tmm0, tmm1 two blocks of 16 weight rows (A: 32 depths each, as stored), tmm2, tmm3 two blocks
+// of 16 rows of x (B: AMX's pair layout), tmm4..tmm7 their four 16 x 16 float32 products (C, weight rows by x rows).
+NANOQWEN_AMX_BF16_TARGET void amx_bf16_begin() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// y[m][n] for the weight rows n0 .. n0 + 16 * na - 1 (na 1 or 2) and the x rows of B blocks mb0 .. mb0 + nb - 1
+// (nb 1 or 2; xp: x packed as [blocks of 16 rows][K / 2][16][2] bf16).
+NANOQWEN_AMX_BF16_TARGET void amx_bf16_tile(const uint16_t* w, int64_t K, const uint32_t* xp, int64_t M, int64_t mb0,
+                                            int nb, int64_t N, int64_t n0, int na, uint16_t* y) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  const int64_t block = K / 2 * 16;  // an x block's packed pairs
+  const uint32_t* x0 = xp + mb0 * block;
+  const uint16_t* w0 = w + n0 * K;
+  for (int64_t k = 0; k < K; k += 32) {
+    if (k + 256 < K)  // the next lines of the 16 * na weight rows
+      for (int r = 0; r < 16 * na; ++r) _mm_prefetch(reinterpret_cast<const char*>(w0 + r * K + k + 256), _MM_HINT_T0);
+    _tile_loadd(0, w0 + k, K * 2);
+    _tile_loadd(2, x0 + k / 2 * 16, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    if (nb == 2) {
+      _tile_loadd(3, x0 + block + k / 2 * 16, 64);
+      _tile_dpbf16ps(5, 0, 3);
+    }
+    if (na == 2) {
+      _tile_loadd(1, w0 + 16 * K + k, K * 2);
+      _tile_dpbf16ps(6, 1, 2);
+      if (nb == 2) _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  alignas(64) float c[16][16];
+  for (int a = 0; a < na; ++a)
+    for (int b = 0; b < nb; ++b) {
+      switch (a * 2 + b) {
+        case 0: _tile_stored(4, c, 64); break;
+        case 1: _tile_stored(5, c, 64); break;
+        case 2: _tile_stored(6, c, 64); break;
+        default: _tile_stored(7, c, 64); break;
+      }
+      for (int j = 0; j < 16 && (mb0 + b) * 16 + j < M; ++j)
+        for (int i = 0; i < 16; ++i) y[((mb0 + b) * 16 + j) * N + n0 + 16 * a + i] = float_to_bf16(c[i][j]);
+    }
+}
+}  // namespace
+
+bool amx_bf16_ready() {
+  static const bool ready = cpu_has_amx_bf16() && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return ready;
+}
+
+at::Tensor bf16_amx(const at::Tensor& x_in, const at::Tensor& w_in) {
+  TORCH_CHECK(amx_bf16_ready(), "bf16_amx: this CPU has no AMX-BF16 tiles, or Linux did not grant them");
+  TORCH_CHECK(x_in.device().is_cpu() && w_in.device().is_cpu() && x_in.scalar_type() == at::kBFloat16 &&
+                  w_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2 && w_in.dim() == 2,
+              "bf16_amx: x [M, K] and w [N, K] must be 2-D bfloat16 CPU tensors");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
+  TORCH_CHECK(w_in.size(1) == K && K % 32 == 0 && N % 16 == 0, "bf16_amx: K a multiple of 32 and N of 16, got x ",
+              x_in.sizes(), ", w ", w_in.sizes());
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  at::Tensor y = new_output({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t blocks = (M + 15) / 16;
+  std::vector<uint32_t> xp(blocks * K / 2 * 16, 0);  // [block][K / 2][16 rows]: a pair of bf16 each
+  const auto* x32 = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t kp = 0; kp < K / 2; ++kp) xp[((m / 16) * (K / 2) + kp) * 16 + m % 16] = x32[m * (K / 2) + kp];
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t pairs = (N + 31) / 32;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    amx_bf16_begin();
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * 32;
+      const int na = N - n0 >= 32 ? 2 : 1;
+      for (int64_t mb = 0; mb < blocks; mb += 2)
+        amx_bf16_tile(wp, K, xp.data(), M, mb, blocks - mb >= 2 ? 2 : 1, N, n0, na, yp);
+    }
+    amx_end();
+  });
+  return y;
+}
+
 #else  // no AMX in this compiler: never ready, and nothing calls the rest
 
 bool amx_int8_ready() { return false; }
+bool amx_bf16_ready() { return false; }
+at::Tensor bf16_amx(const at::Tensor&, const at::Tensor&) { TORCH_CHECK(false, "AMX is not compiled in"); }
 void amx_int4_begin(int64_t) { TORCH_CHECK(false, "AMX is not compiled in"); }
 void amx_end() {}
 void amx_int4_tile(const int8_t*, const float*, const float*, int64_t, int64_t, int64_t, int, const uint8_t*,
