@@ -124,32 +124,29 @@ def int4_amx_probe() -> dict[int, tuple[float, float]]:
     weights = [(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
                 torch.rand(n, k // 64, generator=g).bfloat16(), torch.rand(n, k // 64, generator=g).bfloat16())
                for _ in range(copies)]
+    return _tiles_against(cpu_kernels.int4_amx, cpu_kernels.int4_gemv, weights, k, g)
+
+
+def bf16_amx_probe() -> dict[int, tuple[float, float]]:
+    """As int4_amx_probe, for bf16 weights: cpu_kernels.bf16_amx against torch's F.linear (half as many copies,
+    the same bytes)."""
+    n, k, copies = AMX_PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    weights = [((torch.randn(n, k, generator=g) / k**0.5).bfloat16(),) for _ in range(copies // 2)]
+    return _tiles_against(cpu_kernels.bf16_amx, F.linear, weights, k, g)
+
+
+def _tiles_against(tiles: Callable, theirs: Callable, weights: list[tuple[torch.Tensor, ...]], k: int,
+                   g: torch.Generator) -> dict[int, tuple[float, float]]:
+    """{rows: (GB/s of `tiles`, GB/s of `theirs`)} for each row count of AMX_PROBE_ROWS: each kernel(x, *w) over
+    every weight in turn, best of five rounds, the two alternating."""
     nbytes = sum(t.numel() * t.element_size() for w in weights for t in w)
     speeds = {}
     for rows in AMX_PROBE_ROWS:
         x = torch.randn(rows, k, generator=g).bfloat16()
-        calls = [lambda kernel=kernel, x=x: [kernel(x, *w) for w in weights]
-                 for kernel in (cpu_kernels.int4_amx, cpu_kernels.int4_gemv)]
-        amx, theirs = (round(nbytes / t / 1e9, 1) for t in _best_seconds(calls, rounds=5))
-        speeds[rows] = (amx, theirs)
-    return speeds
-
-
-def bf16_amx_probe() -> dict[int, tuple[float, float]]:
-    """For each row count of AMX_PROBE_ROWS, GB/s of bf16 weights read by cpu_kernels.bf16_amx and by torch's
-    F.linear, over copies of an AMX_PROBE_SHAPE matrix that together exceed the L3 cache; best of five rounds, the
-    two alternating."""
-    n, k, copies = AMX_PROBE_SHAPE
-    g = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(n, k, generator=g) / k**0.5).bfloat16() for _ in range(copies // 2)]
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
-    speeds = {}
-    for rows in AMX_PROBE_ROWS:
-        x = torch.randn(rows, k, generator=g).bfloat16()
-        calls = [lambda kernel=kernel, x=x: [kernel(x, w) for w in weights]
-                 for kernel in (cpu_kernels.bf16_amx, F.linear)]
-        amx, theirs = (round(nbytes / t / 1e9, 1) for t in _best_seconds(calls, rounds=5))
-        speeds[rows] = (amx, theirs)
+        calls = [lambda kernel=kernel, x=x: [kernel(x, *w) for w in weights] for kernel in (tiles, theirs)]
+        amx, other = (round(nbytes / t / 1e9, 1) for t in _best_seconds(calls, rounds=5))
+        speeds[rows] = (amx, other)
     return speeds
 
 

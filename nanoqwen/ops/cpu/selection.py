@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
@@ -87,37 +88,36 @@ def select_int4_amx(choice: MatmulPath, cache_dir: Path | None = None) -> Matmul
     (cpu_kernels.amx_int8_available()): NANOQWEN_CPU_AMX=0 never, =1 from 2 rows on; otherwise the fewest rows of
     cpu_probes.AMX_PROBE_ROWS from which the tiles were measured faster than int4_gemv at every larger count
     (cpu_probes.int4_amx_probe, once per machine and build of the kernels, cached); none where they never were."""
-    forced = os.environ.get(AMX_ENV, "auto")
-    if forced == "0" or not cpu_kernels.amx_int8_available():
-        chosen = choice
-    elif forced == "1":
-        chosen = replace(choice, int4_amx_min_rows=2, int4_amx_reason=f"{AMX_ENV}=1")
-    else:
-        what = f"int4 on AMX tiles against int4_gemv, kernels {cpu_build.build_digest()}"
-        speeds = {int(m): v for m, v in cpu_probes.cached(cache_dir, what, cpu_probes.int4_amx_probe).items()}
-        shown = ", ".join(f"{m}: {amx:.1f} vs {theirs:.1f}" for m, (amx, theirs) in sorted(speeds.items()))
-        chosen = replace(choice, int4_amx_min_rows=amx_min_rows(speeds),
-                         int4_amx_reason=f"measured GB/s by rows, tiles vs int4_gemv: {shown}")
+    rows, reason = _tiles_choice(cpu_kernels.amx_int8_available(), "int4 on AMX tiles against int4_gemv",
+                                 cpu_probes.int4_amx_probe, "int4_gemv", cache_dir)
+    chosen = replace(choice, int4_amx_min_rows=rows, int4_amx_reason=reason) if rows else choice
     # the one-call decode step (csrc/module.cpp) has no MatmulPath: it takes the process's choice
     cpu_kernels.set_int4_amx_min_rows(chosen.int4_amx_min_rows)
     return chosen
 
 
 def select_bf16_amx(choice: MatmulPath, cache_dir: Path | None = None) -> MatmulPath:
-    """From how many rows on bf16 products run on AMX tiles (cpu_kernels.bf16_amx, up to matmul.AMX_MAX_ROWS), where
-    the CPU has AMX-BF16 (cpu_kernels.amx_bf16_available()): NANOQWEN_CPU_AMX=0 never, =1 from 2 rows on; otherwise
-    the fewest rows of cpu_probes.AMX_PROBE_ROWS from which the tiles were measured faster than torch's F.linear at
-    every larger count (cpu_probes.bf16_amx_probe, once per machine and build of the kernels, cached)."""
+    """select_int4_amx's choice for bf16 products on AMX-BF16 tiles (cpu_kernels.bf16_amx, up to
+    matmul.AMX_MAX_ROWS rows, where cpu_kernels.amx_bf16_available()), measured against torch's F.linear
+    (cpu_probes.bf16_amx_probe)."""
+    rows, reason = _tiles_choice(cpu_kernels.amx_bf16_available(), "bf16 on AMX tiles against F.linear",
+                                 cpu_probes.bf16_amx_probe, "torch", cache_dir)
+    return replace(choice, bf16_amx_min_rows=rows, bf16_amx_reason=reason) if rows else choice
+
+
+def _tiles_choice(available: bool, what: str, probe: Callable[[], dict], against: str,
+                  cache_dir: Path | None) -> tuple[int, str]:
+    """(fewest rows on the tiles, 0 for never; why): NANOQWEN_CPU_AMX=0 or no tiles never, =1 from 2 rows on,
+    else measured by probe (cached under `what` and the kernels' build)."""
     forced = os.environ.get(AMX_ENV, "auto")
-    if forced == "0" or not cpu_kernels.amx_bf16_available():
-        return choice
+    if forced == "0" or not available:
+        return 0, ""
     if forced == "1":
-        return replace(choice, bf16_amx_min_rows=2, bf16_amx_reason=f"{AMX_ENV}=1")
-    what = f"bf16 on AMX tiles against F.linear, kernels {cpu_build.build_digest()}"
-    speeds = {int(m): v for m, v in cpu_probes.cached(cache_dir, what, cpu_probes.bf16_amx_probe).items()}
+        return 2, f"{AMX_ENV}=1"
+    speeds = {int(m): v for m, v in cpu_probes.cached(cache_dir, f"{what}, kernels {cpu_build.build_digest()}",
+                                                      probe).items()}
     shown = ", ".join(f"{m}: {amx:.1f} vs {theirs:.1f}" for m, (amx, theirs) in sorted(speeds.items()))
-    return replace(choice, bf16_amx_min_rows=amx_min_rows(speeds),
-                   bf16_amx_reason=f"measured GB/s by rows, tiles vs torch: {shown}")
+    return amx_min_rows(speeds), f"measured GB/s by rows, tiles vs {against}: {shown}"
 
 
 def amx_min_rows(speeds: dict[int, tuple[float, float]]) -> int:

@@ -22,13 +22,18 @@ from nanoqwen.ops.quantize import dequantize_int4, pack_int4
 from nanoqwen.quantization.int4 import int4_linear
 
 
-@pytest.fixture(scope="module")
-def amx():
+def kernels_with_tiles(available, tiles: str):
+    """cpu_kernels where the kernels and this kind of AMX tiles (available()) can run, else the test skips."""
     if not cpu_kernels.available():
         pytest.skip(f"CPU kernels not available here ({cpu_kernels._failure or 'NANOQWEN_CPU_GEMV=0'})")
-    if not cpu_kernels.amx_int8_available():
-        pytest.skip("no AMX-INT8 tiles on this CPU (or limited to AVX2 by ATEN_CPU_CAPABILITY)")
+    if not available():
+        pytest.skip(f"no {tiles} tiles on this CPU (or limited to AVX2 by ATEN_CPU_CAPABILITY)")
     return cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def amx():
+    return kernels_with_tiles(cpu_kernels.amx_int8_available, "AMX-INT8")
 
 
 @pytest.mark.parametrize("n", (1, 16, 17, 40, 300))  # one or two panels a pair of tiles, a part of one
@@ -177,11 +182,7 @@ def test_an_int4_model_decodes_the_same_bits_with_the_tiles(amx, checkpoint, mon
 
 @pytest.fixture(scope="module")
 def amx_bf16():
-    if not cpu_kernels.available():
-        pytest.skip(f"CPU kernels not available here ({cpu_kernels._failure or 'NANOQWEN_CPU_GEMV=0'})")
-    if not cpu_kernels.amx_bf16_available():
-        pytest.skip("no AMX-BF16 tiles on this CPU (or limited to AVX2 by ATEN_CPU_CAPABILITY)")
-    return cpu_kernels
+    return kernels_with_tiles(cpu_kernels.amx_bf16_available, "AMX-BF16")
 
 
 @pytest.mark.parametrize("k, n", [(32, 16), (1024 + 32, 48), (2048, 160)])  # one or two weight tiles a block
