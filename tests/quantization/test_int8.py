@@ -142,9 +142,9 @@ def test_int8_linear_equals_the_dequantised_reference(dtype, rows, bias):
 
 def test_kernel_choice():
     """Which int8 kernel takes an input on a matmul path: with nanoqwen's gemv kernels off, int8pack for few
-    bf16 rows, else dequantise (in float32 on the float32 path); with them on, nanoqwen's int8 kernel up to 16
-    rows, or the bf16 kernel's row count if higher; more bf16 rows through nanoqwen's int8 GEMM where its bf16
-    GEMM was chosen."""
+    bf16 rows, else dequantise (in float32 on the float32 path); with them on, nanoqwen's int8 kernel up to 64
+    rows on the bf16 path, on the float32 path up to 16 rows or the bf16 kernel's row count if higher; more bf16
+    rows through nanoqwen's int8 GEMM where its bf16 GEMM was chosen."""
     bf16 = torch.bfloat16
     path = MatmulPath("bf16", "test")
     assert pick_kernel(torch.empty(1, 64, dtype=bf16), 64, path) is int8pack_linear  # decode at batch 1
@@ -158,8 +158,11 @@ def test_kernel_choice():
     # not CPU
     assert pick_kernel(torch.empty(1, 64, dtype=bf16, device="meta"), 64, path) is dequantized_linear
     path = MatmulPath("bf16", "test", gemv_max_rows=4)
+    assert pick_kernel(torch.empty(64, 64, dtype=bf16), 64, path) is cpu_kernels.int8_gemv
+    assert pick_kernel(torch.empty(65, 64, dtype=bf16), 64, path) is dequantized_linear
+    path = MatmulPath("float32", "test", gemv_max_rows=4)
     assert pick_kernel(torch.empty(16, 64, dtype=bf16), 64, path) is cpu_kernels.int8_gemv
-    assert pick_kernel(torch.empty(17, 64, dtype=bf16), 64, path) is dequantized_linear
+    assert pick_kernel(torch.empty(17, 64, dtype=bf16), 64, path) is dequantized_linear_float32
     path = MatmulPath("float32", "test", gemv_max_rows=64)
     assert pick_kernel(torch.empty(64, 64, dtype=bf16), 64, path) is cpu_kernels.int8_gemv
     assert pick_kernel(torch.empty(65, 64, dtype=bf16), 64, path) is dequantized_linear_float32

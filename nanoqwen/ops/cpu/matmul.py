@@ -115,9 +115,11 @@ class MatmulPath:
         """Whether an int8 product over x's rows goes through nanoqwen's int8 kernel: the gemv kernels on,
         bf16 x, up to INT8_GEMV_MIN_ROWS rows whatever the bf16 limit, because its alternative for few rows,
         torch's int8pack, was slower at every row count up to 16 (bench/bench_gemv.py); up to the bf16
-        kernel's row count where that is higher, because above 16 rows the alternative is to dequantise and
-        multiply as bf16 rows are multiplied, which the bf16 kernel was measured against."""
-        most = max(INT8_GEMV_MIN_ROWS, self.gemv_max_rows)
+        kernel's row count where that is higher. On the bf16 path, up to GEMV_MAX_ROWS: there the alternative
+        above 16 rows dequantises every int8 matrix to bf16 on every step, which costs several times what the
+        int8 kernel's own reads of 64 rows cost (bench/bench_batch_decode.py, int8 batches of 32 and 64); on
+        the float32 path rows above the gemv limit go to the int8 GEMM or the float32 product instead."""
+        most = max(INT8_GEMV_MIN_ROWS, self.gemv_max_rows, GEMV_MAX_ROWS if self.path == "bf16" else 0)
         return (self.gemv and x.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and x.numel() <= most * x.shape[-1])
 

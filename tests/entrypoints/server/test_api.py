@@ -488,6 +488,7 @@ def test_reasoning_and_tool_calls_end_to_end(scripted):
         ("get_weather", {"city": "Paris"}), ("get_time", {})]
     assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls[0].id.startswith("call_")
 
+    engine.step_seconds = 0.05  # the server sends a stream's latest output: steps far apart stay apart
     chunks = list(client.chat.completions.create(model="scripted", messages=WEATHER, tools=TOOLS,
                                                  stream=True))
     deltas = [c.choices[0].delta for c in chunks]

@@ -169,6 +169,8 @@ def test_create_and_stream_with_system_and_thinking(scripted, tokenizer):
     assert (r.usage.input_tokens, r.usage.cache_read_input_tokens) == (prompt_len, 0)
     assert r.usage.output_tokens == -(-len(HELLO) // engine.chunk)  # one token id per scripted step
 
+    # the server sends a stream's latest output, so steps far apart keep "Hmm." in two deltas on a busy machine
+    engine.step_seconds = 0.05
     with client.messages.stream(**kwargs) as stream:
         # (the SDK adds its own events, e.g. "text" with the text so far, beside the server's)
         events = [e for e in stream if e.type in SERVER_EVENTS]

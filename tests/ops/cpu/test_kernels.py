@@ -103,6 +103,13 @@ def test_int8_gemv_matches_reference(kernels, m, k, n):
     check_int8(kernels, x, q, scale)
 
 
+@pytest.mark.parametrize("m", (17, 64))
+def test_int8_gemv_matches_reference_over_a_batch_of_rows(kernels, m):
+    """Batched decode steps on the bf16 path run up to GEMV_MAX_ROWS rows through int8_gemv."""
+    x, _, _, q, scale = make(m, 1024 + 7, 257)
+    check_int8(kernels, x, q, scale)
+
+
 def test_mostly_bit_exact(kernels):
     # Differing only in summation order, nearly all outputs round to the same bf16 value.
     x, w, bias, q, scale = make(4, 1024 + 7, 257)

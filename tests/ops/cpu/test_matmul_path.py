@@ -106,9 +106,14 @@ def test_gemv_kernels_are_chosen_by_measurement_once_per_machine(own_gb_s, expec
     assert selection.select_matmul_path(tmp_path) == first and len(calls) == 2  # measured again
 
 
-@pytest.mark.parametrize("gemv_max_rows, int8_rows", [(0, 0), (4, 16), (16, 16), (64, 64)])
-def test_int8_rows_take_the_own_kernel_up_to_16_or_the_bf16_limit(gemv_max_rows, int8_rows):
-    path = cpu.MatmulPath("bf16", "test", gemv_max_rows=gemv_max_rows)
+@pytest.mark.parametrize("path_name, gemv_max_rows, int8_rows", [
+    ("bf16", 0, 0), ("bf16", 4, 64), ("bf16", 16, 64), ("bf16", 64, 64),
+    ("float32", 4, 16), ("float32", 16, 16), ("float32", 64, 64)])
+def test_int8_rows_take_the_own_kernel_up_to_64_on_bf16_else_16_or_the_bf16_limit(path_name, gemv_max_rows,
+                                                                                  int8_rows):
+    """With the gemv kernels on: on the bf16 path the int8 kernel takes up to GEMV_MAX_ROWS rows (the other
+    way dequantises every matrix each step); on the float32 path up to 16 or the bf16 kernel's limit."""
+    path = cpu.MatmulPath(path_name, "test", gemv_max_rows=gemv_max_rows)
     for rows in (1, 8, 16, 17, 64, 65):
         assert path.int8_gemv_rows(torch.ones(rows, 64, dtype=torch.bfloat16)) == (rows <= int8_rows)
     assert not path.int8_gemv_rows(torch.ones(8, 64, dtype=torch.float32))
