@@ -16,7 +16,7 @@ if [ $# -eq 0 ] && grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
     .venv/bin/python -m pytest tests/models/test_parity.py tests/engine/test_llm_engine.py \
       tests/ops/cpu/test_matmul_path.py tests/quantization/test_int4.py tests/quantization/test_int8_group.py \
       tests/model_loader/test_gguf.py
-  # the kernels of a checkpoint's own formats (float32, float16 and two-level int4 scales, grouped int8, 6-bit, FP8)
+  # the kernels of a checkpoint's own formats (float32, float16 and two-level scales, grouped int8, 5- and 6-bit, FP8)
   ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-    .venv/bin/python -m pytest tests/ops/cpu/test_kernels.py -k "float32_scales or float16_scales or two_level or int8_group or int6 or fp8"
+    .venv/bin/python -m pytest tests/ops/cpu/test_kernels.py -k "float32_scales or float16_scales or two_level or int8_group or int5 or int6 or fp8"
 fi

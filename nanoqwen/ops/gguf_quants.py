@@ -57,10 +57,10 @@ SUPPORTED_TYPES = (*FLOAT_TYPES, *BLOCK_SIZES)
 
 @dataclass(frozen=True)
 class TwoLevelScales:
-    """The K types' scales as the file holds them: a small integer per group (sub_scale: Q4_K's 6-bit uint8,
-    Q6_K's int8; sub_offset: Q4_K's 6-bit mins) times a float32 per super-block of `groups` groups (super_scale: d;
-    super_offset: -dmin), each [rows, ...]. scale = super_scale * sub_scale exactly (a float16 times a small
-    integer), so nanoqwen can hold these instead of float32 scales: 4.75 bits a Q4_K weight, not 6."""
+    """The K types' scales as the file holds them: a small integer per group (sub_scale: Q4_K's and Q5_K's 6-bit
+    uint8, Q6_K's int8; sub_offset: Q4_K's and Q5_K's 6-bit mins) times a float32 per super-block of `groups` groups
+    (super_scale: d; super_offset: -dmin), each [rows, ...]. scale = super_scale * sub_scale exactly (a float16
+    times a small integer), so nanoqwen can hold these instead of float32 scales: 4.75 bits a Q4_K weight, not 6."""
 
     sub_scale: torch.Tensor
     sub_offset: torch.Tensor | None
@@ -144,9 +144,9 @@ def unpack(data: torch.Tensor, ggml_type: GGMLType | int, cols: int) -> GroupedW
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = _k_scales(b[..., 4:16])
         scale, offset = d[..., None] * sc, -(dmin[..., None] * mn)  # [rows, blocks, 8]
-        if t == GGMLType.Q4_K:  # (-dmin) * m is -(dmin * m) exactly
-            two_level = TwoLevelScales(sc.to(torch.uint8).reshape(rows, -1), mn.to(torch.uint8).reshape(rows, -1),
-                                       d.contiguous(), (-dmin).contiguous(), 8)
+        # (-dmin) * m is -(dmin * m) exactly
+        two_level = TwoLevelScales(sc.to(torch.uint8).reshape(rows, -1), mn.to(torch.uint8).reshape(rows, -1),
+                                   d.contiguous(), (-dmin).contiguous(), 8)
         qs = b[..., -128:].reshape(rows, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
         q = torch.stack([qs & 15, qs >> 4], dim=3)  # [rows, blocks, 4, 2, 32]
         if t == GGMLType.Q5_K:  # bit 2c + h of qh[l]: the fifth bit of element l of sub-block 2c + h

@@ -7,8 +7,8 @@ compute with it: nanoqwen/quantization/int8.py and int4.py.
 - int4: asymmetric, two weights a byte with a scale and an offset per group of INT4_GROUP_SIZE inputs of a
   row, rows stored lane by lane in blocks of INT4_BLOCK_ROWS (`quantize_int4`, `dequantize_int4`; `pack_int4` for
   a GGUF file's, whose scales may come in two levels).
-- grouped int8: int8 values with a float32 scale (and offset) per group (`dequantize_int8_group`): a GGUF file's
-  Q8_0, Q5_* and Q6_K, unpacked by ops/gguf_quants.py.
+- grouped int8: int8 values with a scale (and offset) per group (`dequantize_int8_group`): a GGUF file's Q8_0, Q5_*
+  and Q6_K, unpacked by ops/gguf_quants.py; the values may be packed at 5 or 6 bits (`pack_int5`, `pack_int6`).
 """
 
 from __future__ import annotations
@@ -154,20 +154,58 @@ def unpack_int6(packed: torch.Tensor) -> torch.Tensor:
     return ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).view(rows, -1)
 
 
+def pack_int5(q: torch.Tensor) -> torch.Tensor:
+    """Values in 0..31 [rows, K] (K % 16 == 0) -> uint8 [rows, 5K/8] at 5 bits a value: each 16 in 10 bytes, 8 of
+    their low nibbles (byte j: value j low, value j + 8 high) and 2 of their fifth bits (byte i, bit b: value 8i + b)
+    (the layout int8_group_gemv reads: a GGUF file's Q5 types)."""
+    rows, k = q.shape
+    u = q.to(torch.uint8).view(rows, k // 16, 16)
+    low, high = u & 15, u >> 4
+    nibbles = low[..., :8] | (low[..., 8:] << 4)
+    bits = high.view(rows, k // 16, 2, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32, device=q.device)
+    plane = bits.sum(-1).to(torch.uint8)  # (distinct bits: their sum is their or)
+    return torch.cat([nibbles, plane], dim=-1).reshape(rows, -1)
+
+
+def unpack_int5(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int5's bytes [rows, 5K/8] -> the values, int8 [rows, K] (0..31)."""
+    rows = packed.shape[0]
+    chunks = packed.view(rows, -1, 10)
+    nibbles, plane = chunks[..., :8], chunks[..., 8:]
+    low = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)
+    high = ((plane[..., None] >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1).flatten(-2)
+    return (low | (high << 4)).view(torch.int8).view(rows, -1)
+
+
+def packed_bits(q: torch.Tensor, groups: int) -> int:
+    """Bits a value of grouped int8 values q [rows, ...] with `groups` groups a row: 8 (int8 q), or the packing of
+    uint8 q: a group of G values takes 5G/8 bytes (pack_int5) or 3G/4 (pack_int6), G 16 or 32, so the bytes a group
+    say which (10 or 20: 5 bits; 12 or 24: 6)."""
+    if q.dtype == torch.int8:
+        return 8
+    return 5 if (q.shape[1] // groups) % 5 == 0 else 6
+
+
+def group_values(values: torch.Tensor, super_values: torch.Tensor | None) -> torch.Tensor:
+    """A grouped format's scales or offsets as float32 [rows, groups]: float32 or float16 ones as they are (exact),
+    or two levels, small integers times their super-block's float32 (two_level_scales)."""
+    return values.float() if super_values is None else two_level_scales(values, super_values)
+
+
 def dequantize_int8_group(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                          super_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          super_scale: torch.Tensor | None = None, super_offset: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     """q * scale + offset in float32 [out, in] (scale and offset per group of in/groups inputs): the weight an
-    Int8GroupLinear computes with (quantization/int8_group.py); q int8, or uint8 packed at 6 bits (pack_int6). Two
-    levels (int8 scale with super_scale): a group's scale is super_scale * scale (two_level_scales)."""
-    if q.dtype == torch.uint8:
-        q = unpack_int6(q)
-    out_features, in_features = q.shape
+    Int8GroupLinear computes with (quantization/int8_group.py); q int8, or uint8 packed at 5 bits (pack_int5) or 6
+    (pack_int6). scale and offset float32 or float16, or two levels: small integers (int8 or uint8) with
+    super_scale / super_offset, a group's value their product (group_values)."""
     groups = scale.shape[1]
-    if super_scale is not None:
-        scale = two_level_scales(scale, super_scale)
-    w = q.float().view(out_features, groups, -1) * scale[..., None]
+    if q.dtype == torch.uint8:
+        q = unpack_int5(q) if packed_bits(q, groups) == 5 else unpack_int6(q)
+    out_features, in_features = q.shape
+    w = q.float().view(out_features, groups, -1) * group_values(scale, super_scale)[..., None]
     if offset is not None:
-        w = w + offset[..., None]
+        w = w + group_values(offset, super_offset)[..., None]
     return w.view(out_features, in_features)
 
 

@@ -12,8 +12,9 @@ second quantisation).
   in two levels as the file holds them (6-bit sub-scales and mins, a float32 pair per 8 groups): 4.75 bits a
   weight.
 - Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: the grouped int8 format (int8_group.py: `Int8GroupLinear`), groups of 32 (Q6_K:
-  16), float32 scales, and offsets where the type has them; Q6_K's scales in two levels (int8 sub-scales, a float32
-  per 16 groups) and its values at 6 bits: 6.625 bits a weight (the file's 6.5625).
+  16), scales and offsets (where the type has them) in float16 where that holds them exactly, the K types' in two
+  levels as the file holds them; values that fit 5 bits (Q5_*: 0..31, Q5_0's -16..15 as q + 16 with the offset
+  -16 d) packed at 5 bits, Q6_K's at 6: Q5_K 5.75 bits a weight (the file's 5.5), Q6_K 6.625 (6.5625).
 - One fused matrix made of several tensors (q/k/v, gate/up) whose formats differ (a Q4_K_M file keeps attn_v of
   some layers in Q6_K beside Q4_K attn_q and attn_k): a `StackedLinear` of the runs of parts that share a format
   (q and k as one int4 matrix, v as grouped int8), their outputs side by side.
@@ -33,7 +34,14 @@ from nanoqwen.layers.experts import Experts
 from nanoqwen.layers.linear import Linear
 from nanoqwen.ops.cpu.matmul import MatmulPath
 from nanoqwen.ops.gguf_quants import GroupedWeights, TwoLevelScales
-from nanoqwen.ops.quantize import INT4_BLOCK_ROWS, dequantize_int4, dequantize_int8_group, pack_int4, pack_int6
+from nanoqwen.ops.quantize import (
+    INT4_BLOCK_ROWS,
+    dequantize_int4,
+    dequantize_int8_group,
+    pack_int4,
+    pack_int5,
+    pack_int6,
+)
 from nanoqwen.quantization.base import QuantizedLinear
 from nanoqwen.quantization.fp8 import Fp8Linear
 from nanoqwen.quantization.int4 import Int4Linear
@@ -139,14 +147,41 @@ def quantized_linear(linear: Linear, w: GroupedWeights) -> QuantizedLinear:
         if t is not None:  # Q4_K: its 6-bit scales and mins with their float32 super-block pair
             return Int4Linear.from_buffers(linear, *pack_int4(w.q, t.sub_scale, t.sub_offset, t.super_scale,
                                                               t.super_offset))
-        scale, offset = w.scale, w.offset
-        if torch.equal(scale.half().float(), scale) and torch.equal(offset.half().float(), offset):
-            scale, offset = scale.half(), offset.half()  # (exact in float16: Q4_0's d and -8 d, Q4_1's d and m)
+        scale, offset = as_float16_if_exact(w.scale), as_float16_if_exact(w.offset)
+        if scale.dtype != offset.dtype:  # (the int4 kernels take them in one dtype)
+            scale, offset = w.scale, w.offset
         return Int4Linear.from_buffers(linear, *pack_int4(w.q, scale, offset))
-    q = w.q if w.q.dtype == torch.int8 else w.q.to(torch.int8)
-    if t is not None and t.sub_offset is None and t.sub_scale.dtype == torch.int8 and t.groups == 16:  # Q6_K
-        return Int8GroupLinear.from_buffers(linear, pack_int6(q), t.sub_scale, None, t.super_scale)
-    return Int8GroupLinear.from_buffers(linear, q, w.scale, w.offset, None)
+    five = five_bit(w)
+    if five is not None:
+        w, t = five, five.two_level
+        q = pack_int5(w.q)
+    else:
+        q = w.q if w.q.dtype == torch.int8 else w.q.to(torch.int8)
+        if t is not None and t.sub_offset is None and t.sub_scale.dtype == torch.int8 and t.groups == 16:  # Q6_K
+            return Int8GroupLinear.from_buffers(linear, pack_int6(q), t.sub_scale, None, t.super_scale, None)
+    if t is not None and (w.offset is None) == (t.sub_offset is None):  # two levels, as the file holds them
+        return Int8GroupLinear.from_buffers(linear, q, t.sub_scale, t.sub_offset, t.super_scale, t.super_offset)
+    return Int8GroupLinear.from_buffers(linear, q, as_float16_if_exact(w.scale),
+                                        None if w.offset is None else as_float16_if_exact(w.offset), None, None)
+
+
+def five_bit(w: GroupedWeights) -> GroupedWeights | None:
+    """w with its values as uint8 0..31 where they fit 5 bits (Q5_1's and Q5_K's as they are; Q5_0's -16..15 as
+    q + 16, with the offset -16 scale, exact), else None."""
+    if w.group % 16:
+        return None
+    low, high = int(w.q.min()), int(w.q.max())
+    if 0 <= low and high < 32:
+        return GroupedWeights(w.q.to(torch.uint8), w.scale, w.offset, w.group, w.two_level)
+    if -16 <= low and high < 16 and w.offset is None and w.two_level is None:
+        return GroupedWeights((w.q.to(torch.int16) + 16).to(torch.uint8), w.scale, -16 * w.scale, w.group)
+    return None
+
+
+def as_float16_if_exact(values: torch.Tensor) -> torch.Tensor:
+    """float32 values as float16 where that holds every one exactly (a GGUF file's d and m), else as they are."""
+    half = values.half()
+    return half if torch.equal(half.float(), values) else values
 
 
 class InputOrderLinear(nn.Module):
@@ -233,6 +268,6 @@ class QuantizedEmbedding(nn.Module):
             w = dequantize_int4(*(pick(b) for b in (t.weight, t.scale, t.offset, *t.supers())))
             w = w.view(-1, rows, 2 * t.weight.shape[1])
             return w[torch.arange(len(input_ids), device=input_ids.device), input_ids % rows].to(self.dtype)
-        offset = None if t.offset is None else t.offset[input_ids]
-        super_scale = None if t.super_scale is None else t.super_scale[input_ids]
-        return dequantize_int8_group(t.weight[input_ids], t.scale[input_ids], offset, super_scale).to(self.dtype)
+        pick = lambda b: None if b is None else b[input_ids]  # noqa: E731 (the ids' rows)
+        return dequantize_int8_group(*(pick(b) for b in (t.weight, t.scale, t.offset, t.super_scale, t.super_offset))
+                                     ).to(self.dtype)

@@ -50,23 +50,28 @@ from nanoqwen.quantization.fp8 import Fp8Linear
 from nanoqwen.quantization.int8_group import Int8GroupLinear
 from nanoqwen.quantization.prequantized import QuantizedEmbedding, StackedLinear
 
+LinearPart = tuple[str, list[torch.Tensor]]  # a matrix as decode_model takes it: its format's name, its tensors
 
-def linear_tensors(linear: Linear) -> list[torch.Tensor]:
-    """What decode_model takes for a linear: (weight) bf16, (weight, scale) int8, (weight, scale[, offset]) or
-    (weight, scale, super_scale) grouped int8, (weight, scale, offset[, super_scale, super_offset]) int4."""
+
+def linear_tensors(linear: Linear) -> LinearPart:
+    """What decode_model takes for a linear's matrix: ("bf16", [weight]), ("int8", [weight, scale]), ("int8_group",
+    [weight, scale, offset, super_scale, super_offset]) with an empty tensor for each one it lacks, ("int4", [weight,
+    scale, offset(, super_scale, super_offset)]) or ("fp8", [weight, scale])."""
     if isinstance(linear, Int4Linear):
-        return [linear.weight, linear.scale, linear.offset, *linear.supers()]
+        return "int4", [linear.weight, linear.scale, linear.offset, *linear.supers()]
     if isinstance(linear, Int8Linear):
-        return [linear.weight, linear.scale]
+        return "int8", [linear.weight, linear.scale]
     if isinstance(linear, Int8GroupLinear):
-        return [t for t in (linear.weight, linear.scale, linear.offset, linear.super_scale) if t is not None]
+        none = torch.empty(0)
+        return "int8_group", [none if t is None else t for t in (linear.weight, linear.scale, linear.offset,
+                                                                 linear.super_scale, linear.super_offset)]
     if isinstance(linear, Fp8Linear):
-        return [linear.weight, linear.scale]
-    return [linear.weight]
+        return "fp8", [linear.weight, linear.scale]
+    return "bf16", [linear.weight]
 
 
-def linear_parts(linear: torch.nn.Module) -> list[list[torch.Tensor]]:
-    """What decode_model takes for a linear: its parts' tensors (linear_tensors), one part unless stacked."""
+def linear_parts(linear: torch.nn.Module) -> list[LinearPart]:
+    """What decode_model takes for a linear: its parts' matrices (linear_tensors), one part unless stacked."""
     if isinstance(linear, StackedLinear):
         return [linear_tensors(part) for part in linear.parts]
     return [linear_tensors(linear)]
@@ -82,11 +87,11 @@ def runs_fused(linear: torch.nn.Module) -> bool:
     return isinstance(linear, Linear) and not isinstance(linear, QuantizedLinear)
 
 
-def embedding_tensors(embedding: VocabParallelEmbedding | QuantizedEmbedding) -> list[torch.Tensor]:
+def embedding_tensors(embedding: VocabParallelEmbedding | QuantizedEmbedding) -> LinearPart:
     """What decode_model takes for the embedding table: its bf16 matrix, or a quantised table's tensors."""
     if isinstance(embedding, QuantizedEmbedding):
         return linear_tensors(embedding.table)
-    return [embedding.weight]
+    return "bf16", [embedding.weight]
 
 
 class FusedDecoder:

@@ -33,6 +33,8 @@ SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_
 # what a llama.cpp Q4_K_M file holds (attn_v and ffn_down of some layers Q6_K, the tied table Q6_K), and a mix of
 # every other type
 Q4_K_M = {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K, "token_embd.weight": T.Q6_K}
+# what a Q5_K_M file holds, its table in Q5_K (a 5-bit embedding table)
+Q5_K_M = {"attn_v.weight": T.Q6_K, "ffn_down.weight": T.Q6_K}
 MIXED = {"attn_q.weight": T.Q4_0, "attn_k.weight": T.Q4_1, "attn_v.weight": T.Q5_0, "attn_output.weight": T.Q5_1,
          "ffn_gate.weight": T.Q5_K, "ffn_up.weight": T.Q8_0, "ffn_down.weight": T.BF16, "token_embd.weight": T.Q8_0,
          "output.weight": T.Q4_K}
@@ -79,9 +81,10 @@ def test_reader_equals_gguf_reader(gguf_model):
 
 @pytest.mark.parametrize("name,types,default,overrides", [
     ("q4_k_m", Q4_K_M, T.Q4_K, {}),
+    ("q5_k_m", Q5_K_M, T.Q5_K, {}),
     ("mixed", MIXED, T.Q4_K, {"untied": True, "tie_word_embeddings": False}),
     ("f16", {"token_embd.weight": T.F16}, T.F16, {}),
-], ids=["q4_k_m", "every-type-untied", "f16"])
+], ids=["q4_k_m", "q5_k_m", "every-type-untied", "f16"])
 def test_logits_equal_transformers_on_dequantised_weights(gguf_model, name, types, default, overrides):
     """float32: nanoqwen on the GGUF file computes what transformers computes on the file's weights dequantised by
     gguf's reference, and the greedy tokens are the same."""
@@ -126,6 +129,30 @@ def test_q4_k_m_layout_and_memory(gguf_model):
     assert weight_bytes(model) <= 1.1 * ckpt.tensor_bytes()
 
 
+def test_q5_k_m_layout_and_memory(gguf_model):
+    """Q5_K matrices as grouped int8 with their values at 5 bits and the file's two-level scales and mins (6-bit
+    sub-values, float32 d and -dmin per 8 groups): 5.75 bits a weight for the file's 5.5; Q5_0 and Q5_1 at 5 bits
+    with float16 scales and offsets (6 bits a weight; the file's 5.5 and 6). The weights in memory within 10% of the
+    file's tensor bytes."""
+    path, _ = gguf_model("q5_k_m", Q5_K_M, T.Q5_K)
+    model = load_model(path, load_config(path), torch.bfloat16, torch.device("cpu"))
+    gate_up = model.layers[0].mlp.gate_up_proj
+    assert isinstance(gate_up, Int8GroupLinear) and gate_up.weight.dtype == torch.uint8
+    assert gate_up.weight.shape == (1024, 256 * 5 // 8) and gate_up.in_features == 256
+    assert gate_up.scale.dtype == gate_up.offset.dtype == torch.uint8 and gate_up.super_offset.shape == (1024, 1)
+    assert model.lm_head is model.embed_tokens.table and model.embed_tokens.table.weight.dtype == torch.uint8
+    ckpt = GGUFCheckpoint(path)
+    gate_up_bytes = sum(ckpt.tensors[f"blk.0.{n}.weight"].data.nbytes for n in ("ffn_gate", "ffn_up"))
+    assert weight_bytes(gate_up) <= 5.75 / 5.5 * gate_up_bytes
+    assert weight_bytes(model) <= 1.1 * ckpt.tensor_bytes()
+    path, _ = gguf_model("q5-legacy", {}, T.Q5_1, tie_word_embeddings=False, untied=True)
+    legacy = load_model(path, load_config(path), torch.bfloat16, torch.device("cpu"))
+    ckpt = GGUFCheckpoint(path)
+    o_proj = legacy.layers[0].self_attn.o_proj
+    assert o_proj.weight.dtype == torch.uint8 and o_proj.scale.dtype == o_proj.offset.dtype == torch.float16
+    assert weight_bytes(legacy) <= 1.1 * ckpt.tensor_bytes()
+
+
 def test_moe_gguf_equals_transformers(gguf_model):
     """A Qwen3-MoE GGUF (stacked ffn_*_exps tensors, the router ffn_gate_inp in F32)."""
     path, ref = gguf_model("moe", {"ffn_down_exps.weight": T.Q8_0}, T.Q4_K, **{
@@ -167,8 +194,9 @@ def test_tokenizer_and_chat_template_from_metadata(gguf_model):
 
 @pytest.mark.parametrize("name,types,default", [
     ("q4_k_m", Q4_K_M, T.Q4_K),
-    ("int4-table", {"token_embd.weight": T.Q4_0, "attn_v.weight": T.Q5_1, "ffn_down.weight": T.Q5_K}, T.Q8_0),
-], ids=["q4_k_m", "int4-table"])
+    ("q5_k_m", Q5_K_M, T.Q5_K),
+    ("int4-table", {"token_embd.weight": T.Q4_0, "attn_v.weight": T.Q5_1, "ffn_down.weight": T.Q5_0}, T.Q8_0),
+], ids=["q4_k_m", "q5_k_m", "int4-table"])
 def test_llm_runs_the_file_alone(gguf_model, tmp_path, name, types, default):
     """LLM(file.gguf): stop tokens and sampling defaults from the metadata; the fused CPU decode step (quantised
     embedding rows from a grouped int8 or an int4 table, int4 with float32 scales, grouped int8 with and without

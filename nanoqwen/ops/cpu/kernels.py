@@ -133,11 +133,11 @@ def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) ->
 
 
 def int8_group_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                              super_scale: torch.Tensor | None = None) -> torch.Tensor:
+                              super_scale: torch.Tensor | None = None, super_offset: torch.Tensor | None = None
+                              ) -> torch.Tensor:
     """What int8_group_gemv computes: x quantised to int16 per group of the weights' G (quantize_activations),
-    times the weights dequantised (quantization/int8_group.py's dequantize_int8_group) in float32, rounded to bf16
-    once."""
-    w = dequantize_int8_group(q, scale, offset, super_scale)  # [N, K] (q int8, or packed at 6 bits)
+    times the weights dequantised (ops/quantize.py's dequantize_int8_group) in float32, rounded to bf16 once."""
+    w = dequantize_int8_group(q, scale, offset, super_scale, super_offset)  # [N, K] (q int8, or packed at 5/6 bits)
     x_read = quantize_activations(x, w.shape[1] // scale.shape[1], levels=32767)
     return (x_read @ w.T).to(torch.bfloat16)
 
@@ -219,14 +219,14 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Ten
 
 
 def int8_group_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                    super_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x' @ (q * scale + offset).T for bf16 x [..., K] (few rows), int8 q [N, K] (or uint8 [N, 3K/4]: values
-    packed at 6 bits, ops/quantize.py pack_int6), float32 scale and
-    offset [N, K/G] (G 16 or 32; offset None: none), or two levels: int8 scale [N, K/G] with float32 super_scale
-    [N, K/(16G)] (a group's scale super_scale * scale, no offset); y bf16 [..., N] (int8_group_gemv_reference)."""
+                    super_scale: torch.Tensor | None = None, super_offset: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x' @ (q * scale + offset).T for bf16 x [..., K] (few rows), int8 q [N, K] (or uint8: values packed at 6
+    bits [N, 3K/4] or 5 bits [N, 5K/8], ops/quantize.py pack_int6 / pack_int5), scale and offset [N, K/G] (G 16 or
+    32; offset None: none) float32 or float16, or two levels: int8 or uint8 ones with float32 super_scale /
+    super_offset [N, K/(SG)] (a group's value their product); y bf16 [..., N] (int8_group_gemv_reference)."""
     if _ext is None:
         _require()
-    y = _ext.int8_group_gemv(x.reshape(-1, x.shape[-1]), q, scale, offset, super_scale)  # [M, N]
+    y = _ext.int8_group_gemv(x.reshape(-1, x.shape[-1]), q, scale, offset, super_scale, super_offset)  # [M, N]
     return y.view(*x.shape[:-1], q.shape[0])
 
 

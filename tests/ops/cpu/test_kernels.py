@@ -29,9 +29,12 @@ from nanoqwen.ops.quantize import (
     dequantize_int4,
     dequantize_int8_group,
     pack_int4,
+    pack_int5,
     pack_int6,
+    packed_bits,
     quantize_int4,
     two_level_scales,
+    unpack_int5,
     unpack_int6,
 )
 
@@ -731,11 +734,12 @@ def test_paged_decode_attention_short_spans_for_the_threads(kernels, threads):
 def tiny_decoder_model(kernels, rand, h: int, hq: int, hkv: int, d: int, inter: int, vocab: int):
     """decode_model's weights of a random two-layer model (rand(*shape): a bf16 tensor)."""
     layers = [kernels.decoder_layer_weights(
-        input_norm=rand(h), post_norm=rand(h), eps=1e-6, qkv_proj=[[rand((hq + 2 * hkv) * d, h)]], q_norm=rand(d),
-        k_norm=rand(d), o_proj=[[rand(h, hq * d)]], gate_up_proj=[[rand(2 * inter, h)]], down_proj=[[rand(h, inter)]],
+        input_norm=rand(h), post_norm=rand(h), eps=1e-6, qkv_proj=[("bf16", [rand((hq + 2 * hkv) * d, h)])],
+        q_norm=rand(d), k_norm=rand(d), o_proj=[("bf16", [rand(h, hq * d)])],
+        gate_up_proj=[("bf16", [rand(2 * inter, h)])], down_proj=[("bf16", [rand(h, inter)])],
         num_heads=hq) for _ in range(2)]
-    return kernels.decoder_model_weights(embed=[rand(vocab, h)], cos=torch.rand(8, d), sin=torch.rand(8, d),
-                                         layers=layers, norm=rand(h), eps=1e-6, lm_head=[[rand(vocab, h)]])
+    return kernels.decoder_model_weights(embed=("bf16", [rand(vocab, h)]), cos=torch.rand(8, d), sin=torch.rand(8, d),
+                                         layers=layers, norm=rand(h), eps=1e-6, lm_head=[("bf16", [rand(vocab, h)])])
 
 def test_decode_model_takes_one_cache_per_layer(kernels):
     """decode_model runs layer i on caches [i] and refuses caches for another number of layers, naming them; it
@@ -901,6 +905,57 @@ def test_int6_packing_round_trips_and_the_kernel_reads_it(kernels):
         x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
         assert torch.equal(kernels.int8_group_gemv(x, packed, sub, None, super_scale),
                            kernels.int8_group_gemv(x, q, sub, None, super_scale))
+
+
+@pytest.mark.parametrize("group", (16, 32))
+def test_int5_packing_round_trips_and_the_kernel_reads_it(kernels, group):
+    """The Q5 types' values packed at 5 bits (10 bytes per 16): pack_int5 / unpack_int5 give back every value, and
+    int8_group_gemv reading the packed bytes computes what it computes from the int8 values."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 32, (37, 512), generator=g, dtype=torch.int8)
+    packed = pack_int5(q)
+    assert packed.shape == (37, 320) and torch.equal(unpack_int5(packed), q)
+    assert packed_bits(packed, 512 // group) == 5 and packed_bits(pack_int6(q), 512 // group) == 6
+    scale, offset = torch.rand(37, 512 // group, generator=g) * 1e-2, torch.randn(37, 512 // group, generator=g) * 1e-2
+    for m in (1, 3, 16):
+        x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
+        got = kernels.int8_group_gemv(x, packed, scale, offset)
+        assert torch.equal(got, kernels.int8_group_gemv(x, q, scale, offset))
+        magnitude = x.float().abs() @ dequantize_int8_group(q, scale, offset).abs().T
+        assert_within_one_ulp(got, kernels.int8_group_gemv_reference(x, packed, scale, offset), magnitude)
+
+
+@pytest.mark.parametrize("m", (1, 5, 16))
+def test_int8_group_gemv_with_two_level_scales_and_offsets(kernels, m):
+    """Q5_K's scales and offsets as the file holds them: 6-bit uint8 sub-scales and mins a group of 32 times a float32
+    d and -dmin per 8 groups; the same products as the one-level float32 values they stand for (exact)."""
+    g = torch.Generator().manual_seed(m)
+    n, k = 37, 512
+    q = pack_int5(torch.randint(0, 32, (n, k), generator=g, dtype=torch.int8))
+    sub = [torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8) for _ in range(2)]
+    supers = [torch.rand(n, 2, generator=g) * 1e-3, -torch.rand(n, 2, generator=g) * 1e-3]
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    got = kernels.int8_group_gemv(x, q, sub[0], sub[1], *supers)
+    magnitude = x.float().abs() @ dequantize_int8_group(q, sub[0], sub[1], *supers).abs().T
+    assert_within_one_ulp(got, kernels.int8_group_gemv_reference(x, q, sub[0], sub[1], *supers), magnitude)
+    one_level = [two_level_scales(sub[0], supers[0]), two_level_scales(sub[1], supers[1])]
+    assert torch.equal(got, kernels.int8_group_gemv(x, q, *one_level))
+    assert not torch.equal(got, kernels.int8_group_gemv(x, q, sub[0], None, supers[0]))  # (the offsets count)
+    with pytest.raises(RuntimeError, match="needs super_offset"):
+        kernels.int8_group_gemv(x, q, sub[0], sub[1], supers[0])
+    with pytest.raises(RuntimeError, match="super_scale goes with int8 or uint8"):
+        kernels.int8_group_gemv(x, q, one_level[0], None, supers[0])
+
+
+def test_int8_group_gemv_takes_float16_scales(kernels):
+    """Q8_0's, Q5_0's and Q5_1's d and m held in float16 (as the file holds them): the same products as in
+    float32."""
+    x, q, scale, offset = make_int8_group(3, 512, 37, 32, True)
+    scale, offset = scale.half(), offset.half()
+    got = kernels.int8_group_gemv(x, q, scale, offset)
+    assert torch.equal(got, kernels.int8_group_gemv(x, q, scale.float(), offset.float()))
+    assert torch.equal(kernels.int8_group_gemv(x, q, scale, None), kernels.int8_group_gemv(x, q, scale.float(), None))
+    assert not torch.equal(got, kernels.int8_group_gemv(x, q, scale, offset.float() * 2))
 
 
 @pytest.mark.parametrize("m", (1, 3, 5, 16))

@@ -211,12 +211,14 @@ def random_weights(seed: int) -> dict:
 
 
 def fused_weights(kernels, w: dict) -> object:
+    bf16 = lambda w: [("bf16", [w])]  # noqa: E731 (a linear of one bf16 matrix)
     layers = [kernels.decoder_layer_weights(
-        input_norm=x["input_norm"], post_norm=x["post_norm"], eps=1e-6, qkv_proj=[[x["qkv"]]], q_norm=x["q_norm"],
-        k_norm=x["k_norm"], o_proj=[[x["o"]]], gate_up_proj=[[x["gate_up"]]], down_proj=[[x["down"]]], num_heads=HQ)
+        input_norm=x["input_norm"], post_norm=x["post_norm"], eps=1e-6, qkv_proj=bf16(x["qkv"]), q_norm=x["q_norm"],
+        k_norm=x["k_norm"], o_proj=bf16(x["o"]), gate_up_proj=bf16(x["gate_up"]), down_proj=bf16(x["down"]),
+        num_heads=HQ)
         for x in w["layers"]]
-    return kernels.decoder_model_weights(embed=[w["embed"]], cos=w["cos"], sin=w["sin"], layers=layers,
-                                         norm=w["norm"], eps=1e-6, lm_head=[[w["lm_head"]]])
+    return kernels.decoder_model_weights(embed=("bf16", [w["embed"]]), cos=w["cos"], sin=w["sin"], layers=layers,
+                                         norm=w["norm"], eps=1e-6, lm_head=[("bf16", [w["lm_head"]])])
 
 
 def store(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

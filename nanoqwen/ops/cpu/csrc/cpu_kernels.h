@@ -89,6 +89,9 @@ inline __m256i dot16_int16(__m256i acc, __m256i w, __m256i x) {
 }
 inline __m256 load8(const uint16_t* p) { return load8_bf16(p); }
 inline __m256 load8(const int8_t* p) { return load8_int8(p); }
+inline __m256 load8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 // 8 float16 -> 8 float32 (exact).
 inline __m256 load8(const at::Half* p) {
@@ -373,7 +376,8 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 at::Tensor int8_group_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                            const std::optional<at::Tensor>& offset,
-                           const std::optional<at::Tensor>& super_scale = std::nullopt);
+                           const std::optional<at::Tensor>& super_scale = std::nullopt,
+                           const std::optional<at::Tensor>& super_offset = std::nullopt);
 // gemm.cpp
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);

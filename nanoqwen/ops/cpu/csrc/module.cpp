@@ -9,9 +9,11 @@
 
 namespace nanoqwen {
 
-// A linear as decode_model takes it: its parts, each a matrix's tensors in one format (linear_part below), their
-// outputs side by side (a fused q/k/v whose parts a checkpoint holds in different formats); most have one part.
-using LinearParts = std::vector<std::vector<at::Tensor>>;
+// One matrix as decode_model takes it: its format's name and its tensors (linear_part below).
+using LinearPart = std::pair<std::string, std::vector<at::Tensor>>;
+// A linear as decode_model takes it: its parts, each a matrix in one format, their outputs side by side (a fused
+// q/k/v whose parts a checkpoint holds in different formats); most have one part.
+using LinearParts = std::vector<LinearPart>;
 
 // A decoder layer's weights as decode_model takes them, gathered once (worker/fused_decoder.py makes one a layer).
 struct DecoderLayerWeights {
@@ -26,7 +28,7 @@ struct DecoderLayerWeights {
 // The whole model as decode_model takes it: the embedding table, RotaryEmbedding's cos and sin tables (float32,
 // [max_len, D]), the decoder layers, the final norm and the LM head (a linear's tensors, as above).
 struct DecoderModelWeights {
-  std::vector<at::Tensor> embed;  // the table as a linear's tensors (embed_rows below)
+  LinearPart embed;  // the table as a linear's matrix (embed_rows below)
   at::Tensor cos, sin;
   std::vector<DecoderLayerWeights> layers;
   at::Tensor norm;
@@ -53,21 +55,26 @@ struct DecoderLoRAWeights {
 
 namespace {
 
-// A linear part's tensors: (weight) bf16; (q, scale) int8 with a bf16 scale per row; int8 with float32 scales per group:
-// (q, scale) or (q, scale, offset), and two-level (q, int8 scale, super_scale) (q int8, or uint8 packed at 6 bits);
-// int4 (packed uint8): (packed, scale, offset), or two-level (packed, scale, offset, super_scale, super_offset);
-// FP8: (w float8_e4m3fn, scale float32 per row and block of inputs).
-at::Tensor linear_part(const at::Tensor& x, const std::vector<at::Tensor>& t) {
-  TORCH_CHECK(!t.empty() && t.size() <= 5, "a linear is 1 to 5 tensors, got ", t.size());
-  if (t.size() == 1) return bf16_gemv(x, t[0], std::nullopt);
-  if (t[0].scalar_type() == at::kFloat8_e4m3fn) return fp8_gemv(x, t[0], t[1]);
-  if (t[1].scalar_type() == at::kChar) return int8_group_gemv(x, t[0], t[1], std::nullopt, t[2]);
-  if (t[0].scalar_type() == at::kByte)
-    return t.size() == 5 ? int4_gemv(x, t[0], t[1], t[2], t[3], t[4], int4_amx_min_rows())
-                         : int4_gemv(x, t[0], t[1], t[2], std::nullopt, std::nullopt, int4_amx_min_rows());
-  if (t[1].scalar_type() == at::kFloat)
-    return int8_group_gemv(x, t[0], t[1], t.size() == 3 ? std::optional<at::Tensor>(t[2]) : std::nullopt);
-  return int8_gemv(x, t[0], t[1]);
+// A tensor given as "none" (an empty one, where a format's list has a fixed length): nullopt.
+std::optional<at::Tensor> given(const at::Tensor& t) {
+  return t.numel() > 0 ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// A linear part's matrix by its format (worker/fused_decoder.py linear_tensors): "bf16" (weight); "int8" (q, scale):
+// a bf16 scale per row; "int8_group" (q, scale, offset, super_scale, super_offset), the last three possibly none:
+// int8_group_gemv's; "int4" (packed, scale, offset) or two-level (packed, scale, offset, super_scale, super_offset);
+// "fp8" (w float8_e4m3fn, scale float32 per row and block of inputs).
+at::Tensor linear_part(const at::Tensor& x, const LinearPart& part) {
+  const auto& [format, t] = part;
+  if (format == "bf16" && t.size() == 1) return bf16_gemv(x, t[0], std::nullopt);
+  if (format == "int8" && t.size() == 2) return int8_gemv(x, t[0], t[1]);
+  if (format == "fp8" && t.size() == 2) return fp8_gemv(x, t[0], t[1]);
+  if (format == "int8_group" && t.size() == 5)
+    return int8_group_gemv(x, t[0], t[1], given(t[2]), given(t[3]), given(t[4]));
+  if (format == "int4" && t.size() == 3)
+    return int4_gemv(x, t[0], t[1], t[2], std::nullopt, std::nullopt, int4_amx_min_rows());
+  if (format == "int4" && t.size() == 5) return int4_gemv(x, t[0], t[1], t[2], t[3], t[4], int4_amx_min_rows());
+  TORCH_CHECK(false, "a linear in format '", format, "' with ", t.size(), " tensors is none decode_model takes");
 }
 
 // x through a linear's parts, their outputs side by side.
@@ -88,21 +95,33 @@ at::Tensor linear_with_lora(const at::Tensor& x, const LinearParts& parts, const
   return y + bf16_gemv(bf16_gemv(x, lora[0], std::nullopt), lora[1], std::nullopt);
 }
 
-// The embedding rows of ids [M] as bf16 [M, H], from a table held as a linear's tensors (above): a bf16 table's rows,
+// The embedding rows of ids [M] as bf16 [M, H], from a table held as a linear's matrix (above): a bf16 table's rows,
 // or a quantised table's rows dequantised in float32 and rounded to bf16 once, with the operations (a product,
 // then a sum) of quantization/prequantized.py's QuantizedEmbedding, so the same bits.
-at::Tensor embed_rows(const std::vector<at::Tensor>& t, const at::Tensor& ids) {
-  if (t.size() == 1) return t[0].index_select(0, ids);
+at::Tensor embed_rows(const LinearPart& table, const at::Tensor& ids) {
+  const auto& [format, t] = table;
+  if (format == "bf16") return t[0].index_select(0, ids);
+  TORCH_CHECK(format == "int8_group" || format == "int4", "an embedding table in format '", format,
+              "' is none decode_model takes");
   const int64_t M = ids.numel(), groups = t[1].size(1);
   // a group's scale (and offset) as float32 [rows, groups]: one level, or sub-scales times their super-block's
   auto two_level = [](const at::Tensor& sub, const at::Tensor& super) {
     return super.repeat_interleave(sub.size(1) / super.size(1), 1) * sub.to(at::kFloat);
   };
-  if (t[0].scalar_type() == at::kChar || t[1].scalar_type() == at::kChar) {  // grouped int8 (or 6-bit)
-    const at::Tensor rows_scale = t[1].scalar_type() == at::kChar
-        ? two_level(t[1].index_select(0, ids), t[2].index_select(0, ids)) : t[1].index_select(0, ids);
+  if (format == "int8_group") {  // (ops/quantize.py dequantize_int8_group)
+    auto rows_values = [&](const at::Tensor& values, const at::Tensor& super) {
+      const at::Tensor rows = values.index_select(0, ids);
+      return super.numel() > 0 ? two_level(rows, super.index_select(0, ids)) : rows.to(at::kFloat);
+    };
     at::Tensor q = t[0].index_select(0, ids);
-    if (q.scalar_type() == at::kByte) {  // 6 bits a value: 12 bytes per 16 (int8_group_gemv.cpp)
+    if (q.scalar_type() == at::kByte && (q.size(1) / groups) % 5 == 0) {  // 5 bits: 10 bytes per 16
+      const at::Tensor chunks = q.view({M, -1, 10}), nibbles = chunks.narrow(2, 0, 8), plane = chunks.narrow(2, 8, 2);
+      const at::Tensor low = at::cat({at::bitwise_and(nibbles, 15), at::bitwise_right_shift(nibbles, 4)}, -1);
+      std::vector<at::Tensor> bits;
+      for (int b = 0; b < 8; ++b) bits.push_back(at::bitwise_and(at::bitwise_right_shift(plane, b), 1));
+      const at::Tensor high = at::stack(bits, -1).flatten(-2);  // value 8i + b at 8i + b
+      q = at::bitwise_or(low, at::bitwise_left_shift(high, 4)).to(at::kShort).view({M, -1});
+    } else if (q.scalar_type() == at::kByte) {  // 6 bits a value: 12 bytes per 16 (int8_group_gemv.cpp)
       const at::Tensor chunks = q.view({M, -1, 12}), nibbles = chunks.narrow(2, 0, 8), plane = chunks.narrow(2, 8, 4);
       const at::Tensor low = at::cat({at::bitwise_and(nibbles, 15), at::bitwise_right_shift(nibbles, 4)}, -1);
       std::vector<at::Tensor> highs;
@@ -110,8 +129,8 @@ at::Tensor embed_rows(const std::vector<at::Tensor>& t, const at::Tensor& ids) {
       const at::Tensor high = at::cat(highs, -1);  // value 4i + b at 4i + b
       q = (at::bitwise_or(low, at::bitwise_left_shift(high, 4)).to(at::kShort) - 32).view({M, -1});
     }
-    at::Tensor w = q.to(at::kFloat).view({M, groups, -1}) * rows_scale.unsqueeze(-1);
-    if (t.size() == 3 && t[1].scalar_type() == at::kFloat) w = w + t[2].index_select(0, ids).unsqueeze(-1);
+    at::Tensor w = q.to(at::kFloat).view({M, groups, -1}) * rows_values(t[1], t[3]).unsqueeze(-1);
+    if (t[2].numel() > 0) w = w + rows_values(t[2], t[4]).unsqueeze(-1);
     return w.view({M, -1}).to(at::kBFloat16);
   }
   // int4, rows stored lane by lane in blocks of 16 (quantization/int4.py): each id's block, then its lane
@@ -325,9 +344,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_gemv", &fp8_gemv, "y = x @ (w * scale).T for few rows of x (e4m3 weights, a float32 scale per row and "
         "block of inputs)", py::arg("x"), py::arg("w"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("int8_group_gemv", &int8_group_gemv,
-        "y = x @ (q * scale + offset).T for few rows of x (int8 weights, a float32 scale and offset per group)",
+        "y = x @ (q * scale + offset).T for few rows of x (int8 weights, or packed at 5 or 6 bits; a scale and an "
+        "offset per group, in one level or two)",
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("offset") = py::none(),
-        py::arg("super_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("super_scale") = py::none(), py::arg("super_offset") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemv", &int4_gemv, "y = x @ (offset + scale * q).T for few rows of x (group-wise int4 weights); "
         "from amx_min_rows rows on (0: never) on AMX tiles where amx_int8_ready()",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::arg("super_scale") = py::none(),
@@ -381,7 +402,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("k_norm"), py::arg("o_proj"), py::arg("gate_up_proj"), py::arg("down_proj"), py::arg("num_heads"));
   py::class_<DecoderModelWeights>(m, "DecoderModelWeights", "a model's weights as decode_model takes them",
                                   py::module_local())
-      .def(py::init([](std::vector<at::Tensor> embed, at::Tensor cos, at::Tensor sin, std::vector<DecoderLayerWeights> layers,
+      .def(py::init([](LinearPart embed, at::Tensor cos, at::Tensor sin, std::vector<DecoderLayerWeights> layers,
                        at::Tensor norm, double eps, LinearParts lm_head) {
              return DecoderModelWeights{embed, cos, sin, std::move(layers), norm, eps, lm_head};
            }),
