@@ -92,7 +92,7 @@ class Int8Linear(QuantizedLinear):
         return self.weight.shape[1]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kernel = pick_kernel(x, self.in_features, self.matmul_path)
+        kernel = pick_kernel(x, self.in_features, self.matmul_path, self.weight.shape[0])
         y = kernel(x, self.weight, self.scale.to(x.dtype))
         return y if bias is None else y + bias
 
@@ -132,7 +132,7 @@ class Int8Experts(Experts):
 
     def expert_linear(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         q, scale = getattr(self, name)[e], getattr(self, f"{name}_scale")[e]
-        return pick_kernel(x, q.shape[1], self.matmul_path)(x, q, scale.to(x.dtype))
+        return pick_kernel(x, q.shape[1], self.matmul_path, q.shape[0])(x, q, scale.to(x.dtype))
 
 
 def int8pack_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -171,13 +171,16 @@ def dequantized_linear_float32(x: torch.Tensor, q: torch.Tensor, scale: torch.Te
     return dequantized_linear(x, q, scale, torch.float32)
 
 
-def pick_kernel(x: torch.Tensor, in_features: int, path: MatmulPath
+def pick_kernel(x: torch.Tensor, in_features: int, path: MatmulPath, out_features: int = 0
                 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The kernel for this input on this matmul path: nanoqwen's int8 kernels where the path gives them the
-    rows, int8pack for few rows on CPU, dequantise otherwise (module docstring)."""
+    rows (AMX tiles for a matrix of out_features rows where chosen), int8pack for few rows on CPU, dequantise
+    otherwise (module docstring)."""
     dequantized = dequantized_linear_float32 if path.upcast_16bit(x) else dequantized_linear
     if x.device.type != "cpu":
         return dequantized
+    if path.int8_amx_rows(x, in_features, out_features):  # batched decode steps, where measured faster
+        return cpu_kernels.int8_amx
     if path.int8_gemv_rows(x):  # where nanoqwen's gemv kernels are on: its own kernel reads the int8 rows
         return cpu_kernels.int8_gemv
     if path.own_gemm(x):  # more rows, where nanoqwen's GEMM was chosen (float32 path): its int8 version

@@ -273,6 +273,18 @@ def bf16_amx(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _ext.bf16_amx(x, w)
 
 
+def int8_amx(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = (x @ q.T) * scale for bf16 x [..., K], int8 q [N, K] (K a multiple of 32, N of 16) and a bf16 scale per row,
+    on AMX-BF16 tiles, in float32, rounded to bf16 once: int8_linear_reference's function for many rows (needs
+    amx_bf16_available()). Each block of 16 weight rows is widened to bf16 (exact) a depth step at a time, x packed
+    once as for bf16_amx (csrc/amx.cpp)."""
+    if _ext is None:
+        _require()
+    if x.dim() == 2:
+        return _ext.int8_amx(x, q, scale)
+    return _ext.int8_amx(x.reshape(-1, x.shape[-1]), q, scale).view(*x.shape[:-1], q.shape[0])
+
+
 def amx_bf16_available() -> bool:
     """Whether bf16_amx can run: as amx_int8_available, for AMX-BF16 tiles."""
     return (available() and _ext is not None and not cpu_build.limited_to_avx2()

@@ -73,6 +73,9 @@ class MatmulPath:
     # bf16 products of bf16_amx_min_rows .. AMX_MAX_ROWS rows on AMX tiles (cpu_kernels.bf16_amx; 0: never), and why
     bf16_amx_min_rows: int = 0
     bf16_amx_reason: str = ""
+    # int8 products of int8_amx_min_rows .. AMX_MAX_ROWS rows on AMX tiles (cpu_kernels.int8_amx; 0: never), and why
+    int8_amx_min_rows: int = 0
+    int8_amx_reason: str = ""
 
     @property
     def gemv(self) -> bool:
@@ -86,6 +89,9 @@ class MatmulPath:
         if self.bf16_amx_min_rows:  # (rows the gemv kernels take go to them first)
             fewest = max(self.bf16_amx_min_rows, self.gemv_max_rows + 1)
             few += f"bf16 products of {fewest}-{AMX_MAX_ROWS} rows on AMX tiles ({self.bf16_amx_reason}); "
+        if self.int8_amx_min_rows:
+            few += (f"int8 products of {self.int8_amx_min_rows}-{AMX_MAX_ROWS} rows on AMX tiles "
+                    f"({self.int8_amx_reason}); ")
         if self.path == "bf16":
             return f"{few}bf16 matmuls ({self.reason})"
         more = max(UPCAST_MIN_ROWS, self.gemv_max_rows + 1)  # (the rows the gemv kernels leave)
@@ -132,6 +138,14 @@ class MatmulPath:
     def amx_rows(self, rows: int) -> bool:
         """Whether a bf16 product of this many rows runs on AMX tiles (cpu_kernels.bf16_amx)."""
         return 0 < self.bf16_amx_min_rows <= rows <= AMX_MAX_ROWS
+
+    def int8_amx_rows(self, x: torch.Tensor, in_features: int, out_features: int) -> bool:
+        """Whether an int8 product of bf16 x's rows and a [out_features, in_features] matrix runs on AMX tiles
+        (cpu_kernels.int8_amx): from int8_amx_min_rows to AMX_MAX_ROWS rows, a shape the tiles take (amx_shape)."""
+        rows = x.numel() // max(in_features, 1)
+        return (0 < self.int8_amx_min_rows <= rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16
+                and x.device.type == "cpu" and in_features % 32 == 0 and out_features % 16 == 0
+                and out_features > 0)
 
     def own_prompt_softmax(self, x: torch.Tensor) -> bool:
         """Whether a bf16 prompt chunk's attention (queries x) runs torch's two products around nanoqwen's

@@ -136,6 +136,16 @@ def bf16_amx_probe() -> dict[int, tuple[float, float]]:
     return _tiles_against(cpu_kernels.bf16_amx, F.linear, weights, k, g)
 
 
+def int8_amx_probe() -> dict[int, tuple[float, float]]:
+    """As int4_amx_probe, for int8 weights with a bf16 scale per row: cpu_kernels.int8_amx against int8_gemv (the
+    kernel int8 rows take without the tiles; half as many copies as int4's, the same bytes)."""
+    n, k, copies = AMX_PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    weights = [(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g).bfloat16())
+               for _ in range(max(1, copies // 2))]
+    return _tiles_against(cpu_kernels.int8_amx, cpu_kernels.int8_gemv, weights, k, g)
+
+
 def _tiles_against(tiles: Callable, theirs: Callable, weights: list[tuple[torch.Tensor, ...]], k: int,
                    g: torch.Generator) -> dict[int, tuple[float, float]]:
     """{rows: (GB/s of `tiles`, GB/s of `theirs`)} for each row count of AMX_PROBE_ROWS: each kernel(x, *w) over

@@ -7,8 +7,9 @@ torch version and thread count in ~/.cache/nanoqwen/cpu-matmul.json. A second pr
 nanoqwen's bf16 gemv kernel against what those rows would take otherwise (torch's F.linear, or upcast_linear) at 1
 to 64 rows and sets how many rows (decode steps, short prompt chunks) the gemv kernels take, on any CPU
 (NANOQWEN_CPU_GEMV=0|1 forces them off or on). Where the CPU has AMX tiles, a fourth times int4 products on them
-against int4_gemv at 2 to 64 rows and sets from how many rows int4 layers use them, and a fifth bf16 products on
-them against torch's (select_int4_amx, select_bf16_amx; NANOQWEN_CPU_AMX=0|1 forces them off or on; the one-call
+against int4_gemv at 2 to 64 rows and sets from how many rows int4 layers use them, a fifth bf16 products on them
+against torch's and a sixth int8 ones against int8_gemv (select_int4_amx, select_bf16_amx, select_int8_amx;
+NANOQWEN_CPU_AMX=0|1 forces them off or on; the one-call
 decode step, which has no MatmulPath, takes the last choice made in the process: the tiles compute the same bits,
 so only the speed differs). On the float32 path a third, also cached, times nanoqwen's bf16_gemm against
 upcast_linear on a prompt-sized product: where it is faster, it takes the rows past the gemv kernels' (the same
@@ -38,7 +39,7 @@ logger = logging.getLogger("nanoqwen")
 # one-call C++ decode step and the int8 kernel, which gain more than that loses where torch's one-row bf16
 # kernel ties with nanoqwen's (bench/bench_gemv.py and bench/bench_decode_step.py measure both).
 GEMV_MIN_SHARE = 0.8
-AMX_ENV = "NANOQWEN_CPU_AMX"  # 0: int4 and bf16 products never on AMX tiles; 1: from 2 rows on; else measured
+AMX_ENV = "NANOQWEN_CPU_AMX"  # 0: int4, int8 and bf16 products never on AMX tiles; 1: from 2 rows on; else measured
 SLOW_BF16 = 0.5  # bf16 below half of float32's speed: compute in float32
 
 
@@ -58,7 +59,7 @@ def select_matmul_path(cache_dir: Path | None = None) -> MatmulPath:
         return choice
     choice = select_int4_amx(choice, cache_dir)
     if choice.path == "bf16":
-        choice = select_bf16_amx(choice, cache_dir)
+        choice = select_int8_amx(select_bf16_amx(choice, cache_dir), cache_dir)
     if choice.path == "float32":
         choice = _select_gemm(choice, wanted == "1", cache_dir)
     if wanted == "1":
@@ -103,6 +104,14 @@ def select_bf16_amx(choice: MatmulPath, cache_dir: Path | None = None) -> Matmul
     rows, reason = _tiles_choice(cpu_kernels.amx_bf16_available(), "bf16 on AMX tiles against F.linear",
                                  cpu_probes.bf16_amx_probe, "torch", cache_dir)
     return replace(choice, bf16_amx_min_rows=rows, bf16_amx_reason=reason) if rows else choice
+
+
+def select_int8_amx(choice: MatmulPath, cache_dir: Path | None = None) -> MatmulPath:
+    """select_int4_amx's choice for int8 products on AMX-BF16 tiles (cpu_kernels.int8_amx, up to matmul.AMX_MAX_ROWS
+    rows, where cpu_kernels.amx_bf16_available()), measured against int8_gemv (cpu_probes.int8_amx_probe)."""
+    rows, reason = _tiles_choice(cpu_kernels.amx_bf16_available(), "int8 on AMX tiles against int8_gemv",
+                                 cpu_probes.int8_amx_probe, "int8_gemv", cache_dir)
+    return replace(choice, int8_amx_min_rows=rows, int8_amx_reason=reason) if rows else choice
 
 
 def _tiles_choice(available: bool, what: str, probe: Callable[[], dict], against: str,
@@ -152,7 +161,8 @@ def _select_path(cache_dir: Path | None) -> MatmulPath:
     found = cpu_probes.cached(cache_dir, "matmul", lambda: asdict(probe()))
     kept = {f.name for f in fields(MatmulPath)} - {"gemv_max_rows", "gemv_reason", "gemm", "gemm_reason",
                                                    "int4_amx_min_rows", "int4_amx_reason",
-                                                   "bf16_amx_min_rows", "bf16_amx_reason"}
+                                                   "bf16_amx_min_rows", "bf16_amx_reason",
+                                                   "int8_amx_min_rows", "int8_amx_reason"}
     return MatmulPath(**{k: v for k, v in found.items() if k in kept})
 
 

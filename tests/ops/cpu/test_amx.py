@@ -4,7 +4,8 @@ int4_gemv_reference, and how ops/cpu/selection.py chooses from how many rows int
 The tiles add each group's integer dot products into the same float32 operations, in the same order, as the
 panels (int4_gemm), so the two must agree to the bit, and both stay within int4_gemv_reference's tolerance
 (tests/ops/cpu/test_kernels.py check_int4). The kernel tests need a CPU with AMX-INT8 (an Intel Xeon from
-Sapphire Rapids on) not limited to AVX2; the selection tests run anywhere.
+Sapphire Rapids on) not limited to AVX2; the selection tests run anywhere. Below them, bf16 and int8 products on
+AMX-BF16 tiles (cpu_kernels.bf16_amx, int8_amx) against their references, and where the layers use them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from nanoqwen.ops.cpu import probes as cpu_probes
 from nanoqwen.ops.cpu import selection
 from nanoqwen.ops.quantize import dequantize_int4, pack_int4
 from nanoqwen.quantization.int4 import int4_linear
+from nanoqwen.quantization.int8 import dequantized_linear, pick_kernel
 
 
 def kernels_with_tiles(available, tiles: str):
@@ -252,3 +254,68 @@ def test_the_bf16_amx_probe_measures_both_kernels(monkeypatch):
     speeds = cpu_probes.bf16_amx_probe()
     assert sorted(speeds) == list(cpu_probes.AMX_PROBE_ROWS)
     assert seen == {(kernel, rows) for kernel in ("amx", "torch") for rows in cpu_probes.AMX_PROBE_ROWS}
+
+
+# ---- int8 products on AMX-BF16 tiles (cpu_kernels.int8_amx) and the int8 layers' use of them
+
+@pytest.mark.parametrize("k, n", [(32, 16), (1024 + 32, 48), (2048, 160)])
+@pytest.mark.parametrize("m", (1, 5, 16, 17, 33, 64))
+def test_int8_amx_is_the_int8_product(amx_bf16, m, k, n):
+    """int8_amx computes int8_linear_reference's function (float32 sums times the row's scale, one rounding)
+    within its float32 order; the int8 values, widened exactly, reach the tiles at their full range."""
+    g = torch.Generator().manual_seed(m * 5 + k + n)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    q[0, :32] = torch.tensor([-128, 127] * 16, dtype=torch.int8)
+    scale = (torch.rand(n, generator=g) / (64 * k**0.5)).bfloat16()
+    got = amx_bf16.int8_amx(x, q, scale)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    magnitude = (x.float().abs() @ q.float().abs().T) * scale.float()
+    assert_within_one_ulp(got, amx_bf16.int8_linear_reference(x, q, scale), magnitude)
+    assert torch.equal(amx_bf16.int8_amx(x.flip(0), q.flip(0), scale.flip(0)), got.flip(0, 1))
+    assert torch.equal(amx_bf16.int8_amx(x.view(m, 1, k), q, scale).view(m, n), got)
+
+
+def test_int8_amx_refuses_shapes_it_does_not_take(amx_bf16):
+    x, q, scale = torch.randn(4, 64).bfloat16(), torch.zeros(16, 64, dtype=torch.int8), torch.ones(16).bfloat16()
+    with pytest.raises(RuntimeError, match="K a multiple of 32, N of 16 and a scale per row"):
+        amx_bf16.int8_amx(x, q[:8], scale[:8])
+    with pytest.raises(RuntimeError, match="K a multiple of 32, N of 16 and a scale per row"):
+        amx_bf16.int8_amx(x, q, scale[:8])
+    with pytest.raises(RuntimeError, match="int8"):
+        amx_bf16.int8_amx(x, q.bfloat16(), scale)
+
+
+def test_int8_layers_take_the_tiles_for_their_rows():
+    """An int8 product of bf16 rows goes to the tiles from int8_amx_min_rows to AMX_MAX_ROWS rows, for a matrix
+    whose rows are a multiple of 16 and inputs of 32; fewer rows, more, and other shapes take the other kernels."""
+    path = cpu.MatmulPath("bf16", "test", gemv_max_rows=4, int8_amx_min_rows=8)
+    rows_kernel = {rows: pick_kernel(torch.empty(rows, 128, dtype=torch.bfloat16), 128, path, 64)
+                   for rows in (4, 7, 8, 64, 65)}
+    assert rows_kernel == {4: cpu_kernels.int8_gemv, 7: cpu_kernels.int8_gemv, 8: cpu_kernels.int8_amx,
+                           64: cpu_kernels.int8_amx, 65: dequantized_linear}
+    assert pick_kernel(torch.empty(16, 128, dtype=torch.bfloat16), 128, path, 40) is cpu_kernels.int8_gemv
+    assert pick_kernel(torch.empty(16, 120, dtype=torch.bfloat16), 120, path, 64) is cpu_kernels.int8_gemv
+    assert pick_kernel(torch.empty(16, 128, dtype=torch.bfloat16), 128, cpu.MatmulPath("bf16", "test",
+                       gemv_max_rows=4), 64) is cpu_kernels.int8_gemv
+    assert "int8 products of 8-64 rows on AMX tiles" in path.describe()
+
+
+def test_the_int8_tiles_are_chosen_by_measurement_and_the_probe_runs_both(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "amx_bf16_available", lambda: True)
+    calls = []
+    monkeypatch.setattr(cpu_probes, "int8_amx_probe", lambda: calls.append(1) or SPEEDS)
+    monkeypatch.setenv("NANOQWEN_CPU_AMX", "auto")
+    base = cpu.MatmulPath("bf16", "test")
+    first = selection.select_int8_amx(base, tmp_path)
+    assert first.int8_amx_min_rows == 8 and "tiles vs int8_gemv: 2: 5.0 vs 20.0" in first.int8_amx_reason
+    assert selection.select_int8_amx(base, tmp_path) == first and len(calls) == 1  # from the cache
+    monkeypatch.setenv("NANOQWEN_CPU_AMX", "0")
+    assert selection.select_int8_amx(base, tmp_path) == base
+    monkeypatch.undo()
+    seen = set()
+    monkeypatch.setattr(cpu_probes, "AMX_PROBE_SHAPE", (32, 128, 4))
+    monkeypatch.setattr(cpu_kernels, "int8_amx", lambda x, q, s: seen.add(("amx", x.shape[0])))
+    monkeypatch.setattr(cpu_kernels, "int8_gemv", lambda x, q, s: seen.add(("gemv", x.shape[0])))
+    assert sorted(cpu_probes.int8_amx_probe()) == list(cpu_probes.AMX_PROBE_ROWS)
+    assert seen == {(kernel, rows) for kernel in ("amx", "gemv") for rows in cpu_probes.AMX_PROBE_ROWS}

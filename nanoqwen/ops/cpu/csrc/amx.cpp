@@ -10,6 +10,12 @@
 // reads the weights well below the machine's bandwidth at these row counts (bench/bench_gemv.py --rows 16,
 // bench/bench_batch_decode.py); selection.py measures where the tiles are faster.
 //
+// int8_amx (int8 weights with a bf16 scale per row, 2 to 64 rows of x): the same tiles, each 16 weight rows' 32 values
+// of a depth step widened to bf16 first (exact: |q| <= 127 is a bf16 number) into a 1 KiB buffer the tile loads
+// from; each float32 sum times its row's scale, rounded to bf16 once: int8_linear_reference's function (int8_gemm's),
+// the sums in another order. int8_gemv, which rounds x to int16 and runs integer dot products a row of x at a time,
+// is bound by arithmetic from some 16 rows on; the tiles multiply 16 rows of x at once.
+//
 // int4_gemm (int4_gemv.cpp) unpacks each block of 16 weight rows into a panel laid out for an integer dot product:
 // for each 4 consecutive elements of a group (a quad), the 16 rows' 4 values side by side, 64 bytes. That is
 // exactly the layout AMX's B operand takes (a row of a B tile: 4 consecutive depths of 16 columns), so a group of
@@ -24,6 +30,8 @@
 // AVX-512BW and Linux granted the process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, once a process).
 // int4_gemv.cpp's int4_amx takes the rows of x from its amx_min_rows argument on (nanoqwen/ops/cpu/selection.py
 // measures where the tiles are faster; bench/bench_batch_decode.py measures a model's decode with them).
+
+#include <type_traits>
 
 #include "cpu_kernels.h"
 
@@ -165,21 +173,47 @@ NANOQWEN_AMX_BF16_TARGET void amx_bf16_begin() {
   _tile_loadconfig(&cfg);
 }
 
+// 16 rows of int8 weights (row stride K) at depths k .. k + 31 as bf16 (exact: float32's upper half), 32 a row.
+NANOQWEN_AMX_BF16_TARGET inline void widen_int8_rows(const int8_t* q, int64_t K, int64_t k, uint16_t* out) {
+  for (int r = 0; r < 16; ++r) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k));
+    for (int h = 0; h < 2; ++h) {
+      const __m128i part = h ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
+      const __m512i bits = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(part)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out + r * 32 + 16 * h),
+                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+    }
+  }
+}
+
 // y[m][n] for the weight rows n0 .. n0 + 16 * na - 1 (na 1 or 2) and the x rows of B blocks mb0 .. mb0 + nb - 1
-// (nb 1 or 2; xp: x packed as [blocks of 16 rows][K / 2][16][2] bf16).
-NANOQWEN_AMX_BF16_TARGET void amx_bf16_tile(const uint16_t* w, int64_t K, const uint32_t* xp, int64_t M, int64_t mb0,
-                                            int nb, int64_t N, int64_t n0, int na, uint16_t* y) {
+// (nb 1 or 2; xp: x packed as [blocks of 16 rows][K / 2][16][2] bf16). W: bf16 weights (uint16_t bits), loaded as
+// stored, or int8 ones (int8_t), widened a depth step at a time, their sums times scale[n].
+template <typename W>
+NANOQWEN_AMX_BF16_TARGET void amx_bf16_tile(const W* w, const at::BFloat16* scale, int64_t K, const uint32_t* xp,
+                                            int64_t M, int64_t mb0, int nb, int64_t N, int64_t n0, int na,
+                                            uint16_t* y) {
+  constexpr bool kInt8 = std::is_same_v<W, int8_t>;
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
   const int64_t block = K / 2 * 16;  // an x block's packed pairs
   const uint32_t* x0 = xp + mb0 * block;
-  const uint16_t* w0 = w + n0 * K;
+  const W* w0 = w + n0 * K;
+  alignas(64) uint16_t wide[2][16 * 32];  // (int8 weights) the two weight blocks at this depth, as bf16
   for (int64_t k = 0; k < K; k += 32) {
     if (k + 256 < K)  // the next lines of the 16 * na weight rows
       for (int r = 0; r < 16 * na; ++r) _mm_prefetch(reinterpret_cast<const char*>(w0 + r * K + k + 256), _MM_HINT_T0);
-    _tile_loadd(0, w0 + k, K * 2);
+    if constexpr (kInt8) {
+      widen_int8_rows(w0, K, k, wide[0]);
+      // (the tile load's asm names no memory: barriers keep the buffer's stores before it, the next ones after)
+      asm volatile("" : : "r"(wide[0]) : "memory");
+      _tile_loadd(0, wide[0], 64);
+      asm volatile("" : : : "memory");
+    } else {
+      _tile_loadd(0, w0 + k, K * 2);
+    }
     _tile_loadd(2, x0 + k / 2 * 16, 64);
     _tile_dpbf16ps(4, 0, 2);
     if (nb == 2) {
@@ -187,7 +221,14 @@ NANOQWEN_AMX_BF16_TARGET void amx_bf16_tile(const uint16_t* w, int64_t K, const 
       _tile_dpbf16ps(5, 0, 3);
     }
     if (na == 2) {
-      _tile_loadd(1, w0 + 16 * K + k, K * 2);
+      if constexpr (kInt8) {
+        widen_int8_rows(w0 + 16 * K, K, k, wide[1]);
+        asm volatile("" : : "r"(wide[1]) : "memory");
+        _tile_loadd(1, wide[1], 64);
+        asm volatile("" : : : "memory");
+      } else {
+        _tile_loadd(1, w0 + 16 * K + k, K * 2);
+      }
       _tile_dpbf16ps(6, 1, 2);
       if (nb == 2) _tile_dpbf16ps(7, 1, 3);
     }
@@ -202,8 +243,39 @@ NANOQWEN_AMX_BF16_TARGET void amx_bf16_tile(const uint16_t* w, int64_t K, const 
         default: _tile_stored(7, c, 64); break;
       }
       for (int j = 0; j < 16 && (mb0 + b) * 16 + j < M; ++j)
-        for (int i = 0; i < 16; ++i) y[((mb0 + b) * 16 + j) * N + n0 + 16 * a + i] = float_to_bf16(c[i][j]);
+        for (int i = 0; i < 16; ++i) {
+          const int64_t n = n0 + 16 * a + i;
+          const float sum = kInt8 ? c[i][j] * static_cast<float>(scale[n]) : c[i][j];
+          y[((mb0 + b) * 16 + j) * N + n] = float_to_bf16(sum);
+        }
     }
+}
+
+// x [M, K] bf16 times the weights w [N, K] (bf16 bits, or int8 with scale [N]) on the tiles: x packed once, the
+// threads taking 32 weight rows at a time.
+template <typename W>
+at::Tensor amx_product(const at::Tensor& x, const W* w, const at::BFloat16* scale, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = new_output({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t blocks = (M + 15) / 16;
+  std::vector<uint32_t> xp(blocks * K / 2 * 16, 0);  // [block][K / 2][16 rows]: a pair of bf16 each
+  const auto* x32 = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t kp = 0; kp < K / 2; ++kp) xp[((m / 16) * (K / 2) + kp) * 16 + m % 16] = x32[m * (K / 2) + kp];
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t pairs = (N + 31) / 32;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    amx_bf16_begin();
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * 32;
+      const int na = N - n0 >= 32 ? 2 : 1;
+      for (int64_t mb = 0; mb < blocks; mb += 2)
+        amx_bf16_tile(w, scale, K, xp.data(), M, mb, blocks - mb >= 2 ? 2 : 1, N, n0, na, yp);
+    }
+    amx_end();
+  });
+  return y;
 }
 }  // namespace
 
@@ -221,27 +293,21 @@ at::Tensor bf16_amx(const at::Tensor& x_in, const at::Tensor& w_in) {
   TORCH_CHECK(w_in.size(1) == K && K % 32 == 0 && N % 16 == 0, "bf16_amx: K a multiple of 32 and N of 16, got x ",
               x_in.sizes(), ", w ", w_in.sizes());
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
-  at::Tensor y = new_output({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  const int64_t blocks = (M + 15) / 16;
-  std::vector<uint32_t> xp(blocks * K / 2 * 16, 0);  // [block][K / 2][16 rows]: a pair of bf16 each
-  const auto* x32 = reinterpret_cast<const uint32_t*>(x.data_ptr());
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t kp = 0; kp < K / 2; ++kp) xp[((m / 16) * (K / 2) + kp) * 16 + m % 16] = x32[m * (K / 2) + kp];
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t pairs = (N + 31) / 32;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    amx_bf16_begin();
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * 32;
-      const int na = N - n0 >= 32 ? 2 : 1;
-      for (int64_t mb = 0; mb < blocks; mb += 2)
-        amx_bf16_tile(wp, K, xp.data(), M, mb, blocks - mb >= 2 ? 2 : 1, N, n0, na, yp);
-    }
-    amx_end();
-  });
-  return y;
+  return amx_product(x, reinterpret_cast<const uint16_t*>(w.data_ptr()), nullptr, N);
+}
+
+at::Tensor int8_amx(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scale_in) {
+  TORCH_CHECK(amx_bf16_ready(), "int8_amx: this CPU has no AMX-BF16 tiles, or Linux did not grant them");
+  TORCH_CHECK(x_in.device().is_cpu() && q_in.device().is_cpu() && scale_in.device().is_cpu() &&
+                  x_in.scalar_type() == at::kBFloat16 && q_in.scalar_type() == at::kChar &&
+                  scale_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2 && q_in.dim() == 2,
+              "int8_amx: x [M, K] bfloat16, q [N, K] int8 and scale [N] bfloat16 CPU tensors");
+  const int64_t K = x_in.size(1), N = q_in.size(0);
+  TORCH_CHECK(q_in.size(1) == K && K % 32 == 0 && N % 16 == 0 && scale_in.numel() == N,
+              "int8_amx: K a multiple of 32, N of 16 and a scale per row, got x ", x_in.sizes(), ", q ", q_in.sizes(),
+              ", scale ", scale_in.sizes());
+  const at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), scale = scale_in.contiguous();
+  return amx_product(x, q.data_ptr<int8_t>(), scale.data_ptr<at::BFloat16>(), N);
 }
 
 #else  // no AMX in this compiler: never ready, and nothing calls the rest
@@ -249,6 +315,9 @@ at::Tensor bf16_amx(const at::Tensor& x_in, const at::Tensor& w_in) {
 bool amx_int8_ready() { return false; }
 bool amx_bf16_ready() { return false; }
 at::Tensor bf16_amx(const at::Tensor&, const at::Tensor&) { TORCH_CHECK(false, "AMX is not compiled in"); }
+at::Tensor int8_amx(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "AMX is not compiled in");
+}
 void amx_int4_begin(int64_t) { TORCH_CHECK(false, "AMX is not compiled in"); }
 void amx_end() {}
 void amx_int4_tile(const int8_t*, const float*, const float*, int64_t, int64_t, int64_t, int, const uint8_t*,

@@ -405,6 +405,7 @@ void amx_int4_begin(int64_t G);
 void amx_end();
 bool amx_bf16_ready();
 at::Tensor bf16_amx(const at::Tensor& x, const at::Tensor& w);
+at::Tensor int8_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);
 void amx_int4_tile(const int8_t* xq, const float* d, const float* xs, int64_t K, int64_t G, int64_t m0, int rows,
                    const uint8_t* panel, const float* scale, const float* offset, int np, const int* cols, int64_t N,
                    int64_t n0, at::BFloat16* y, const uint8_t* ahead, int64_t ahead_bytes);

@@ -358,6 +358,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("super_offset") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_amx", &bf16_amx, "y = x @ w.T for bf16 x [M, K], w [N, K] on AMX-BF16 tiles (K % 32 == 0, N % 16 == 0)",
         py::arg("x"), py::arg("w"), py::call_guard<py::gil_scoped_release>());
+  m.def("int8_amx", &int8_amx, "y = (x @ q.T) * scale for bf16 x [M, K], int8 q [N, K] and a bf16 scale per row on "
+        "AMX-BF16 tiles (K % 32 == 0, N % 16 == 0)", py::arg("x"), py::arg("q"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("amx_bf16_ready", &amx_bf16_ready, "whether this CPU has AMX-BF16 tiles and Linux lets this process use them");
   m.def("amx_int8_ready", &amx_int8_ready, "whether this CPU has AMX-INT8 tiles and Linux lets this process use them");
   m.def("set_int4_amx_min_rows", &set_int4_amx_min_rows,
