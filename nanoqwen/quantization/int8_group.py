@@ -21,7 +21,8 @@ Kernels: for up to 16 bf16 rows on a CPU with nanoqwen's kernels (decode), `int8
 (ops/cpu/kernels.py): x rounded to int16 per group (as int8_gemv rounds it per 64), integer dot products per
 group, each scaled in float32 (int8_group_gemv_reference there is its definition). Otherwise (prompts, other
 dtypes and devices) the matrix is dequantised row block by row block to the compute dtype and multiplied
-there (`int8_group_dequantized_linear`, plain torch: the reference).
+there (`int8_group_dequantized_linear`; ops/quantize.py's dequantize_int8_group is the reference for the weights,
+which on a CPU with nanoqwen's kernels `int8_group_dequantize` computes bit for bit in one pass).
 """
 
 from __future__ import annotations
@@ -105,7 +106,11 @@ def int8_group_dequantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch
     def product(start: int, end: int) -> torch.Tensor:
         rows = slice(start, end)
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
-        w = dequantize_int8_group(q[rows], scale[rows], pick(offset), pick(super_scale), pick(super_offset))
+        parts = (q[rows], scale[rows], pick(offset), pick(super_scale), pick(super_offset))
+        if q.device.type == "cpu" and cpu_kernels.available():  # the same matrix, in one pass
+            w = cpu_kernels.int8_group_dequantize(*parts, in_features)
+        else:
+            w = dequantize_int8_group(*parts)
         return F.linear(xc, w.to(xc.dtype))
 
     return linear_in_row_blocks(x, out_features, block_rows(xc, in_features), product)

@@ -230,6 +230,16 @@ def int8_group_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offse
     return y.view(*x.shape[:-1], q.shape[0])
 
 
+def int8_group_dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                          super_scale: torch.Tensor | None, super_offset: torch.Tensor | None,
+                          in_features: int) -> torch.Tensor:
+    """ops/quantize.py dequantize_int8_group's float32 [N, in_features] matrix, bit for bit, in one pass (the 5- and
+    6-bit values unpacked as int8_group_gemv reads them): the prompt path's weights."""
+    if _ext is None:
+        _require()
+    return _ext.int8_group_dequantize(q, scale, offset, super_scale, super_offset, in_features)
+
+
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
               *supers: torch.Tensor, amx_min_rows: int = 0) -> torch.Tensor:
     """y = x' @ W.T for bf16 x [..., K] and int4 W (packed [N, K/2], scale and offset [N, K/G]: bf16 or float32, or

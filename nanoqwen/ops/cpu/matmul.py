@@ -15,7 +15,8 @@ bf16's tolerance.
 
 Beside the path, the choice says which rows nanoqwen's own kernels take (nanoqwen/ops/cpu/kernels.py): up to
 `gemv_max_rows` rows its gemv kernels (decode steps), on CPUs with AMX tiles bf16 products of `bf16_amx_min_rows`
-to AMX_MAX_ROWS rows on them (batched decode steps: torch's product reads the weights more slowly there), and on
+to AMX_MAX_ROWS rows on them (batched decode steps: torch's product reads the weights more slowly there) and int8
+ones of `int8_amx_min_rows` to AMX_MAX_ROWS rows (int8_gemv is bound by its arithmetic there), and on
 the float32 path more rows its GEMM where it was measured faster (`gemm`). `TORCH_MATMUL`, the default, is torch's
 own kernels for everything: the reference, and what GPUs use.
 """

@@ -947,6 +947,31 @@ def test_int8_group_gemv_with_two_level_scales_and_offsets(kernels, m):
         kernels.int8_group_gemv(x, q, one_level[0], None, supers[0])
 
 
+@pytest.mark.parametrize("bits", (8, 6, 5))
+@pytest.mark.parametrize("form", ["float32", "float16", "two-level"])
+def test_int8_group_dequantize_is_the_reference_bit_for_bit(kernels, bits, form):
+    """The prompt path's weights from int8, 6- or 5-bit values with each form of scales and offsets: exactly
+    dequantize_int8_group's float32 matrix (a product, then a sum)."""
+    g = torch.Generator().manual_seed(bits)
+    n, k, group = 37, 512, 16 if bits == 6 else 32
+    low, high = {8: (-128, 128), 6: (-32, 32), 5: (0, 32)}[bits]
+    q = torch.randint(low, high, (n, k), generator=g, dtype=torch.int8)
+    packed = {8: q, 6: pack_int6(q), 5: pack_int5(q)}[bits]
+    groups = k // group
+    if form == "two-level":
+        args = (torch.randint(0, 64, (n, groups), generator=g, dtype=torch.uint8),
+                torch.randint(0, 64, (n, groups), generator=g, dtype=torch.uint8),
+                torch.rand(n, 2, generator=g) * 1e-3, -torch.rand(n, 2, generator=g) * 1e-3)
+    else:
+        scale, offset = torch.rand(n, groups, generator=g) * 1e-2, torch.randn(n, groups, generator=g) * 1e-2
+        args = ((scale.half(), offset.half()) if form == "float16" else (scale, offset)) + (None, None)
+    want = dequantize_int8_group(packed, *args)
+    assert torch.equal(kernels.int8_group_dequantize(packed, *args, k), want)
+    assert torch.equal(kernels.int8_group_dequantize(packed, args[0], None, args[2], None, k),
+                       dequantize_int8_group(packed, args[0], None, args[2], None))
+    assert torch.equal(want, dequantize_int8_group(q, *args))
+
+
 def test_int8_group_gemv_takes_float16_scales(kernels):
     """Q8_0's, Q5_0's and Q5_1's d and m held in float16 (as the file holds them): the same products as in
     float32."""

@@ -378,6 +378,9 @@ at::Tensor int8_group_gemv(const at::Tensor& x, const at::Tensor& q, const at::T
                            const std::optional<at::Tensor>& offset,
                            const std::optional<at::Tensor>& super_scale = std::nullopt,
                            const std::optional<at::Tensor>& super_offset = std::nullopt);
+at::Tensor int8_group_dequantize(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
+                                 const std::optional<at::Tensor>& super_scale,
+                                 const std::optional<at::Tensor>& super_offset, int64_t K);
 // gemm.cpp
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale);

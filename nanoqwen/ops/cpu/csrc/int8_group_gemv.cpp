@@ -306,4 +306,58 @@ at::Tensor int8_group_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const
   return y;
 }
 
+at::Tensor int8_group_dequantize(const at::Tensor& q_in, const at::Tensor& scale_in,
+                                 const std::optional<at::Tensor>& offset_in, const std::optional<at::Tensor>& super_in,
+                                 const std::optional<at::Tensor>& super_offset_in, int64_t K) {
+  TORCH_CHECK(q_in.device().is_cpu() && q_in.dim() == 2 && scale_in.dim() == 2 &&
+                  (q_in.scalar_type() == at::kChar || q_in.scalar_type() == at::kByte),
+              "int8_group_dequantize: q [N, K] int8 or packed uint8 on the CPU, scale [N, K/G]");
+  const int64_t N = q_in.size(0), row_bytes = q_in.size(1);
+  const int bits = q_in.scalar_type() == at::kChar ? 8 : row_bytes * 4 == K * 3 ? 6 : 5;
+  TORCH_CHECK(K % 16 == 0 && row_bytes * 8 == K * bits, "int8_group_dequantize: q's rows of ", row_bytes,
+              " bytes hold no ", K, " values");
+  const int64_t groups = scale_in.size(1);
+  TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % 16 == 0, "int8_group_dequantize: scale ",
+              scale_in.sizes(), " for K=", K);
+  const int64_t G = K / groups;
+  const GroupValues scale = group_values(scale_in, super_in, N, groups, "scale", "super_scale");
+  const GroupValues offset = offset_in ? group_values(*offset_in, super_offset_in, N, groups, "offset", "super_offset")
+                                       : GroupValues{};
+  const at::Tensor q = q_in.contiguous();
+  at::Tensor w = at::empty({N, K}, q_in.options().dtype(at::kFloat));
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, row_bytes)), [&](int64_t b, int64_t e) {
+    std::vector<float> s_row(groups), o_row(groups);
+    for (int64_t n = b; n < e; ++n) {
+      const float* s = scale.row(n, s_row.data());
+      const float* o = offset.present() ? offset.row(n, o_row.data()) : nullptr;
+      const uint8_t* row = qp + n * row_bytes;
+      float* out = wp + n * K;
+      for (int64_t c = 0; c < K / 16; ++c) {  // 16 values a step, of group c * 16 / G
+        const int64_t g = c * 16 / G;
+#ifdef NANOQWEN_AVX2
+        const __m256i v = bits == 8 ? load16_weights<8>(row, c) : bits == 6 ? load16_weights<6>(row, c)
+                                                                            : load16_weights<5>(row, c);
+        for (int h = 0; h < 2; ++h) {
+          const __m128i part = h ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
+          __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part)), _mm256_set1_ps(s[g]));
+          // a product, then a sum, each rounded: the reference's (the empty asm keeps the compiler from fusing them)
+          asm("" : "+x"(f));
+          if (o) f = _mm256_add_ps(f, _mm256_set1_ps(o[g]));
+          _mm256_storeu_ps(out + 16 * c + 8 * h, f);
+        }
+#else
+        for (int64_t k = 16 * c; k < 16 * c + 16; ++k) {
+          const int32_t value = bits == 8 ? weight_at<8>(row, k) : bits == 6 ? weight_at<6>(row, k) : weight_at<5>(row, k);
+          volatile float product = static_cast<float>(value) * s[g];  // (rounded before the sum, as the reference)
+          out[k] = o ? product + o[g] : product;
+        }
+#endif
+      }
+    }
+  });
+  return w;
+}
+
 }  // namespace nanoqwen

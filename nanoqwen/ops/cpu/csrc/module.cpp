@@ -349,6 +349,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("offset") = py::none(),
         py::arg("super_scale") = py::none(), py::arg("super_offset") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("int8_group_dequantize", &int8_group_dequantize,
+        "q * scale + offset as float32 [N, K] (int8_group_gemv's weights: int8, or packed at 5 or 6 bits)",
+        py::arg("q"), py::arg("scale"), py::arg("offset"), py::arg("super_scale"), py::arg("super_offset"),
+        py::arg("in_features"), py::call_guard<py::gil_scoped_release>());
   m.def("int4_gemv", &int4_gemv, "y = x @ (offset + scale * q).T for few rows of x (group-wise int4 weights); "
         "from amx_min_rows rows on (0: never) on AMX tiles where amx_int8_ready()",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"), py::arg("super_scale") = py::none(),
