@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -219,7 +220,7 @@ def test_the_conversation_survives_a_reload(browser, served):
     before = last_answer(page).locator(".content").inner_text()
     page.reload()
     page.get_by_text("tiny", exact=True).wait_for()
-    assert page.locator("#conversations .conversation").all_inner_texts() == ["Remember me"]
+    assert texts_when(page.locator("#conversations .conversation"), ["Remember me"]) == ["Remember me"]
     assert page.locator("article.message.user .content").inner_text() == "Remember me"
     assert last_answer(page).locator(".content").inner_text() == before
     page.get_by_role("button", name="Settings", exact=True).click()
@@ -327,6 +328,15 @@ def test_regenerate_edit_and_copy(page, scripted):
     assert "First question" not in scripted.engine.prompts[-1]
 
 
+def texts_when(locator, expected: list[str], timeout: float = 10.0) -> list[str]:
+    """The locator's inner texts once they equal `expected`, or as they are after `timeout` seconds: the page
+    renders some changes after the action returns (an imported file is read asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while (got := locator.all_inner_texts()) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
 def test_conversations_new_switch_delete_export_import(page, tmp_path):
     ask(page, "Conversation one")
     wait_answered(page)
@@ -334,7 +344,7 @@ def test_conversations_new_switch_delete_export_import(page, tmp_path):
     ask(page, "Conversation two")
     wait_answered(page)
     titles = page.locator("#conversations .conversation")
-    assert titles.all_inner_texts() == ["Conversation two", "Conversation one"]
+    assert texts_when(titles, ["Conversation two", "Conversation one"]) == ["Conversation two", "Conversation one"]
     titles.nth(1).click()
     assert page.locator("article.message.user .content").inner_text() == "Conversation one"
     with page.expect_download() as download:
@@ -344,13 +354,13 @@ def test_conversations_new_switch_delete_export_import(page, tmp_path):
     assert exported["messages"][1]["content"] == "Hello there! How can I help?"
     page.on("dialog", lambda d: d.accept())  # the confirm() before a delete
     page.get_by_label("Delete conversation Conversation one", exact=True).click()
-    assert titles.all_inner_texts() == ["Conversation two"]
+    assert texts_when(titles, ["Conversation two"]) == ["Conversation two"]
     stored = json.loads(page.evaluate("localStorage.getItem('nanoqwen.conversations')"))
     assert [c["title"] for c in stored] == ["Conversation two"]
     path = tmp_path / "one.json"
     path.write_text(json.dumps(exported))
     page.get_by_label("Import conversation", exact=True).set_input_files(str(path))
-    assert titles.all_inner_texts() == ["Conversation one", "Conversation two"]
+    assert texts_when(titles, ["Conversation one", "Conversation two"]) == ["Conversation one", "Conversation two"]
     assert last_answer(page).locator(".content").inner_text() == "Hello there! How can I help?"
     bad = tmp_path / "bad.json"
     bad.write_text('{"messages": [{"role": "wizard"}]}')

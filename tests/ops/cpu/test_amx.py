@@ -228,32 +228,42 @@ def test_linear_takes_the_bf16_tiles_for_their_rows(amx_bf16, monkeypatch):
     assert "bf16 products of 8-64 rows on AMX tiles" in path.describe()
 
 
-def test_the_bf16_tiles_are_chosen_by_measurement_once_per_machine(monkeypatch, tmp_path):
+@pytest.mark.parametrize("kind, against", [("bf16", "torch"), ("int8", "int8_gemv")])
+def test_the_bf16_and_int8_tiles_are_chosen_by_measurement_once_per_machine(kind, against, monkeypatch, tmp_path):
+    """select_bf16_amx / select_int8_amx: the probe's choice, cached; NANOQWEN_CPU_AMX forces it; no AMX-BF16 tiles,
+    no probe."""
+    select = getattr(selection, f"select_{kind}_amx")
+
+    def rows(choice: cpu.MatmulPath) -> int:
+        return getattr(choice, f"{kind}_amx_min_rows")
+
     monkeypatch.setattr(cpu_kernels, "amx_bf16_available", lambda: True)
     calls = []
-    monkeypatch.setattr(cpu_probes, "bf16_amx_probe", lambda: calls.append(1) or SPEEDS)
+    monkeypatch.setattr(cpu_probes, f"{kind}_amx_probe", lambda: calls.append(1) or SPEEDS)
     monkeypatch.setenv("NANOQWEN_CPU_AMX", "auto")
     base = cpu.MatmulPath("bf16", "test")
-    first = selection.select_bf16_amx(base, tmp_path)
-    assert first.bf16_amx_min_rows == 8 and "8: 14.0 vs 9.0" in first.bf16_amx_reason
-    assert selection.select_bf16_amx(base, tmp_path) == first and len(calls) == 1  # from the cache
+    first = select(base, tmp_path)
+    assert rows(first) == 8 and f"tiles vs {against}: 2: 5.0 vs 20.0" in getattr(first, f"{kind}_amx_reason")
+    assert select(base, tmp_path) == first and len(calls) == 1  # from the cache
     monkeypatch.setenv("NANOQWEN_CPU_AMX", "1")
-    assert selection.select_bf16_amx(base, tmp_path).bf16_amx_min_rows == 2
+    assert rows(select(base, tmp_path)) == 2
     monkeypatch.setenv("NANOQWEN_CPU_AMX", "0")
-    assert selection.select_bf16_amx(base, tmp_path) == base
+    assert select(base, tmp_path) == base
     monkeypatch.setenv("NANOQWEN_CPU_AMX", "auto")
     monkeypatch.setattr(cpu_kernels, "amx_bf16_available", lambda: False)  # no AMX-BF16: no probe
-    assert selection.select_bf16_amx(base, tmp_path) == base and len(calls) == 1
+    assert select(base, tmp_path) == base and len(calls) == 1
 
 
-def test_the_bf16_amx_probe_measures_both_kernels(monkeypatch):
+@pytest.mark.parametrize("kind, other", [("bf16", "linear"), ("int8", "int8_gemv")])
+def test_the_bf16_and_int8_amx_probes_measure_both_kernels(kind, other, monkeypatch):
     seen = set()
     monkeypatch.setattr(cpu_probes, "AMX_PROBE_SHAPE", (32, 128, 4))
-    monkeypatch.setattr(cpu_kernels, "bf16_amx", lambda x, w: seen.add(("amx", x.shape[0])))
-    monkeypatch.setattr(cpu_probes.F, "linear", lambda x, w: seen.add(("torch", x.shape[0])))
-    speeds = cpu_probes.bf16_amx_probe()
+    monkeypatch.setattr(cpu_kernels, f"{kind}_amx", lambda x, *w: seen.add(("amx", x.shape[0])))
+    monkeypatch.setattr(cpu_probes.F if other == "linear" else cpu_kernels, other,
+                        lambda x, *w: seen.add(("other", x.shape[0])))
+    speeds = getattr(cpu_probes, f"{kind}_amx_probe")()
     assert sorted(speeds) == list(cpu_probes.AMX_PROBE_ROWS)
-    assert seen == {(kernel, rows) for kernel in ("amx", "torch") for rows in cpu_probes.AMX_PROBE_ROWS}
+    assert seen == {(kernel, rows) for kernel in ("amx", "other") for rows in cpu_probes.AMX_PROBE_ROWS}
 
 
 # ---- int8 products on AMX-BF16 tiles (cpu_kernels.int8_amx) and the int8 layers' use of them
@@ -299,23 +309,3 @@ def test_int8_layers_take_the_tiles_for_their_rows():
     assert pick_kernel(torch.empty(16, 128, dtype=torch.bfloat16), 128, cpu.MatmulPath("bf16", "test",
                        gemv_max_rows=4), 64) is cpu_kernels.int8_gemv
     assert "int8 products of 8-64 rows on AMX tiles" in path.describe()
-
-
-def test_the_int8_tiles_are_chosen_by_measurement_and_the_probe_runs_both(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_kernels, "amx_bf16_available", lambda: True)
-    calls = []
-    monkeypatch.setattr(cpu_probes, "int8_amx_probe", lambda: calls.append(1) or SPEEDS)
-    monkeypatch.setenv("NANOQWEN_CPU_AMX", "auto")
-    base = cpu.MatmulPath("bf16", "test")
-    first = selection.select_int8_amx(base, tmp_path)
-    assert first.int8_amx_min_rows == 8 and "tiles vs int8_gemv: 2: 5.0 vs 20.0" in first.int8_amx_reason
-    assert selection.select_int8_amx(base, tmp_path) == first and len(calls) == 1  # from the cache
-    monkeypatch.setenv("NANOQWEN_CPU_AMX", "0")
-    assert selection.select_int8_amx(base, tmp_path) == base
-    monkeypatch.undo()
-    seen = set()
-    monkeypatch.setattr(cpu_probes, "AMX_PROBE_SHAPE", (32, 128, 4))
-    monkeypatch.setattr(cpu_kernels, "int8_amx", lambda x, q, s: seen.add(("amx", x.shape[0])))
-    monkeypatch.setattr(cpu_kernels, "int8_gemv", lambda x, q, s: seen.add(("gemv", x.shape[0])))
-    assert sorted(cpu_probes.int8_amx_probe()) == list(cpu_probes.AMX_PROBE_ROWS)
-    assert seen == {(kernel, rows) for kernel in ("amx", "gemv") for rows in cpu_probes.AMX_PROBE_ROWS}
