@@ -14,6 +14,9 @@ from nanoqwen.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_N = 128  # answers to one request (each is a sequence with its own KV cache)
+# repetition_penalty's range: a seen token's positive logit is divided by it, a negative one multiplied, in float32
+# (a penalty near 0 or huge sends logits to +-inf, and the answer has no token to pick)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 # the longest stop string: each generated token is checked against the newest text plus this many characters
 # before it, for every stop string (the engine's max_stop_sequences bounds how many)
 MAX_STOP_STRING_LENGTH = 1024
@@ -168,8 +171,9 @@ class SamplingParams:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
         rep = self.repetition_penalty
-        if not _is_number(rep) or not (rep > 0 and math.isfinite(rep)):
-            raise bad("repetition_penalty", rep, "must be a finite number > 0 (1 disables it)")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_number(rep) or not low <= rep <= high:
+            raise bad("repetition_penalty", rep, f"must be a number in [{low}, {high:g}] (1 disables it)")
         for field in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, field)
             if not _is_number(value) or not -2 <= value <= 2:

@@ -39,7 +39,8 @@ def assert_idle(llm) -> None:
     ("temperature", True, "finite number >= 0"),
     ("top_p", math.nan, "in (0, 1]"),
     ("min_p", math.inf, "in [0, 1]"),
-    ("repetition_penalty", math.inf, "finite number > 0"),
+    ("repetition_penalty", math.inf, "in [0.01, 100]"),
+    ("repetition_penalty", 5e-324, "in [0.01, 100]"),  # (its reciprocal overflows: inf logits)
     ("presence_penalty", math.nan, "in [-2, 2]"),
     ("n", 10**7, "in [1, 128]"),
     ("n", 0, "in [1, 128]"),

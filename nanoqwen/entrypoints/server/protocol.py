@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 
 from nanoqwen.errors import InvalidRequestError
 from nanoqwen.pooling_params import PoolingParams
-from nanoqwen.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from nanoqwen.sampling_params import MAX_LOGPROBS, REPETITION_PENALTY_RANGE, SamplingParams, StructuredOutputsParams
 
 INT64 = {"ge": -(2**63), "le": 2**63 - 1}
 
@@ -103,7 +103,7 @@ class _GenerationRequest(_Model):
     # request in it
     top_k: int | None = Field(None, ge=-1, le=INT64["le"])
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None

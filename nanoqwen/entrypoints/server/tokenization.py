@@ -8,7 +8,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, RootModel, Tag
+from pydantic import Discriminator, Field, RootModel, Tag, model_validator
 
 from nanoqwen.entrypoints.server.chat import render_template, template_kwargs
 from nanoqwen.entrypoints.server.protocol import APIError, ChatMessage, Tool, _Model
@@ -36,6 +36,14 @@ class TokenizeChatRequest(_Model):
     continue_final_message: Literal[False] = Field(False, description="not supported: always false")
     add_special_tokens: bool = False
     return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_also_a_prompt(cls, body: Any) -> Any:
+        # (the two shapes are one of: a body with both matches neither)
+        if isinstance(body, dict) and "prompt" in body:
+            raise ValueError("give `prompt` or `messages`, not both")
+        return body
 
 
 def _shape(body: Any) -> str:

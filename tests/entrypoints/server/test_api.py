@@ -358,6 +358,7 @@ def test_tokenize_detokenize_and_version(server, client, llm):
             ("/detokenize", {"tokens": [10**9]}, 400, "not in the vocabulary"),
             ("/tokenize", {"prompt": 5}, 400, "prompt"),
             ("/tokenize", {"messages": []}, 400, "messages"),
+            ("/tokenize", {"messages": messages, "prompt": "hi"}, 400, "not both"),
             ("/tokenize", {"messages": messages, "continue_final_message": True}, 400, "continue_final_message"),
             ("/tokenize", {"model": "other", "prompt": "x"}, 404, "other")):
         r = httpx.post(f"{base}{path}", json=body)
