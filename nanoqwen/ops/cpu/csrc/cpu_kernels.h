@@ -378,6 +378,8 @@ at::Tensor int8_group_gemv(const at::Tensor& x, const at::Tensor& q, const at::T
                            const std::optional<at::Tensor>& offset,
                            const std::optional<at::Tensor>& super_scale = std::nullopt,
                            const std::optional<at::Tensor>& super_offset = std::nullopt);
+// bits a value of grouped int8 values q [N, ...] with `groups` groups a row (ops/quantize.py packed_bits)
+int int8_group_bits(const at::Tensor& q, int64_t groups);
 at::Tensor int8_group_dequantize(const at::Tensor& q, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
                                  const std::optional<at::Tensor>& super_scale,
                                  const std::optional<at::Tensor>& super_offset, int64_t K);

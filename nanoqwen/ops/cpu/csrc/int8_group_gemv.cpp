@@ -127,6 +127,25 @@ GroupValues group_values(const at::Tensor& values, const std::optional<at::Tenso
   return out;
 }
 
+// A matrix's offsets (none, or as group_values checks them).
+GroupValues offset_values(const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& super_offset,
+                          int64_t N, int64_t groups) {
+  TORCH_CHECK(offset || !super_offset, "super_offset without offset");
+  return offset ? group_values(*offset, super_offset, N, groups, "offset", "super_offset") : GroupValues{};
+}
+
+// Bits a value of q for rows of K values: 8 (int8), 6 or 5 (uint8 rows of 3K/4 or 5K/8 bytes).
+int bits_for(const at::Tensor& q, int64_t K, const char* kernel) {
+  const int64_t row_bytes = q.size(1);
+  if (q.scalar_type() == at::kChar) {
+    TORCH_CHECK(row_bytes == K, kernel, ": K=", K, " but q holds K=", row_bytes);
+    return 8;
+  }
+  TORCH_CHECK(K % 16 == 0 && (row_bytes * 4 == K * 3 || row_bytes * 8 == K * 5), kernel, ": K=", K,
+              " but q's rows of ", row_bytes, " bytes hold neither 6-bit (3K/4) nor 5-bit (5K/8) values for it");
+  return row_bytes * 4 == K * 3 ? 6 : 5;
+}
+
 // Value k of a weight row: int8 as it is, or unpacked from the 6- or 5-bit layout above.
 template <int Bits>
 inline int32_t weight_at(const uint8_t* row, int64_t k) {
@@ -277,22 +296,13 @@ at::Tensor int8_group_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const
   TORCH_CHECK(q_in.scalar_type() == at::kChar || q_in.scalar_type() == at::kByte,
               "q must be int8, or uint8 (values packed at 5 or 6 bits), got ", q_in.scalar_type());
   TORCH_CHECK(x_in.dim() == 2 && q_in.dim() == 2 && scale_in.dim() == 2, "x, q and scale must be 2-D");
-  const int64_t M = x_in.size(0), K = x_in.size(1), N = q_in.size(0), row_bytes = q_in.size(1);
-  int bits = 8;
-  if (q_in.scalar_type() == at::kByte) {
-    TORCH_CHECK(K % 16 == 0 && (row_bytes * 4 == K * 3 || row_bytes * 8 == K * 5), "x has K=", K,
-                " but q's rows of ", row_bytes, " bytes hold neither 6-bit (3K/4) nor 5-bit (5K/8) values for it");
-    bits = row_bytes * 4 == K * 3 ? 6 : 5;
-  } else {
-    TORCH_CHECK(row_bytes == K, "x has K=", K, " but q holds K=", row_bytes);
-  }
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = q_in.size(0);
+  const int bits = bits_for(q_in, K, "int8_group_gemv");
   TORCH_CHECK(scale_in.size(1) > 0 && K % scale_in.size(1) == 0, "scale must be [N, K/G], got ", scale_in.sizes());
   const int64_t groups = scale_in.size(1), G = K / groups;
   TORCH_CHECK(G == 16 || G == 32, "int8_group_gemv's group size is 16 or 32, got ", G);
   const GroupValues scale = group_values(scale_in, super_in, N, groups, "scale", "super_scale");
-  TORCH_CHECK(offset_in || !super_offset_in, "super_offset without offset");
-  const GroupValues offset = offset_in ? group_values(*offset_in, super_offset_in, N, groups, "offset", "super_offset")
-                                       : GroupValues{};
+  const GroupValues offset = offset_values(offset_in, super_offset_in, N, groups);
   at::Tensor x = x_in.contiguous(), q = q_in.contiguous();
   at::Tensor y = new_output({M, N}, x_in.options().dtype(at::kBFloat16));
   if (M == 0 || N == 0) return y;
@@ -306,6 +316,11 @@ at::Tensor int8_group_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const
   return y;
 }
 
+int int8_group_bits(const at::Tensor& q, int64_t groups) {
+  // a group of G values (16 or 32) takes G bytes (int8), 3G/4 (6 bits: 12 or 24) or 5G/8 (5 bits: 10 or 20)
+  return q.scalar_type() == at::kChar ? 8 : (q.size(1) / groups) % 5 == 0 ? 5 : 6;
+}
+
 at::Tensor int8_group_dequantize(const at::Tensor& q_in, const at::Tensor& scale_in,
                                  const std::optional<at::Tensor>& offset_in, const std::optional<at::Tensor>& super_in,
                                  const std::optional<at::Tensor>& super_offset_in, int64_t K) {
@@ -313,16 +328,13 @@ at::Tensor int8_group_dequantize(const at::Tensor& q_in, const at::Tensor& scale
                   (q_in.scalar_type() == at::kChar || q_in.scalar_type() == at::kByte),
               "int8_group_dequantize: q [N, K] int8 or packed uint8 on the CPU, scale [N, K/G]");
   const int64_t N = q_in.size(0), row_bytes = q_in.size(1);
-  const int bits = q_in.scalar_type() == at::kChar ? 8 : row_bytes * 4 == K * 3 ? 6 : 5;
-  TORCH_CHECK(K % 16 == 0 && row_bytes * 8 == K * bits, "int8_group_dequantize: q's rows of ", row_bytes,
-              " bytes hold no ", K, " values");
+  const int bits = bits_for(q_in, K, "int8_group_dequantize");
   const int64_t groups = scale_in.size(1);
   TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % 16 == 0, "int8_group_dequantize: scale ",
               scale_in.sizes(), " for K=", K);
   const int64_t G = K / groups;
   const GroupValues scale = group_values(scale_in, super_in, N, groups, "scale", "super_scale");
-  const GroupValues offset = offset_in ? group_values(*offset_in, super_offset_in, N, groups, "offset", "super_offset")
-                                       : GroupValues{};
+  const GroupValues offset = offset_values(offset_in, super_offset_in, N, groups);
   const at::Tensor q = q_in.contiguous();
   at::Tensor w = at::empty({N, K}, q_in.options().dtype(at::kFloat));
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());

@@ -108,30 +108,13 @@ at::Tensor embed_rows(const LinearPart& table, const at::Tensor& ids) {
   auto two_level = [](const at::Tensor& sub, const at::Tensor& super) {
     return super.repeat_interleave(sub.size(1) / super.size(1), 1) * sub.to(at::kFloat);
   };
-  if (format == "int8_group") {  // (ops/quantize.py dequantize_int8_group)
-    auto rows_values = [&](const at::Tensor& values, const at::Tensor& super) {
-      const at::Tensor rows = values.index_select(0, ids);
-      return super.numel() > 0 ? two_level(rows, super.index_select(0, ids)) : rows.to(at::kFloat);
-    };
-    at::Tensor q = t[0].index_select(0, ids);
-    if (q.scalar_type() == at::kByte && (q.size(1) / groups) % 5 == 0) {  // 5 bits: 10 bytes per 16
-      const at::Tensor chunks = q.view({M, -1, 10}), nibbles = chunks.narrow(2, 0, 8), plane = chunks.narrow(2, 8, 2);
-      const at::Tensor low = at::cat({at::bitwise_and(nibbles, 15), at::bitwise_right_shift(nibbles, 4)}, -1);
-      std::vector<at::Tensor> bits;
-      for (int b = 0; b < 8; ++b) bits.push_back(at::bitwise_and(at::bitwise_right_shift(plane, b), 1));
-      const at::Tensor high = at::stack(bits, -1).flatten(-2);  // value 8i + b at 8i + b
-      q = at::bitwise_or(low, at::bitwise_left_shift(high, 4)).to(at::kShort).view({M, -1});
-    } else if (q.scalar_type() == at::kByte) {  // 6 bits a value: 12 bytes per 16 (int8_group_gemv.cpp)
-      const at::Tensor chunks = q.view({M, -1, 12}), nibbles = chunks.narrow(2, 0, 8), plane = chunks.narrow(2, 8, 4);
-      const at::Tensor low = at::cat({at::bitwise_and(nibbles, 15), at::bitwise_right_shift(nibbles, 4)}, -1);
-      std::vector<at::Tensor> highs;
-      for (int i = 0; i < 4; ++i) highs.push_back(at::bitwise_and(at::bitwise_right_shift(plane, 2 * i), 3));
-      const at::Tensor high = at::cat(highs, -1);  // value 4i + b at 4i + b
-      q = (at::bitwise_or(low, at::bitwise_left_shift(high, 4)).to(at::kShort) - 32).view({M, -1});
-    }
-    at::Tensor w = q.to(at::kFloat).view({M, groups, -1}) * rows_values(t[1], t[3]).unsqueeze(-1);
-    if (t[2].numel() > 0) w = w + rows_values(t[2], t[4]).unsqueeze(-1);
-    return w.view({M, -1}).to(at::kBFloat16);
+  if (format == "int8_group") {  // the ids' rows through the prompt path's dequantise (the same bits as the reference)
+    auto rows = [&](const at::Tensor& t) { return given(t) ? std::optional<at::Tensor>(t.index_select(0, ids))
+                                                            : std::nullopt; };
+    const at::Tensor q = t[0].index_select(0, ids);
+    return int8_group_dequantize(q, t[1].index_select(0, ids), rows(t[2]), rows(t[3]), rows(t[4]),
+                                 q.size(1) * 8 / int8_group_bits(q, groups))
+        .to(at::kBFloat16);
   }
   // int4, rows stored lane by lane in blocks of 16 (quantization/int4.py): each id's block, then its lane
   constexpr int64_t kLanes = 16;
