@@ -41,18 +41,22 @@ PEAK_SIZE = 2048  # square products that measure the matrix unit's peak
 
 
 def peaks() -> dict:
-    """The machine's bounds: read GB/s, bf16 and int8 matmul TOP/s (best of five after a warm-up)."""
+    """The machine's bounds: read GB/s, bf16, float32 and int8 matmul TOP/s (best of five after a warm-up; one where
+    a product takes seconds, as bf16 does on a CPU without bf16 instructions)."""
     import torch
 
     read = bench_model.read_bandwidth()
     n = PEAK_SIZE
     a = torch.randn(n, n).bfloat16()
-    bf16 = 2 * n**3 / bench_model.best_of(lambda: a @ a, 1) / 1e12  # (warm-up: oneDNN picks its kernel)
-    bf16 = 2 * n**3 / bench_model.best_of(lambda: a @ a, 5) / 1e12
+    once = bench_model.best_of(lambda: a @ a, 1)  # (warm-up: oneDNN picks its kernel)
+    bf16 = 2 * n**3 / (once if once > 1 else bench_model.best_of(lambda: a @ a, 5)) / 1e12
+    f = a.float()
+    f @ f
+    float32 = 2 * n**3 / bench_model.best_of(lambda: f @ f, 5) / 1e12
     q = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     torch._int_mm(q, q)
     int8 = 2 * n**3 / bench_model.best_of(lambda: torch._int_mm(q, q), 5) / 1e12
-    return {"read_gb_s": read, "bf16_tflop_s": bf16, "int8_tops": int8}
+    return {"read_gb_s": read, "bf16_tflop_s": bf16, "float32_tflop_s": float32, "int8_tops": int8}
 
 
 def set_int4_amx(model, rows: int) -> None:
@@ -164,6 +168,13 @@ def run_child(what: str, args: argparse.Namespace, env: dict[str, str] | None = 
     return json.loads(line[len("RESULT "):])
 
 
+def matrix_unit_peak(fmt: str, ceil: dict) -> float:
+    """The fastest product a format's batched kernels can use, TOP/s: the bf16 or float32 one (a CPU without fast
+    bf16 widens 16-bit and int8 weights to float32 for many rows), and for int4 also int8 x int8."""
+    fastest = max(ceil["bf16_tflop_s"], ceil.get("float32_tflop_s", 0.0))
+    return max(fastest, ceil["int8_tops"]) if fmt == "int4" else fastest
+
+
 def table(results: dict[str, dict], ceil: dict) -> str:
     """One row per format (and run: "int4 NANOQWEN_CPU_AMX=0" a --baseline-env one) and batch: tok/s, both bounds,
     the roofline's share."""
@@ -171,7 +182,7 @@ def table(results: dict[str, dict], ceil: dict) -> str:
              "|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         fmt = name.split()[0]
-        peak = (ceil["int8_tops"] if fmt == "int4" else ceil["bf16_tflop_s"]) * 1e12
+        peak = matrix_unit_peak(fmt, ceil) * 1e12
         compute = peak / (2 * r["params"])
         runs = [(name, r["tok_s"])]
         if "tok_s_without_amx" in r:
@@ -236,9 +247,10 @@ def main() -> None:
             f"{args.repeats}, {args.threads} threads. Weights-once bound: B x read bandwidth "
             f"({ceil['read_gb_s']:.1f} GB/s, a torch sum over "
             f"1 GiB) / bytes of the projections and LM head; matrix-unit bound: the measured peak of a {PEAK_SIZE}^3 "
-            f"product (bf16: {ceil['bf16_tflop_s']:.2f} TFLOP/s, for bf16 and int8 weights; int8 x int8 "
-            f"torch._int_mm: {ceil['int8_tops']:.2f} TOP/s, for int4 weights, whose kernels quantise x to int8) / "
-            f"2 x weights a token. Kernels: {results[formats[0]]['kernel_path']}\n\n"
+            f"product (bf16: {ceil['bf16_tflop_s']:.2f}, float32: {ceil['float32_tflop_s']:.2f} TFLOP/s, the faster "
+            f"for bf16 and int8 weights; for int4 weights, whose kernels quantise x to int8, the faster of those and "
+            f"int8 x int8 torch._int_mm: {ceil['int8_tops']:.2f} TOP/s) / 2 x weights a token. "
+            f"Kernels: {results[formats[0]]['kernel_path']}\n\n"
             f"{bench_model.machine_line('cpu')}\n\n" + table(results, ceil))
     for r in results.values():
         if "projections_ms" in r:
