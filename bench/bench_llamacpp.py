@@ -5,7 +5,7 @@ batch-1 decode, at 16, 8 and 4 bits (bf16, int8 / q8_0, int4 / q4_0), each as a 
     python bench/bench_llamacpp.py --write    # also record the table in BENCHMARKS.md
     python bench/bench_llamacpp.py --rounds 9 # more rounds (default 5)
     python bench/bench_llamacpp.py --num-scheduler-steps 1   # nanoqwen decodes one step a call (default 8)
-    python bench/bench_llamacpp.py --gguf     # both on the same Q8_0, Q4_K_M, Q5_K_M files (--write: its table)
+    python bench/bench_llamacpp.py --gguf     # both on the same Q8_0, Q4_0, Q4_K_M, Q5_K_M files (--write: its table)
 
 Needs llama-cpp-python (an optional benchmark dependency, never a test one): build it once with
 `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python` (a long build on few cores; pip keeps the wheel),
@@ -398,7 +398,8 @@ def main() -> None:
     parser.add_argument("--num-scheduler-steps", type=int, default=8, metavar="K",
                         help="nanoqwen's greedy decode steps in one go (EngineConfig.num_scheduler_steps; default 8)")
     parser.add_argument("--gguf", action="store_true",
-                        help="nanoqwen loads the same Q8_0, Q4_K_M, Q5_K_M GGUF files llama.cpp runs (its own table)")
+                        help="nanoqwen loads the same Q8_0, Q4_0, Q4_K_M, Q5_K_M GGUF files llama.cpp runs (its own "
+                             "table)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -415,8 +416,8 @@ def main() -> None:
     ceil = bench_model.run_child("ceilings", model_dir, "cpu", 3)
     pairs = [("llama-bf16", "nanoqwen"), ("llama-q8_0", "nanoqwen-int8"), ("llama-q4_0", "nanoqwen-int4")]
     if args.gguf:
-        pairs = [("llama-q8_0", "nanoqwen-gguf-q8_0"), ("llama-q4_k_m", "nanoqwen-gguf-q4_k_m"),
-                 ("llama-q5_k_m", "nanoqwen-gguf-q5_k_m")]
+        pairs = [("llama-q8_0", "nanoqwen-gguf-q8_0"), ("llama-q4_0", "nanoqwen-gguf-q4_0"),
+                 ("llama-q4_k_m", "nanoqwen-gguf-q4_k_m"), ("llama-q5_k_m", "nanoqwen-gguf-q5_k_m")]
     children = {}
     try:
         for llama, ours in pairs:
@@ -444,8 +445,8 @@ def main() -> None:
                 f"llama.cpp built for: {' '.join(instructions)}.\n\n"
                 f"`python bench/bench_llamacpp.py --gguf`: "
                 f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}, "
-                "converted to GGUF bf16 and quantised with llama.cpp's llama_model_quantize to Q8_0, Q4_K_M and "
-                "Q5_K_M; "
+                "converted to GGUF bf16 and quantised with llama.cpp's llama_model_quantize to Q8_0, Q4_0, Q4_K_M "
+                "and Q5_K_M; "
                 "nanoqwen loads each file (`--model FILE.gguf`) and computes with its weights as they are. "
                 f"{os.cpu_count()} threads for both, nanoqwen decodes with num_scheduler_steps "
                 f"{args.num_scheduler_steps}; timed in rounds as the script's docstring says.\n\n"

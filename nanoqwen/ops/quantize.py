@@ -22,6 +22,8 @@ from nanoqwen.errors import ConfigError
 QUANTIZE_BLOCK_ELEMENTS = 1 << 18  # rows quantised at a time: float32 temporaries of 1 MiB
 INT4_GROUP_SIZE = 64  # inputs per int4 scale and offset (module docstring)
 INT4_BLOCK_ROWS = 16  # int4 rows stored lane by lane, a block at a time (module docstring)
+# The zero point of a symmetric int4 matrix (no offsets): each weight is scale * (q - 8), as a GGUF file's Q4_0 holds it
+SYMMETRIC_ZERO = 8
 
 
 def scale_rounded_up(s32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -93,28 +95,36 @@ def quantize_int4(weight: torch.Tensor, group_size: int | None = None
     return packed, scale, offset
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, *supers: torch.Tensor
-              ) -> tuple[torch.Tensor, ...]:
-    """q uint8 in 0..15 [out, in], scale and offset [out, in/G] (any dtype), and any super-scales [out, ...] (two
-    levels: quantization/int4.py) -> the int4 format's (packed, scale, offset, *supers): two q a byte (element j
-    low, j + G/2 high in each group), rows stored lane by lane in blocks of INT4_BLOCK_ROWS (the module docstring).
-    The rows go as whole blocks: pack rows [16 i, 16 j) at a time."""
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, *supers: torch.Tensor
+              ) -> tuple[torch.Tensor | None, ...]:
+    """q uint8 in 0..15 [out, in], scale and offset [out, in/G] (any dtype; offset None: symmetric, the weight
+    scale * (q - SYMMETRIC_ZERO)), and any super-scales [out, ...] (two levels: quantization/int4.py) -> the int4
+    format's (packed, scale, offset, *supers): two q a byte (element j low, j + G/2 high in each group), rows stored
+    lane by lane in blocks of INT4_BLOCK_ROWS (the module docstring). The rows go as whole blocks: pack rows
+    [16 i, 16 j) at a time."""
     out_features, in_features = q.shape
     groups = scale.shape[1]
     g = in_features // groups
     low, high = q.view(out_features, groups, 2, g // 2).unbind(2)  # elements j and j + G/2 of each group
     packed = int4_rows_to_lanes((low | (high << 4)).view(out_features, in_features // 2), 4)
-    return packed, *(int4_rows_to_lanes(t, 1) for t in (scale, offset, *supers))
+    return packed, *(None if t is None else int4_rows_to_lanes(t, 1) for t in (scale, offset, *supers))
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                     super_scale: torch.Tensor | None = None, super_offset: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """offset + scale * q in float32 [out, in]: the weight an Int4Linear computes with (plain
     torch: the reference for the kernels). Any whole blocks of rows (rows [16 i, 16 j), or to the
-    end) dequantise on their own. Two levels (uint8 scale and offset with super_scale and super_offset): a group's
+    end) dequantise on their own. No offset (symmetric, a GGUF file's Q4_0): the offset is -SYMMETRIC_ZERO *
+    scale (exact in float32). Two levels (uint8 scale and offset with super_scale and super_offset): a group's
     scale is super_scale * scale, its offset super_offset * offset (two_level_scales)."""
-    packed, scale, offset = int4_lanes_to_rows(packed, 4), int4_lanes_to_rows(scale, 1), int4_lanes_to_rows(offset, 1)
+    packed, scale = int4_lanes_to_rows(packed, 4), int4_lanes_to_rows(scale, 1)
+    if offset is None:
+        if super_scale is not None:
+            raise ValueError("two-level int4 scales need their offsets (only one level may omit them)")
+        offset = -SYMMETRIC_ZERO * scale.float()
+    else:
+        offset = int4_lanes_to_rows(offset, 1)
     if super_scale is not None:
         scale = two_level_scales(scale, int4_lanes_to_rows(super_scale, 1))
         offset = two_level_scales(offset, int4_lanes_to_rows(super_offset, 1))

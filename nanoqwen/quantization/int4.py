@@ -57,13 +57,13 @@ from nanoqwen.quantization.base import QuantizedLinear, block_rows
 
 class Int4Linear(QuantizedLinear):
     """y = x @ W4.T + bias with W4 = offset + scale * q per group: `weight` packed uint8
-    [out, in/2], `scale` and `offset` [out, in/G] (model dtype; float32 for a GGUF file's, whose exact
-    scales bf16 cannot hold: quantization/prequantized.py), rows stored lane by lane in blocks of INT4_BLOCK_ROWS;
-    see the module docstring."""
+    [out, in/2], `scale` and `offset` [out, in/G] (model dtype; float16 or float32 for a GGUF file's, whose exact
+    scales bf16 cannot hold: quantization/prequantized.py; no offset for a symmetric matrix, a GGUF file's Q4_0,
+    whose offset is -8 scale), rows stored lane by lane in blocks of INT4_BLOCK_ROWS; see the module docstring."""
 
     BUFFERS = ("weight", "scale", "offset", "super_scale", "super_offset")
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                  super_scale: torch.Tensor | None = None, super_offset: torch.Tensor | None = None,
                  bias: nn.Parameter | None = None) -> None:
         """Two levels (a GGUF file's Q4_K): uint8 scale and offset (6-bit) with float32 super_scale and super_offset
@@ -125,7 +125,7 @@ class Int4Experts(Experts):
                            getattr(self, f"{name}_offset")[e], self.matmul_path)
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                 path: MatmulPath, *supers: torch.Tensor) -> torch.Tensor:
     """x @ W4.T: nanoqwen's int4 kernel for bf16 rows on CPU (any number of them: one function for every
     step), else W4 unpacked block by block (module docstring). The kernel is used whatever the CPU's matmul
@@ -139,7 +139,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs
                                    *supers)
 
 
-def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                             compute: torch.dtype | None = None, *supers: torch.Tensor) -> torch.Tensor:
     """x @ W4.T with W4 unpacked in row blocks (block_rows), multiplied in the compute dtype: the one the
     matmuls of this CPU run fastest in, as int8.py's dequantized_linear does: float32 where bf16 matmuls are
@@ -150,7 +150,7 @@ def int4_dequantized_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.
 
     def product(start: int, end: int) -> torch.Tensor:  # x @ W4[start:end].T, W4 unpacked to the compute dtype
         rows = slice(start, end)
-        return F.linear(xc, dequantize_int4(packed[rows], scale[rows], offset[rows],
+        return F.linear(xc, dequantize_int4(packed[rows], scale[rows], None if offset is None else offset[rows],
                                             *(t[rows] for t in supers)).to(compute))
 
     rows_per_block = max(1, block_rows(xc, in_features) // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS  # whole blocks

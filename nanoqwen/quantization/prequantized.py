@@ -7,8 +7,9 @@ second quantisation).
   group order (`InputOrderLinear`). FP8: fp8.py's `Fp8Linear`.
 
 - Q4_0, Q4_1, Q4_K (q in 0..15, a scale and an offset per group of 32): the int4 format (int4.py) with group
-  size 32 and the scales and offsets in float16 where that holds them exactly (Q4_0's d and -8 d, Q4_1's d and m: 5
-  bits a weight), else float32 (`Int4Linear`; its kernels take float16 and float32 scales as well as bf16 ones); Q4_K's
+  size 32 and the scales and offsets in float16 where that holds them exactly (Q4_1's d and m: 5 bits a weight; Q4_0's
+  d alone, its offset -8 d left to the kernels as the int4 format's symmetric form: 4.5 bits, the file's), else
+  float32 (`Int4Linear`; its kernels take float16 and float32 scales as well as bf16 ones); Q4_K's
   in two levels as the file holds them (6-bit sub-scales and mins, a float32 pair per 8 groups): 4.75 bits a
   weight.
 - Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: the grouped int8 format (int8_group.py: `Int8GroupLinear`), groups of 32 (Q6_K:
@@ -36,6 +37,7 @@ from nanoqwen.ops.cpu.matmul import MatmulPath
 from nanoqwen.ops.gguf_quants import GroupedWeights, TwoLevelScales
 from nanoqwen.ops.quantize import (
     INT4_BLOCK_ROWS,
+    SYMMETRIC_ZERO,
     dequantize_int4,
     dequantize_int8_group,
     pack_int4,
@@ -147,7 +149,10 @@ def quantized_linear(linear: Linear, w: GroupedWeights) -> QuantizedLinear:
         if t is not None:  # Q4_K: its 6-bit scales and mins with their float32 super-block pair
             return Int4Linear.from_buffers(linear, *pack_int4(w.q, t.sub_scale, t.sub_offset, t.super_scale,
                                                               t.super_offset))
-        scale, offset = as_float16_if_exact(w.scale), as_float16_if_exact(w.offset)
+        scale = as_float16_if_exact(w.scale)
+        if torch.equal(w.offset, -SYMMETRIC_ZERO * w.scale):  # Q4_0: symmetric, no offsets held
+            return Int4Linear.from_buffers(linear, *pack_int4(w.q, scale, None))
+        offset = as_float16_if_exact(w.offset)
         if scale.dtype != offset.dtype:  # (the int4 kernels take them in one dtype)
             scale, offset = w.scale, w.offset
         return Int4Linear.from_buffers(linear, *pack_int4(w.q, scale, offset))
@@ -264,7 +269,7 @@ class QuantizedEmbedding(nn.Module):
             if bool((input_ids >= full).any()) or n % rows:
                 w = dequantize_int4(t.weight, t.scale, t.offset, *t.supers())
                 return F.embedding(input_ids, w).to(self.dtype)
-            pick = lambda b: b.view(n // rows, -1)[blocks].view(-1, b.shape[1])  # noqa: E731 (the ids' blocks)
+            pick = lambda b: None if b is None else b.view(n // rows, -1)[blocks].view(-1, b.shape[1])  # noqa: E731
             w = dequantize_int4(*(pick(b) for b in (t.weight, t.scale, t.offset, *t.supers())))
             w = w.view(-1, rows, 2 * t.weight.shape[1])
             return w[torch.arange(len(input_ids), device=input_ids.device), input_ids % rows].to(self.dtype)

@@ -56,13 +56,15 @@ LinearPart = tuple[str, list[torch.Tensor]]  # a matrix as decode_model takes it
 def linear_tensors(linear: Linear) -> LinearPart:
     """What decode_model takes for a linear's matrix: ("bf16", [weight]), ("int8", [weight, scale]), ("int8_group",
     [weight, scale, offset, super_scale, super_offset]) with an empty tensor for each one it lacks, ("int4", [weight,
-    scale, offset(, super_scale, super_offset)]) or ("fp8", [weight, scale])."""
+    scale, offset(, super_scale, super_offset)]), the offset an empty tensor where symmetric, or ("fp8", [weight,
+    scale])."""
+    none = torch.empty(0)
     if isinstance(linear, Int4Linear):
-        return "int4", [linear.weight, linear.scale, linear.offset, *linear.supers()]
+        return "int4", [linear.weight, linear.scale, none if linear.offset is None else linear.offset,
+                        *linear.supers()]
     if isinstance(linear, Int8Linear):
         return "int8", [linear.weight, linear.scale]
     if isinstance(linear, Int8GroupLinear):
-        none = torch.empty(0)
         return "int8_group", [none if t is None else t for t in (linear.weight, linear.scale, linear.offset,
                                                                  linear.super_scale, linear.super_offset)]
     if isinstance(linear, Fp8Linear):

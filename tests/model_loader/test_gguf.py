@@ -83,8 +83,9 @@ def test_reader_equals_gguf_reader(gguf_model):
     ("q4_k_m", Q4_K_M, T.Q4_K, {}),
     ("q5_k_m", Q5_K_M, T.Q5_K, {}),
     ("mixed", MIXED, T.Q4_K, {"untied": True, "tie_word_embeddings": False}),
+    ("q4_0", {}, T.Q4_0, {}),
     ("f16", {"token_embd.weight": T.F16}, T.F16, {}),
-], ids=["q4_k_m", "q5_k_m", "every-type-untied", "f16"])
+], ids=["q4_k_m", "q5_k_m", "every-type-untied", "q4_0", "f16"])
 def test_logits_equal_transformers_on_dequantised_weights(gguf_model, name, types, default, overrides):
     """float32: nanoqwen on the GGUF file computes what transformers computes on the file's weights dequantised by
     gguf's reference, and the greedy tokens are the same."""
@@ -151,6 +152,19 @@ def test_q5_k_m_layout_and_memory(gguf_model):
     o_proj = legacy.layers[0].self_attn.o_proj
     assert o_proj.weight.dtype == torch.uint8 and o_proj.scale.dtype == o_proj.offset.dtype == torch.float16
     assert weight_bytes(legacy) <= 1.1 * ckpt.tensor_bytes()
+
+
+def test_q4_0_is_held_at_its_file_size(gguf_model):
+    """Q4_0 matrices as symmetric int4 (no offsets: each weight d * (q - 8)) with the file's float16 d: 18 bytes a
+    group of 32, as the file's blocks; the tied table too."""
+    path, _ = gguf_model("q4_0", {}, T.Q4_0)
+    model = load_model(path, load_config(path), torch.bfloat16, torch.device("cpu"))
+    o_proj = model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, Int4Linear) and o_proj.offset is None and o_proj.scale.dtype == torch.float16
+    assert isinstance(model.embed_tokens.table, Int4Linear) and model.embed_tokens.table.offset is None
+    ckpt = GGUFCheckpoint(path)
+    assert weight_bytes(o_proj) == ckpt.tensors["blk.0.attn_output.weight"].data.nbytes
+    assert weight_bytes(model) <= 1.01 * ckpt.tensor_bytes()
 
 
 def test_moe_gguf_equals_transformers(gguf_model):

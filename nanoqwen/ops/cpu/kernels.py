@@ -142,7 +142,7 @@ def int8_group_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Ten
     return (x_read @ w.T).to(torch.bfloat16)
 
 
-def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+def int4_gemv_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                         *supers: torch.Tensor) -> torch.Tensor:
     """What int4_gemv computes: x' @ W.T in float32, rounded to bf16 once, where W = offset + scale * q
     (quantization/int4.py; supers: two-level scales' super_scale, super_offset) and x' is x quantised to int8 in
@@ -240,10 +240,11 @@ def int8_group_dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Te
     return _ext.int8_group_dequantize(q, scale, offset, super_scale, super_offset, in_features)
 
 
-def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
               *supers: torch.Tensor, amx_min_rows: int = 0) -> torch.Tensor:
-    """y = x' @ W.T for bf16 x [..., K] and int4 W (packed [N, K/2], scale and offset [N, K/G]: bf16 or float32, or
-    uint8 with supers = (super_scale, super_offset) float32 [N, K/(8G)]: two levels); y bf16 [..., N].
+    """y = x' @ W.T for bf16 x [..., K] and int4 W (packed [N, K/2], scale and offset [N, K/G]: bf16, float16 or
+    float32 (offset None: symmetric, -8 scale), or uint8 with supers = (super_scale, super_offset) float32
+    [N, K/(8G)]: two levels); y bf16 [..., N].
     x' is x quantised to int8 in blocks of W's group size (int4_gemv_reference): the dot products are integer
     ones. Any number of rows: up to 8 stream the weights (decode), more go through int4_gemm's panels
     (prefill); from amx_min_rows rows on (0: never) int4_amx's tiles, where amx_int8_available()."""
@@ -255,7 +256,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset
     return _int4(partial(_ext.int4_gemv, amx_min_rows=amx_min_rows), x, packed, scale, offset, *supers)
 
 
-def int4_amx(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+def int4_amx(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
              *supers: torch.Tensor) -> torch.Tensor:
     """int4_gemm's product on AMX tiles (csrc/amx.cpp: a group of 16 rows of x times 16 weight rows is one tdpbsud),
     whatever the row count: the same bits as int4_gemm. Needs amx_int8_available() and a group size of at most 64
@@ -308,7 +309,7 @@ def amx_int8_available() -> bool:
             and bool(_ext.amx_int8_ready()))
 
 
-def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
               *supers: torch.Tensor) -> torch.Tensor:
     """int4_gemv's product computed on unpacked panels of W (a small GEMM, as int4_gemv computes more than 8
     rows) whatever the row count: the same function, up to the order of float32 additions."""
@@ -317,7 +318,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset
     return _int4(_ext.int4_gemm, x, packed, scale, offset, *supers)
 
 
-def _int4(kernel, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+def _int4(kernel, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
           *supers: torch.Tensor) -> torch.Tensor:
     """kernel(x, packed, scale, offset, *supers) for x [..., K]: leading dims flattened to rows and restored."""
     if x.dim() == 2:

@@ -1006,3 +1006,19 @@ def test_int4_gemv_with_float16_scales(kernels, m):
     got = kernels.int4_gemv(x, packed, scale16, offset16)
     assert torch.equal(got, kernels.int4_gemv(x, packed, scale16.float(), offset16.float()))
     check_int4(kernels, x, packed, scale16, offset16)
+
+
+@pytest.mark.parametrize("m", (1, 3, 9, 17))
+@pytest.mark.parametrize("n", (48, 37))
+def test_int4_gemv_without_offsets_is_symmetric(kernels, m, n):
+    """No offsets (a GGUF file's Q4_0): each weight scale * (q - 8), the bits of the same matrix given its offsets
+    -8 scale (exact in float16), in the streaming passes (<= 8 rows), the panels, and a last partial block (n = 37)."""
+    x, packed, scale, _ = make_int4(m, 256, n, 32)
+    scale16 = scale.half()
+    offset16 = -8 * scale16
+    assert torch.equal(dequantize_int4(packed, scale16, None), dequantize_int4(packed, scale16, offset16))
+    assert torch.equal(kernels.int4_gemv(x, packed, scale16, None), kernels.int4_gemv(x, packed, scale16, offset16))
+    assert torch.equal(kernels.int4_gemm(x, packed, scale16, None), kernels.int4_gemm(x, packed, scale16, offset16))
+    check_int4(kernels, x, packed, scale16, None)
+    with pytest.raises(ValueError, match="need their offsets"):
+        dequantize_int4(packed, scale16.to(torch.uint8), None, scale.float()[:, :1], scale.float()[:, :1])

@@ -3,6 +3,8 @@
 //   int4_gemv(x [M,K] bf16, packed [N,K/2] uint8, scale, offset [N,K/G] bf16, float32 or float16) -> y [M,N] bf16,
 //             y = x' @ (offset + scale * q).T per group, x' = x quantised to int8 per group (below);
 //             any M: above 8 rows a small GEMM on unpacked panels of W (int4_gemm)
+//   no offset (None): symmetric, each weight scale * (q - 8), as a GGUF file's Q4_0 holds them (the offset -8 scale,
+//             exact in float32, made from the scale as it is read: 18 bytes a group of 32 weights with float16 scales)
 //   two-level scales, as a GGUF file's Q4_K holds them: scale, offset [N,K/G] uint8 (6-bit) and super_scale,
 //             super_offset [N,K/(8G)] float32, a group's scale super_scale * scale and offset super_offset * offset
 //             (exact in float32: nanoqwen/quantization/prequantized.py), 152 bytes a block of 256 weights, not 192
@@ -164,8 +166,10 @@ inline void store_tile(const __m256 (&acc)[T][kBlockVectors], int64_t N, int64_t
 // ---- Where a block's group scales and offsets come from.
 //
 // One value a group and row (S = uint16_t for bf16, float, at::Half), or two levels (S = uint8_t): a 6-bit sub-scale a group
-// times a float32 a super-block of kSuperGroups groups, each lane by lane as the weights are (L lanes).
+// times a float32 a super-block of kSuperGroups groups, each lane by lane as the weights are (L lanes). Without offsets
+// (offset null, one level only), a group's offset is -kSymmetricZero times its scale.
 constexpr int kSuperGroups = 8;
+constexpr float kSymmetricZero = 8.0f;
 
 template <typename S>
 struct Scales {
@@ -181,6 +185,7 @@ struct Scales {
       return to_float(scale[g * L + lane]);
   }
   float offset_at(int64_t g, int lane) const {
+    if (offset == nullptr) return -kSymmetricZero * scale_at(g, lane);
     if constexpr (std::is_same_v<S, uint8_t>)
       return super_offset[(g / kSuperGroups) * L + lane] * static_cast<float>(offset[g * L + lane]);
     else
@@ -189,7 +194,10 @@ struct Scales {
 #ifdef NANOQWEN_AVX2
   // lanes 8v .. 8v + 7 of group g (a whole block: L = kBlockRows)
   __m256 scale8(int64_t g, int v) const { return load(scale, super_scale, g, v); }
-  __m256 offset8(int64_t g, int v) const { return load(offset, super_offset, g, v); }
+  __m256 offset8(int64_t g, int v) const {
+    if (offset == nullptr) return _mm256_mul_ps(_mm256_set1_ps(-kSymmetricZero), scale8(g, v));
+    return load(offset, super_offset, g, v);
+  }
   static __m256 load(const S* sub, const float* super, int64_t g, int v) {
     if constexpr (std::is_same_v<S, uint8_t>) {
       const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + g * kBlockRows + 8 * v));
@@ -207,7 +215,7 @@ template <typename S>
 Scales<S> block_scales(const S* scale, const S* offset, const float* super_scale, const float* super_offset,
                        int64_t n0, int64_t groups, int L) {
   const int64_t supers = groups / kSuperGroups;
-  return {scale + n0 * groups, offset + n0 * groups, super_scale ? super_scale + n0 * supers : nullptr,
+  return {scale + n0 * groups, offset ? offset + n0 * groups : nullptr, super_scale ? super_scale + n0 * supers : nullptr,
           super_offset ? super_offset + n0 * supers : nullptr, L};
 }
 
@@ -233,7 +241,7 @@ void block_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
     // The scales and offsets 8 groups ahead: two slow streams of their own beside the weights', which the
     // hardware prefetcher alone lets fall behind (bench/ab_kernels.py measures it)
     _mm_prefetch(reinterpret_cast<const char*>(sc.scale + (g + 8) * kBlockRows), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(sc.offset + (g + 8) * kBlockRows), _MM_HINT_T0);
+    if (sc.offset) _mm_prefetch(reinterpret_cast<const char*>(sc.offset + (g + 8) * kBlockRows), _MM_HINT_T0);
     // isum[P - 1]: the high nibbles' products. With one row of x and VNNI (S = 2) they have sums of their own,
     // two chains of dependent dot products per vector, not one; more rows of x give the chains without them.
     // Without VNNI, sum16: the int16 sums of the last chunks' products (2 pair sums a chunk; see widen16).
@@ -326,10 +334,13 @@ void block_tiles(int rows, const QuantizedRows& x, int64_t K, int64_t G, int64_t
 }
 
 // Checks of int4_gemv's weights; returns G (the group size).
-int64_t check_int4(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset,
+int64_t check_int4(const at::Tensor& packed, const at::Tensor& scale, const std::optional<at::Tensor>& offset_in,
                    const std::optional<at::Tensor>& super_scale, const std::optional<at::Tensor>& super_offset) {
+  // no offset: the scale's values stand for both (Scales::offset_at)
+  const at::Tensor& offset = offset_in ? *offset_in : scale;
   TORCH_CHECK(packed.device().is_cpu() && scale.device().is_cpu() && offset.device().is_cpu(),
               "packed, scale and offset must be CPU tensors");
+  TORCH_CHECK(offset_in || !super_scale, "two-level scales need their offsets (only one level may omit them)");
   TORCH_CHECK(packed.scalar_type() == at::kByte, "packed must be uint8, got ", packed.scalar_type());
   TORCH_CHECK(packed.dim() == 2, "packed must be 2-D [N, K/2], got ", packed.sizes());
   const bool two_level = scale.scalar_type() == at::kByte;
@@ -362,7 +373,7 @@ int64_t check_int4(const at::Tensor& packed, const at::Tensor& scale, const at::
 
 // An int4 product's inputs, checked, made contiguous, and x quantised (int4_gemv and int4_gemm share it).
 struct Int4Product {
-  at::Tensor x, packed, scale, offset, super_scale, super_offset, y;
+  at::Tensor x, packed, scale, offset, super_scale, super_offset, y;  // offset undefined: symmetric
   int64_t M, K, N, G;
   QuantizedX xq;
   const uint8_t* wp() const { return packed.data_ptr<uint8_t>(); }
@@ -371,7 +382,8 @@ struct Int4Product {
   Scales<S> scales(int64_t n0, int L) const {
     const float* ss = super_scale.defined() ? super_scale.data_ptr<float>() : nullptr;
     const float* so = super_offset.defined() ? super_offset.data_ptr<float>() : nullptr;
-    return block_scales(reinterpret_cast<const S*>(scale.data_ptr()), reinterpret_cast<const S*>(offset.data_ptr()),
+    return block_scales(reinterpret_cast<const S*>(scale.data_ptr()),
+                        offset.defined() ? reinterpret_cast<const S*>(offset.data_ptr()) : nullptr,
                         ss, so, n0, K / G, L);
   }
   at::BFloat16* yp() const { return y.data_ptr<at::BFloat16>(); }
@@ -389,7 +401,7 @@ void with_scale_type(const Int4Product& p, const F& f) {
 }
 
 Int4Product prepare_int4(const at::Tensor& x_in, const at::Tensor& packed_in, const at::Tensor& scale_in,
-                         const at::Tensor& offset_in, const std::optional<at::Tensor>& super_scale,
+                         const std::optional<at::Tensor>& offset_in, const std::optional<at::Tensor>& super_scale,
                          const std::optional<at::Tensor>& super_offset) {
   TORCH_CHECK(x_in.device().is_cpu(), "x must be a CPU tensor");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "x must be bfloat16, got ", x_in.scalar_type());
@@ -397,7 +409,8 @@ Int4Product prepare_int4(const at::Tensor& x_in, const at::Tensor& packed_in, co
   const int64_t G = check_int4(packed_in, scale_in, offset_in, super_scale, super_offset);
   const int64_t M = x_in.size(0), K = x_in.size(1), N = packed_in.size(0);
   TORCH_CHECK(2 * packed_in.size(1) == K, "x has K=", K, " but packed holds K=", 2 * packed_in.size(1));
-  Int4Product p{x_in.contiguous(), packed_in.contiguous(), scale_in.contiguous(), offset_in.contiguous(),
+  Int4Product p{x_in.contiguous(), packed_in.contiguous(), scale_in.contiguous(),
+                offset_in ? offset_in->contiguous() : at::Tensor(),
                 super_scale ? super_scale->contiguous() : at::Tensor(),
                 super_offset ? super_offset->contiguous() : at::Tensor(),
                 new_output({M, N}, x_in.options().dtype(at::kBFloat16)), M, K, N, G, {}};
@@ -609,7 +622,7 @@ void int4_amx_panels(const Int4Product& p) {
 // Few rows: passes that stream the weights; more: the panels (bench/bench_gemv.py --rows measures it: below 9
 // rows, the panels' unpacking costs more than it saves; at 16 the panels are faster than two passes).
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                     const at::Tensor& offset, const std::optional<at::Tensor>& super_scale,
+                     const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& super_scale,
                      const std::optional<at::Tensor>& super_offset, int64_t amx_min_rows) {
   const Int4Product p = prepare_int4(x, packed, scale, offset, super_scale, super_offset);
   if (p.M == 0 || p.N == 0) return p.y;
@@ -629,7 +642,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 // int4_gemv's product through the panels whatever the row count (int4_gemv takes them above kMaxRowsInt4 rows;
 // exposed so that tests reach them with few rows too).
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                     const at::Tensor& offset, const std::optional<at::Tensor>& super_scale,
+                     const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& super_scale,
                      const std::optional<at::Tensor>& super_offset) {
   const Int4Product p = prepare_int4(x, packed, scale, offset, super_scale, super_offset);
   if (p.M > 0 && p.N > 0)
@@ -644,7 +657,7 @@ namespace nanoqwen {
 // int4_gemv's product on AMX tiles whatever the row count (int4_gemv takes them from amx_min_rows rows on; exposed
 // so that tests and the selection's probe reach them). Needs amx_int8_ready() and G <= 64 or a multiple of 64.
 at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                    const at::Tensor& offset, const std::optional<at::Tensor>& super_scale,
+                    const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& super_scale,
                     const std::optional<at::Tensor>& super_offset) {
   TORCH_CHECK(amx_int8_ready(), "int4_amx: this CPU has no AMX-INT8 tiles, or Linux did not grant them");
   const Int4Product p = prepare_int4(x, packed, scale, offset, super_scale, super_offset);

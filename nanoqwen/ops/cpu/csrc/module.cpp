@@ -62,7 +62,7 @@ std::optional<at::Tensor> given(const at::Tensor& t) {
 
 // A linear part's matrix by its format (worker/fused_decoder.py linear_tensors): "bf16" (weight); "int8" (q, scale):
 // a bf16 scale per row; "int8_group" (q, scale, offset, super_scale, super_offset), the last three possibly none:
-// int8_group_gemv's; "int4" (packed, scale, offset) or two-level (packed, scale, offset, super_scale, super_offset);
+// int8_group_gemv's; "int4" (packed, scale, offset: none where symmetric) or two-level (packed, scale, offset, super_scale, super_offset);
 // "fp8" (w float8_e4m3fn, scale float32 per row and block of inputs).
 at::Tensor linear_part(const at::Tensor& x, const LinearPart& part) {
   const auto& [format, t] = part;
@@ -72,7 +72,7 @@ at::Tensor linear_part(const at::Tensor& x, const LinearPart& part) {
   if (format == "int8_group" && t.size() == 5)
     return int8_group_gemv(x, t[0], t[1], given(t[2]), given(t[3]), given(t[4]));
   if (format == "int4" && t.size() == 3)
-    return int4_gemv(x, t[0], t[1], t[2], std::nullopt, std::nullopt, int4_amx_min_rows());
+    return int4_gemv(x, t[0], t[1], given(t[2]), std::nullopt, std::nullopt, int4_amx_min_rows());
   if (format == "int4" && t.size() == 5) return int4_gemv(x, t[0], t[1], t[2], t[3], t[4], int4_amx_min_rows());
   TORCH_CHECK(false, "a linear in format '", format, "' with ", t.size(), " tensors is none decode_model takes");
 }
@@ -128,7 +128,9 @@ at::Tensor embed_rows(const LinearPart& table, const at::Tensor& ids) {
   };
   const at::Tensor bytes = pick(t[0], 4).reshape({M, groups, -1});  // [M, groups, G/2]
   const at::Tensor q = at::cat({at::bitwise_and(bytes, 15), at::bitwise_right_shift(bytes, 4)}, -1).to(at::kFloat);
-  at::Tensor scale = pick(t[1], 1).squeeze(-1), offset = pick(t[2], 1).squeeze(-1);  // [M, groups]
+  at::Tensor scale = pick(t[1], 1).squeeze(-1);  // [M, groups]
+  // (symmetric, no offset: -8 times the scale, in float32 as dequantize_int4 makes it)
+  at::Tensor offset = given(t[2]) ? pick(t[2], 1).squeeze(-1) : scale.to(at::kFloat) * -8.0;
   if (t.size() == 5) {
     scale = two_level(scale, pick(t[3], 1).squeeze(-1));
     offset = two_level(offset, pick(t[4], 1).squeeze(-1));
