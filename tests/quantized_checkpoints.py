@@ -42,10 +42,11 @@ def gptq_tensors(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, g_idx
             "g_idx": g_idx.to(torch.int32)}
 
 
-def write_quantized(src: Path, out: Path, method: str, act_order: bool = False, group: int = 128, seed: int = 0
-                    ) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+def write_quantized(src: Path, out: Path, method: str, act_order: bool = False, group: int = 128, seed: int = 0,
+                    symmetric: bool = False) -> tuple[Path, Path, dict[str, torch.Tensor]]:
     """(the quantised checkpoint, a float32 folder of its weights, {projection name: its known integers q [N, K]})
-    from the random float checkpoint `src` (its embedding, norms and head are kept)."""
+    from the random float checkpoint `src` (its embedding, norms and head are kept). symmetric (GPTQ's `sym`): every
+    zero point 8."""
     g = torch.Generator().manual_seed(seed)
     tensors = load_file(src / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
@@ -68,6 +69,8 @@ def write_quantized(src: Path, out: Path, method: str, act_order: bool = False, 
             continue
         q = torch.randint(0, 16, (n, k), generator=g)
         zero = torch.randint(int(method == "gptq"), 16, (n, k // group), generator=g)  # (GPTQ stores zero - 1)
+        if symmetric:
+            zero = torch.full_like(zero, 8)
         scale = (torch.rand(n, k // group, generator=g) * 0.01 + 0.005).half()
         known[prefix] = q
         if method == "awq":
@@ -81,7 +84,7 @@ def write_quantized(src: Path, out: Path, method: str, act_order: bool = False, 
             quantized.update({f"{prefix}.{leaf}": t for leaf, t in gptq_tensors(q, zero, scale, groups).items()})
         reference[name] = (q - zero[:, groups]).float() * scale[:, groups].float()
     qconfig = {"awq": {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True},
-               "gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": False,
+               "gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": symmetric,
                         "checkpoint_format": "gptq"},
                "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                        "weight_block_size": [128, 128]}}[method]

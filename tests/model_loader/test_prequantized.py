@@ -25,11 +25,12 @@ MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_ex
 def quantized(checkpoint, tmp_path_factory):
     cache = {}
 
-    def make(method: str, act_order: bool = False, moe: bool = False):
-        key = (method, act_order, moe)
+    def make(method: str, act_order: bool = False, moe: bool = False, symmetric: bool = False):
+        key = (method, act_order, moe, symmetric)
         if key not in cache:
             src = checkpoint("tiny", dtype="float32", **SHAPE, **(MOE if moe else {}))
-            cache[key] = write_quantized(src, tmp_path_factory.mktemp(f"{method}{int(act_order)}"), method, act_order)
+            cache[key] = write_quantized(src, tmp_path_factory.mktemp(f"{method}{int(act_order)}"), method, act_order,
+                                         symmetric=symmetric)
         return cache[key]
 
     return make
@@ -69,14 +70,19 @@ def test_gptq_unpacks_to_the_known_integers(act_order):
         assert order is None and torch.equal(w.q.long(), q) and torch.equal(w.dequantize(), expected)
 
 
-@pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", False), ("gptq", True), ("fp8", False)],
-                         ids=["awq", "gptq", "gptq-act-order", "fp8"])
-def test_logits_equal_transformers_on_the_dequantised_weights(quantized, method, act_order):
-    path, reference, _ = quantized(method, act_order)
+@pytest.mark.parametrize("method,act_order,symmetric", [("awq", False, False), ("gptq", False, False),
+                                                        ("gptq", True, False), ("gptq", False, True),
+                                                        ("fp8", False, False)],
+                         ids=["awq", "gptq", "gptq-act-order", "gptq-sym", "fp8"])
+def test_logits_equal_transformers_on_the_dequantised_weights(quantized, method, act_order, symmetric):
+    """Symmetric GPTQ (every zero point 8) is held without offsets, with its float16 scales: 4.125 bits a weight."""
+    path, reference, _ = quantized(method, act_order, symmetric=symmetric)
     model = load_model(path, load_config(path), torch.float32, torch.device("cpu"))
     qkv = model.layers[0].self_attn.qkv_proj
     kind = {"awq": Int4Linear, "gptq": InputOrderLinear if act_order else Int4Linear, "fp8": Fp8Linear}[method]
     assert isinstance(qkv, kind)
+    if kind is Int4Linear:
+        assert (qkv.offset is None) == symmetric and (qkv.scale.dtype == torch.float16) == symmetric
     with torch.no_grad():
         theirs = hf_model(reference, torch.float32)(torch.tensor([PROMPTS[1]])).logits[0]
     ours = prompt_logits(model, PROMPTS[1])
