@@ -96,19 +96,19 @@ def llama_source() -> Path:
     return SRC_DIR / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
 
 
-def gguf_files(model_dir: Path) -> dict[str, Path]:
-    """The checkpoint as GGUF files, bf16 converted from it and quantised from that (made once)."""
+def gguf_files(model_dir: Path, formats: tuple[str, ...] = FORMATS) -> dict[str, Path]:
+    """The checkpoint as GGUF files, bf16 converted from it and the other formats quantised from that (made once)."""
     import llama_cpp
 
     GGUF_DIR.mkdir(parents=True, exist_ok=True)
-    files = {fmt: GGUF_DIR / f"{model_dir.name}-{fmt}.gguf" for fmt in FORMATS}
+    files = {fmt: GGUF_DIR / f"{model_dir.name}-{fmt}.gguf" for fmt in ("bf16", *formats)}
     if not files["bf16"].exists():
         src = llama_source()
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "bf16",
                         "--outfile", str(files["bf16"])], check=True, env=env)
-    for fmt in FORMATS[1:]:
-        if not files[fmt].exists():
+    for fmt in formats:
+        if fmt != "bf16" and not files[fmt].exists():
             ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{fmt.upper()}")
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype = ftype
