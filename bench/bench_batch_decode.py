@@ -14,9 +14,11 @@ token ids and the same procedure: B prompts of PROMPT_LEN tokens, a generate cal
 The two bounds of a decode step of B rows, measured in the same run:
 - reading the weights once a step: B * read bandwidth / (bytes of the projections and the LM head), the read
   bandwidth a torch sum over 1 GiB (bench_model.read_bandwidth);
-- the matrix unit's peak: (measured multiply-add rate) / (2 * weights a token), the rate a large torch product:
-  bf16 (oneDNN; AMX bf16 tiles where the CPU has them) for bf16 and int8 weights (int8 widens exactly to bf16),
-  int8 x int8 -> int32 (torch._int_mm) for int4 weights, whose kernels quantise x to int8.
+- the matrix unit's peak: (measured multiply-add rate) / (2 * weights a token), the rate of a large torch product,
+  bf16 (oneDNN; AMX bf16 tiles where the CPU has them) or float32, the faster, for bf16 and int8 weights (int8
+  widens exactly to either; a CPU without bf16 instructions computes many rows in float32); for int4 weights, whose
+  kernels quantise x to int8, the fastest of those, int8 x int8 -> int32 (torch._int_mm) and the vector unit's
+  int8 dot products alone (INT8_PEAK_SOURCE: torch's int8 product is far below them on an AVX2-only CPU).
 The roofline is the lower of the two; "of roofline" is the measured rate's share of it.
 """
 
@@ -40,6 +42,54 @@ PROMPT_LEN = 16
 PEAK_SIZE = 2048  # square products that measure the matrix unit's peak
 
 
+# The int8 dot products of the int4 kernels at their peak, with nothing else: 8 independent chains of u8 x s8 products
+# of 32-byte vectors summed into int32 lanes (vpdpbusd with AVX-512 VNNI), or into int16 ones with AVX2 alone (maddubs,
+# then an add: what the kernels do per product at least). Returns multiply-adds a second over all threads.
+INT8_PEAK_SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <chrono>
+#include <cstdint>
+double int8_dot_peak(int64_t iters) {
+  double total = 0;
+#pragma omp parallel reduction(+ : total)
+  {
+    __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(5), a[8], t;
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_si256();
+    auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < iters; ++i) {
+#define STEP(j) \
+  asm volatile(PRODUCT : "+x"(a[j]), "=&x"(t) : "x"(w), "x"(x));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PRODUCT "vpdpbusd %3, %2, %0"
+#else
+#define PRODUCT "vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0"
+#endif
+      STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7)
+    }
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    for (int j = 1; j < 8; ++j) a[0] = _mm256_add_epi32(a[0], a[j]);
+    total += 8.0 * 32 * iters / seconds + 0.0 * _mm256_extract_epi32(a[0], 0);
+  }
+  return total;
+}
+"""
+
+
+def int8_dot_peak() -> float:
+    """INT8_PEAK_SOURCE's rate, TOP/s (2 operations a multiply-add), compiled with the flags of nanoqwen's kernels."""
+    from torch.utils import cpp_extension
+
+    from nanoqwen.ops.cpu import build as cpu_build
+
+    flags = cpu_build.compile_flags()
+    name = "nanoqwen_bench_int8_peak_" + "_".join(f.strip("-") for f in flags if "avx" in f)
+    ext = cpp_extension.load_inline(name, cpp_sources=[INT8_PEAK_SOURCE], functions=["int8_dot_peak"],
+                                    extra_cflags=flags, extra_ldflags=["-fopenmp"])
+    ext.int8_dot_peak(1 << 20)
+    return 2 * max(ext.int8_dot_peak(1 << 24) for _ in range(3)) / 1e12
+
+
 def peaks() -> dict:
     """The machine's bounds: read GB/s, bf16, float32 and int8 matmul TOP/s (best of five after a warm-up; one where
     a product takes seconds, as bf16 does on a CPU without bf16 instructions)."""
@@ -56,7 +106,8 @@ def peaks() -> dict:
     q = torch.randint(-127, 128, (n, n), dtype=torch.int8)
     torch._int_mm(q, q)
     int8 = 2 * n**3 / bench_model.best_of(lambda: torch._int_mm(q, q), 5) / 1e12
-    return {"read_gb_s": read, "bf16_tflop_s": bf16, "float32_tflop_s": float32, "int8_tops": int8}
+    return {"read_gb_s": read, "bf16_tflop_s": bf16, "float32_tflop_s": float32, "int8_tops": int8,
+            "int8_dot_tops": int8_dot_peak()}
 
 
 def set_int4_amx(model, rows: int) -> None:
@@ -170,9 +221,10 @@ def run_child(what: str, args: argparse.Namespace, env: dict[str, str] | None = 
 
 def matrix_unit_peak(fmt: str, ceil: dict) -> float:
     """The fastest product a format's batched kernels can use, TOP/s: the bf16 or float32 one (a CPU without fast
-    bf16 widens 16-bit and int8 weights to float32 for many rows), and for int4 also int8 x int8."""
+    bf16 widens 16-bit and int8 weights to float32 for many rows), and for int4 also int8 x int8 (torch's product, or
+    the vector unit's dot products at their peak, INT8_PEAK_SOURCE, where torch's is slower)."""
     fastest = max(ceil["bf16_tflop_s"], ceil.get("float32_tflop_s", 0.0))
-    return max(fastest, ceil["int8_tops"]) if fmt == "int4" else fastest
+    return max(fastest, ceil["int8_tops"], ceil.get("int8_dot_tops", 0.0)) if fmt == "int4" else fastest
 
 
 def table(results: dict[str, dict], ceil: dict) -> str:
@@ -249,7 +301,8 @@ def main() -> None:
             f"1 GiB) / bytes of the projections and LM head; matrix-unit bound: the measured peak of a {PEAK_SIZE}^3 "
             f"product (bf16: {ceil['bf16_tflop_s']:.2f}, float32: {ceil['float32_tflop_s']:.2f} TFLOP/s, the faster "
             f"for bf16 and int8 weights; for int4 weights, whose kernels quantise x to int8, the faster of those and "
-            f"int8 x int8 torch._int_mm: {ceil['int8_tops']:.2f} TOP/s) / 2 x weights a token. "
+            f"int8 x int8 torch._int_mm: {ceil['int8_tops']:.2f} TOP/s, and the vector unit's int8 dot products "
+            f"alone: {ceil['int8_dot_tops']:.2f} TOP/s) / 2 x weights a token. "
             f"Kernels: {results[formats[0]]['kernel_path']}\n\n"
             f"{bench_model.machine_line('cpu')}\n\n" + table(results, ceil))
     for r in results.values():
