@@ -58,32 +58,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def nanoqwen_logprobs(tokens: list[int], prompt_len: int, cache_dtype: str) -> np.ndarray:
     """Log-probabilities [len(tokens) - prompt_len, V] along tokens: the prompt as one step, then decode steps."""
-    import torch
-
     from nanoqwen import LLM
-    from nanoqwen.attention.backends.paged import attention_backend
-    from nanoqwen.attention.kv_cache import KVCache
-    from nanoqwen.attention.metadata import AttentionMetadata, DecodeRow, PrefillRow
+    from nanoqwen.worker.teacher_forcing import continuation_logprobs
 
     model = LLM(str(MODEL_DIR), dtype="bfloat16", device="cpu", max_model_len=len(tokens) + 16,
                 kv_cache_memory=(len(tokens) + 64) * (128 << 10)).llm_engine.model  # (the engine's own cache: unused)
-    c, block_size, cpu = model.config, 16, torch.device("cpu")
-    num_blocks = -(-len(tokens) // block_size)
-    cache = KVCache(c.num_hidden_layers, num_blocks, block_size, model.num_kv_heads, c.head_dim, model.dtype, cpu,
-                    cache_dtype)
-    table = list(range(num_blocks))
-    backend = attention_backend(cpu, block_size, model.dtype, cpu_kernels_on=model.kernels.matmul.gemv,
-                                kv_cache_dtype=cache_dtype)
-    rows = []
-    with torch.inference_mode():
-        meta = AttentionMetadata.build([], [PrefillRow(table, 0, prompt_len)], block_size, cpu)
-        hidden = model(torch.tensor(tokens[:prompt_len]), meta.positions, cache, meta)
-        rows.append(model.compute_logits(hidden[-1:]).float())
-        for n in range(prompt_len + 1, len(tokens)):
-            meta = AttentionMetadata.build([DecodeRow(table, n)], [], block_size, cpu, paged_backend=backend)
-            hidden = model(torch.tensor(tokens[n - 1: n]), meta.positions, cache, meta)
-            rows.append(model.compute_logits(hidden).float())
-    return log_softmax(torch.cat(rows).numpy())
+    return continuation_logprobs(model, tokens, prompt_len, cache_dtype).numpy()
 
 
 def llama_logprobs(gguf: Path, tokens: list[int], prompt_len: int, cache: str) -> np.ndarray:

@@ -21,10 +21,11 @@ from nanoqwen.attention.backends.paged import (  # noqa: E402
     paged_decode_attention_reference,
 )
 from nanoqwen.attention.kv_cache import KV_QUANTIZATIONS, KVCache, dequantize_kv, quantize_kv  # noqa: E402
-from nanoqwen.attention.metadata import AttentionMetadata, DecodeRow, PrefillRow  # noqa: E402
+from nanoqwen.attention.metadata import AttentionMetadata, PrefillRow  # noqa: E402
 from nanoqwen.config.engine import EngineConfig  # noqa: E402
 from nanoqwen.entrypoints.engine_args import add_engine_args, engine_config_from_args  # noqa: E402
 from nanoqwen.errors import ConfigError  # noqa: E402
+from nanoqwen.worker.teacher_forcing import continuation_logprobs  # noqa: E402
 
 CPU = torch.device("cpu")
 QUANTIZED = list(KV_QUANTIZATIONS)
@@ -152,28 +153,6 @@ def test_backend_choice_with_a_quantized_cache(monkeypatch):
 
 QUALITY_SHAPE = dict(hidden_size=512, intermediate_size=1024, vocab_size=4096, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=128)
-
-
-def continuation_logprobs(model, tokens: list[int], prompt_len: int, cache_dtype: str) -> torch.Tensor:
-    """The model's next-token log-probabilities [len(tokens) - prompt_len, V] (float32) along `tokens`: the first
-    prompt_len as one prompt, then each further token as a decode step that reads every earlier one from a cache
-    of cache_dtype, through the decode path the engine picks for it."""
-    c, block_size = model.config, 16
-    num_blocks = -(-len(tokens) // block_size)
-    cache = KVCache(c.num_hidden_layers, num_blocks, block_size, model.num_kv_heads, c.head_dim, model.dtype, CPU,
-                    cache_dtype)
-    table = list(range(num_blocks))
-    backend = attention_backend(CPU, block_size, model.dtype, cpu_kernels_on=model.kernels.matmul.gemv,
-                                kv_cache_dtype=cache_dtype)
-    rows = []
-    with torch.inference_mode():
-        meta = AttentionMetadata.build([], [PrefillRow(table, 0, prompt_len)], block_size, CPU)
-        hidden = model(torch.tensor(tokens[:prompt_len]), meta.positions, cache, meta)
-        rows.append(model.compute_logits(hidden[-1:]))
-        for n in range(prompt_len + 1, len(tokens)):
-            meta = AttentionMetadata.build([DecodeRow(table, n)], [], block_size, CPU, paged_backend=backend)
-            rows.append(model.compute_logits(model(torch.tensor(tokens[n - 1: n]), meta.positions, cache, meta)))
-    return torch.cat(rows).float().log_softmax(-1)
 
 
 def kl_and_top1(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
