@@ -88,10 +88,12 @@ def test_engine_compiles_by_default_and_matches_enforce_eager(tiny_dir, monkeypa
     assert calls and min(calls) >= MIN_COMPILED_TOKENS
 
 
-def test_kernels_follow_each_engines_choice(compiled):
+def test_kernels_follow_each_engines_choice(compiled, monkeypatch):
     """Each (device, dtype) has its compiled kernels, made once and shared by the engines that choose them;
     an engine on another device (a GPU) gets the plain functions and torch's matmuls, and nothing one engine
-    chose changes another's."""
+    chose changes another's. (bf16 on a CPU with fast bf16 matmuls, whatever this one has: an AVX2-only CPU's
+    bf16 engines run eager, test_slow_bf16_cpus_run_the_elementwise_math_eager.)"""
+    monkeypatch.setattr(kernel_selection, "select_matmul_path", lambda: MatmulPath("bf16", "test"))
     bf16 = select_kernels(CPU, torch.bfloat16, enforce_eager=False)
     assert bf16.rms_norm.compiled is not compiled.rms_norm.compiled
     again = select_kernels(CPU, torch.float32, enforce_eager=False)
