@@ -3,7 +3,8 @@ unchanged: each is repacked without loss, so the model computes with exactly the
 second quantisation).
 
 - AWQ and GPTQ 4-bit (groups of 128, an integer zero point): the int4 format with float32 scales and offsets (the
-  unpacking: nanoqwen/ops/hf_quants.py). GPTQ with act order (`desc_act`) multiplies its inputs in the checkpoint's
+  unpacking: nanoqwen/ops/hf_quants.py); a symmetric GPTQ checkpoint's (every zero point 8) as float16 scales
+  alone, the int4 format's symmetric form. GPTQ with act order (`desc_act`) multiplies its inputs in the checkpoint's
   group order (`InputOrderLinear`). FP8: fp8.py's `Fp8Linear`.
 
 - Q4_0, Q4_1, Q4_K (q in 0..15, a scale and an offset per group of 32): the int4 format (int4.py) with group
@@ -150,7 +151,7 @@ def quantized_linear(linear: Linear, w: GroupedWeights) -> QuantizedLinear:
             return Int4Linear.from_buffers(linear, *pack_int4(w.q, t.sub_scale, t.sub_offset, t.super_scale,
                                                               t.super_offset))
         scale = as_float16_if_exact(w.scale)
-        if torch.equal(w.offset, -SYMMETRIC_ZERO * w.scale):  # Q4_0: symmetric, no offsets held
+        if torch.equal(w.offset, -SYMMETRIC_ZERO * w.scale):  # symmetric (Q4_0, GPTQ's sym): no offsets held
             return Int4Linear.from_buffers(linear, *pack_int4(w.q, scale, None))
         offset = as_float16_if_exact(w.offset)
         if scale.dtype != offset.dtype:  # (the int4 kernels take them in one dtype)

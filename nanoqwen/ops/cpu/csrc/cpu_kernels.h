@@ -391,13 +391,16 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 void causal_softmax_(const at::Tensor& scores, int64_t block);
 // int4_gemv.cpp
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& super_scale = std::nullopt,
+                     const std::optional<at::Tensor>& offset,
+                     const std::optional<at::Tensor>& super_scale = std::nullopt,
                      const std::optional<at::Tensor>& super_offset = std::nullopt, int64_t amx_min_rows = 0);
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& super_scale = std::nullopt,
+                     const std::optional<at::Tensor>& offset,
+                     const std::optional<at::Tensor>& super_scale = std::nullopt,
                      const std::optional<at::Tensor>& super_offset = std::nullopt);
 at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                    const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& super_scale = std::nullopt,
+                    const std::optional<at::Tensor>& offset,
+                    const std::optional<at::Tensor>& super_scale = std::nullopt,
                     const std::optional<at::Tensor>& super_offset = std::nullopt);
 // amx.cpp: AMX tiles for int4_gemv.cpp's int4_amx (amx_int4_tile's comment says what it computes)
 bool amx_int8_ready();

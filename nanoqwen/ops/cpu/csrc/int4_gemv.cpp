@@ -215,8 +215,8 @@ template <typename S>
 Scales<S> block_scales(const S* scale, const S* offset, const float* super_scale, const float* super_offset,
                        int64_t n0, int64_t groups, int L) {
   const int64_t supers = groups / kSuperGroups;
-  return {scale + n0 * groups, offset ? offset + n0 * groups : nullptr, super_scale ? super_scale + n0 * supers : nullptr,
-          super_offset ? super_offset + n0 * supers : nullptr, L};
+  return {scale + n0 * groups, offset ? offset + n0 * groups : nullptr,
+          super_scale ? super_scale + n0 * supers : nullptr, super_offset ? super_offset + n0 * supers : nullptr, L};
 }
 
 // ---- Few rows of x (decode): each block of 16 weight rows read once, its nibbles unpacked in registers.

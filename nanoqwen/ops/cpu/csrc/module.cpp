@@ -62,8 +62,8 @@ std::optional<at::Tensor> given(const at::Tensor& t) {
 
 // A linear part's matrix by its format (worker/fused_decoder.py linear_tensors): "bf16" (weight); "int8" (q, scale):
 // a bf16 scale per row; "int8_group" (q, scale, offset, super_scale, super_offset), the last three possibly none:
-// int8_group_gemv's; "int4" (packed, scale, offset: none where symmetric) or two-level (packed, scale, offset, super_scale, super_offset);
-// "fp8" (w float8_e4m3fn, scale float32 per row and block of inputs).
+// int8_group_gemv's; "int4" (packed, scale, offset: none where symmetric) or two-level (packed, scale, offset,
+// super_scale, super_offset); "fp8" (w float8_e4m3fn, scale float32 per row and block of inputs).
 at::Tensor linear_part(const at::Tensor& x, const LinearPart& part) {
   const auto& [format, t] = part;
   if (format == "bf16" && t.size() == 1) return bf16_gemv(x, t[0], std::nullopt);
