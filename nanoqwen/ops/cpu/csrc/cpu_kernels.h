@@ -40,6 +40,8 @@
 
 namespace nanoqwen {
 
+// The zero point of a symmetric int4 matrix (no offsets): each weight scale * (q - 8) (ops/quantize.py SYMMETRIC_ZERO)
+constexpr float kSymmetricZero = 8.0f;
 constexpr int64_t kTaskBytes = 256 << 10;    // weight bytes a parallel task reads at least
 // int4: how far ahead of the current weight line to prefetch. Tuned: on an Intel Xeon, int4 decode faster at
 // 2 KB than at 4 KB, 1 KB as 2 KB; on the AMD EPYC, int4_gemv alone read level or slower at 2 KB than at 4 KB

@@ -169,7 +169,6 @@ inline void store_tile(const __m256 (&acc)[T][kBlockVectors], int64_t N, int64_t
 // times a float32 a super-block of kSuperGroups groups, each lane by lane as the weights are (L lanes). Without offsets
 // (offset null, one level only), a group's offset is -kSymmetricZero times its scale.
 constexpr int kSuperGroups = 8;
-constexpr float kSymmetricZero = 8.0f;
 
 template <typename S>
 struct Scales {

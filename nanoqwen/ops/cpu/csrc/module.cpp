@@ -129,8 +129,8 @@ at::Tensor embed_rows(const LinearPart& table, const at::Tensor& ids) {
   const at::Tensor bytes = pick(t[0], 4).reshape({M, groups, -1});  // [M, groups, G/2]
   const at::Tensor q = at::cat({at::bitwise_and(bytes, 15), at::bitwise_right_shift(bytes, 4)}, -1).to(at::kFloat);
   at::Tensor scale = pick(t[1], 1).squeeze(-1);  // [M, groups]
-  // (symmetric, no offset: -8 times the scale, in float32 as dequantize_int4 makes it)
-  at::Tensor offset = given(t[2]) ? pick(t[2], 1).squeeze(-1) : scale.to(at::kFloat) * -8.0;
+  // (symmetric, no offset: -kSymmetricZero times the scale, in float32 as dequantize_int4 makes it)
+  at::Tensor offset = given(t[2]) ? pick(t[2], 1).squeeze(-1) : scale.to(at::kFloat) * -kSymmetricZero;
   if (t.size() == 5) {
     scale = two_level(scale, pick(t[3], 1).squeeze(-1));
     offset = two_level(offset, pick(t[4], 1).squeeze(-1));
