@@ -142,14 +142,14 @@ def two_level_scales(sub: torch.Tensor, super_: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int6(q: torch.Tensor) -> torch.Tensor:
-    """Values in -32..31 [rows, K] (K % 16 == 0) -> uint8 [rows, 3K/4] at 6 bits a value: each 16 in 12 bytes, 8 of
-    their low nibbles (byte j: value j low, value j + 8 high) and 4 of their high 2 bits (byte b: values b, b + 4,
-    b + 8, b + 12 at bits 0, 2, 4, 6), each value plus 32 (the layout int8_group_gemv reads: a GGUF file's Q6_K)."""
+    """Values in -32..31 [rows, K] (K % 32 == 0) -> uint8 [rows, 3K/4] at 6 bits a value: each 32 in 24 bytes, 16 of
+    their low nibbles (byte j: value j low, value j + 16 high) and 8 of their high 2 bits (byte b: values b, b + 8,
+    b + 16, b + 24 at bits 0, 2, 4, 6), each value plus 32 (the layout int8_group_gemv reads: a GGUF file's Q6_K)."""
     rows, k = q.shape
-    u = (q.to(torch.int16) + 32).to(torch.uint8).view(rows, k // 16, 16)
+    u = (q.to(torch.int16) + 32).to(torch.uint8).view(rows, k // 32, 32)
     low, high = u & 15, u >> 4
-    nibbles = low[..., :8] | (low[..., 8:] << 4)
-    h = high.view(rows, k // 16, 4, 4)  # [.., i, b]: value 4i + b
+    nibbles = low[..., :16] | (low[..., 16:] << 4)
+    h = high.view(rows, k // 32, 4, 8)  # [.., i, b]: value 8i + b
     plane = h[..., 0, :] | (h[..., 1, :] << 2) | (h[..., 2, :] << 4) | (h[..., 3, :] << 6)
     return torch.cat([nibbles, plane], dim=-1).reshape(rows, -1)
 
@@ -157,22 +157,22 @@ def pack_int6(q: torch.Tensor) -> torch.Tensor:
 def unpack_int6(packed: torch.Tensor) -> torch.Tensor:
     """pack_int6's bytes [rows, 3K/4] -> the values, int8 [rows, K]."""
     rows = packed.shape[0]
-    chunks = packed.view(rows, -1, 12)
-    nibbles, plane = chunks[..., :8], chunks[..., 8:]
+    chunks = packed.view(rows, -1, 24)
+    nibbles, plane = chunks[..., :16], chunks[..., 16:]
     low = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)
     high = torch.cat([(plane >> (2 * i)) & 3 for i in range(4)], dim=-1)
     return ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).view(rows, -1)
 
 
 def pack_int5(q: torch.Tensor) -> torch.Tensor:
-    """Values in 0..31 [rows, K] (K % 16 == 0) -> uint8 [rows, 5K/8] at 5 bits a value: each 16 in 10 bytes, 8 of
-    their low nibbles (byte j: value j low, value j + 8 high) and 2 of their fifth bits (byte i, bit b: value 8i + b)
-    (the layout int8_group_gemv reads: a GGUF file's Q5 types)."""
+    """Values in 0..31 [rows, K] (K % 32 == 0) -> uint8 [rows, 5K/8] at 5 bits a value: each 32 in 20 bytes, 16 of
+    their low nibbles (byte j: value j low, value j + 16 high) and 4 of their fifth bits (byte i, bit b: value
+    8i + b) (the layout int8_group_gemv reads: a GGUF file's Q5 types)."""
     rows, k = q.shape
-    u = q.to(torch.uint8).view(rows, k // 16, 16)
+    u = q.to(torch.uint8).view(rows, k // 32, 32)
     low, high = u & 15, u >> 4
-    nibbles = low[..., :8] | (low[..., 8:] << 4)
-    bits = high.view(rows, k // 16, 2, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32, device=q.device)
+    nibbles = low[..., :16] | (low[..., 16:] << 4)
+    bits = high.view(rows, k // 32, 4, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32, device=q.device)
     plane = bits.sum(-1).to(torch.uint8)  # (distinct bits: their sum is their or)
     return torch.cat([nibbles, plane], dim=-1).reshape(rows, -1)
 
@@ -180,8 +180,8 @@ def pack_int5(q: torch.Tensor) -> torch.Tensor:
 def unpack_int5(packed: torch.Tensor) -> torch.Tensor:
     """pack_int5's bytes [rows, 5K/8] -> the values, int8 [rows, K] (0..31)."""
     rows = packed.shape[0]
-    chunks = packed.view(rows, -1, 10)
-    nibbles, plane = chunks[..., :8], chunks[..., 8:]
+    chunks = packed.view(rows, -1, 20)
+    nibbles, plane = chunks[..., :16], chunks[..., 16:]
     low = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)
     high = ((plane[..., None] >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1).flatten(-2)
     return (low | (high << 4)).view(torch.int8).view(rows, -1)

@@ -894,7 +894,7 @@ def test_int8_group_gemv_matches_reference(kernels, m, group, offset):
 
 
 def test_int6_packing_round_trips_and_the_kernel_reads_it(kernels):
-    """Q6_K's values packed at 6 bits (12 bytes per 16): pack_int6 / unpack_int6 give back every value, and
+    """Q6_K's values packed at 6 bits (24 bytes per 32): pack_int6 / unpack_int6 give back every value, and
     int8_group_gemv reading the packed bytes computes what it computes from the int8 values."""
     g = torch.Generator().manual_seed(6)
     q = torch.randint(-32, 32, (37, 512), generator=g, dtype=torch.int8)
@@ -905,11 +905,13 @@ def test_int6_packing_round_trips_and_the_kernel_reads_it(kernels):
         x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
         assert torch.equal(kernels.int8_group_gemv(x, packed, sub, None, super_scale),
                            kernels.int8_group_gemv(x, q, sub, None, super_scale))
+    with pytest.raises(RuntimeError, match="multiple of 32"):  # (the packed layout's chunks are 32 values)
+        kernels.int8_group_gemv(x[:, :48].contiguous(), q[:, :48].contiguous(), sub[:, :3].contiguous(), None)
 
 
 @pytest.mark.parametrize("group", (16, 32))
 def test_int5_packing_round_trips_and_the_kernel_reads_it(kernels, group):
-    """The Q5 types' values packed at 5 bits (10 bytes per 16): pack_int5 / unpack_int5 give back every value, and
+    """The Q5 types' values packed at 5 bits (20 bytes per 32): pack_int5 / unpack_int5 give back every value, and
     int8_group_gemv reading the packed bytes computes what it computes from the int8 values."""
     g = torch.Generator().manual_seed(5)
     q = torch.randint(0, 32, (37, 512), generator=g, dtype=torch.int8)

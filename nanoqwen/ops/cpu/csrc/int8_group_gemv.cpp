@@ -17,12 +17,12 @@
 // the first sum kept in 8 float32 lanes (one FMA per group and x row) and added across lanes once at the end;
 // int8_group_gemv_reference (ops/cpu/kernels.py) computes the same function. Threads split the weight rows.
 //
-// q may also come packed (uint8), every 16 consecutive values in a chunk whose first 8 bytes hold their low 4 bits
-// (byte j: value j in its low nibble, value j + 8 in its high one):
-// - at 6 bits (uint8 [N, 3K/4]: values -32..31, as a GGUF file's Q6_K holds them), 12 bytes a chunk, the next 4 their
-//   high 2 bits (byte b: values b, b + 4, b + 8, b + 12 at bits 0, 2, 4, 6), each value stored plus 32
+// q may also come packed (uint8), every 32 consecutive values in a chunk whose first 16 bytes hold their low 4 bits
+// (byte j: value j in its low nibble, value j + 16 in its high one), so that one 256-bit register unpacks a chunk:
+// - at 6 bits (uint8 [N, 3K/4]: values -32..31, as a GGUF file's Q6_K holds them), 24 bytes a chunk, the next 8 their
+//   high 2 bits (byte b: values b, b + 8, b + 16, b + 24 at bits 0, 2, 4, 6), each value stored plus 32
 //   (ops/quantize.py pack_int6 and unpack_int6 are the reference);
-// - at 5 bits (uint8 [N, 5K/8]: values 0..31, as a GGUF file's Q5 types hold them), 10 bytes a chunk, the next 2
+// - at 5 bits (uint8 [N, 5K/8]: values 0..31, as a GGUF file's Q5 types hold them), 20 bytes a chunk, the next 4
 //   their fifth bits (byte i, bit b: value 8i + b) (pack_int5 and unpack_int5).
 // K tells them apart: q's bytes a row are 3K/4 or 5K/8.
 
@@ -141,8 +141,9 @@ int bits_for(const at::Tensor& q, int64_t K, const char* kernel) {
     TORCH_CHECK(row_bytes == K, kernel, ": K=", K, " but q holds K=", row_bytes);
     return 8;
   }
-  TORCH_CHECK(K % 16 == 0 && (row_bytes * 4 == K * 3 || row_bytes * 8 == K * 5), kernel, ": K=", K,
-              " but q's rows of ", row_bytes, " bytes hold neither 6-bit (3K/4) nor 5-bit (5K/8) values for it");
+  TORCH_CHECK(K % 32 == 0 && (row_bytes * 4 == K * 3 || row_bytes * 8 == K * 5), kernel, ": K=", K,
+              " but q's rows of ", row_bytes, " bytes hold neither 6-bit (3K/4) nor 5-bit (5K/8) values for it",
+              " (packed values need K a multiple of 32)");
   return row_bytes * 4 == K * 3 ? 6 : 5;
 }
 
@@ -152,58 +153,57 @@ inline int32_t weight_at(const uint8_t* row, int64_t k) {
   if constexpr (Bits == 8) {
     return static_cast<int8_t>(row[k]);
   } else {
-    const uint8_t* chunk = row + (k / 16) * (2 * Bits);
-    const int e = static_cast<int>(k % 16);
-    const int low = e < 8 ? chunk[e] & 15 : chunk[e - 8] >> 4;
+    const uint8_t* chunk = row + (k / 32) * (4 * Bits);
+    const int e = static_cast<int>(k % 32);
+    const int low = e < 16 ? chunk[e] & 15 : chunk[e - 16] >> 4;
     if constexpr (Bits == 6) {
-      const int high = (chunk[8 + e % 4] >> (2 * (e / 4))) & 3;
+      const int high = (chunk[16 + e % 8] >> (2 * (e / 8))) & 3;
       return (low | (high << 4)) - 32;
     } else {
-      const int high = (chunk[8 + e / 8] >> (e % 8)) & 1;
+      const int high = (chunk[16 + e / 8] >> (e % 8)) & 1;
       return low | (high << 4);
     }
   }
 }
 
 #ifdef NANOQWEN_AVX2
-// Values 16c .. 16c + 15 of a weight row as 16 int16.
+// Values 32c .. 32c + 31 of a weight row as 32 int8 (byte p: value 32c + p; at 5 bits 0..31, as unsigned).
 template <int Bits>
-inline __m256i load16_weights(const uint8_t* row, int64_t c) {
+inline __m256i load32_weights(const uint8_t* row, int64_t c) {
   if constexpr (Bits == 8) {
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c)));
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
   } else {
-    const uint8_t* chunk = row + (2 * Bits) * c;
-    const __m128i nibbles = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk));
-    const __m128i mask4 = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(nibbles, mask4),
-                                           _mm_and_si128(_mm_srli_epi16(nibbles, 4), mask4));  // values 0..15
+    const uint8_t* chunk = row + (4 * Bits) * c;
+    // the 16 nibble bytes in both halves; the upper half shifted down 4 (32-bit shifts: the mask drops what crosses)
+    const __m256i nibbles = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk)));
+    const __m256i low = _mm256_and_si256(_mm256_srlv_epi32(nibbles, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                         _mm256_set1_epi8(0x0F));  // values 0..15
     if constexpr (Bits == 6) {
-      int32_t plane4;
-      std::memcpy(&plane4, chunk + 8, 4);
-      const __m128i plane = _mm_set1_epi32(plane4);  // bytes b0 b1 b2 b3, four times
-      // value 4i + b: bits 2i, 2i + 1 of byte b (16-bit shifts: what crosses into a byte is masked off)
-      __m128i high = _mm_blend_epi16(plane, _mm_srli_epi16(plane, 2), 0x0C);
-      high = _mm_blend_epi16(high, _mm_srli_epi16(plane, 4), 0x30);
-      high = _mm_blend_epi16(high, _mm_srli_epi16(plane, 6), 0xC0);
-      high = _mm_slli_epi16(_mm_and_si128(high, _mm_set1_epi8(0x03)), 4);  // (no bit crosses a byte: 2 bits << 4)
-      const __m128i q = _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
-      return _mm256_cvtepi8_epi16(q);
+      int64_t plane8;
+      std::memcpy(&plane8, chunk + 16, 8);
+      // 64-bit lane i holds the plane's 8 bytes, byte b value 8i + b's high bits at bits 2i, 2i + 1: shifted down 2i
+      const __m256i plane = _mm256_srlv_epi64(_mm256_set1_epi64x(plane8), _mm256_setr_epi64x(0, 2, 4, 6));
+      // (2 bits shifted up 4 stay in their byte)
+      const __m256i high = _mm256_slli_epi16(_mm256_and_si256(plane, _mm256_set1_epi8(0x03)), 4);
+      return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
     } else {
-      uint16_t plane2;
-      std::memcpy(&plane2, chunk + 8, 2);
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-      // the plane's 16 bits are a byte mask: 16 where set
-      const __m128i high = _mm_maskz_mov_epi8(static_cast<__mmask16>(plane2), _mm_set1_epi8(16));
-#else
+      uint32_t plane4;
+      std::memcpy(&plane4, chunk + 16, 4);
       // byte i of the plane to values 8i .. 8i + 7, each keeping its own bit; set bits become 16
-      const __m128i spread = _mm_shuffle_epi8(_mm_set1_epi16(static_cast<int16_t>(plane2)),
-                                              _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-      const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-      const __m128i high = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(16));
-#endif
-      return _mm256_cvtepu8_epi16(_mm_or_si128(low, high));  // values 0..31
+      const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(plane4)),
+                                                 _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                  2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+      const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+      const __m256i high =
+          _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+      return _mm256_or_si256(low, high);
     }
   }
+}
+
+// Half h (values 16h .. 16h + 15) of load32_weights' bytes as 16 int16 (5-bit values, 0..31, widen as signed ones).
+inline __m256i widen16(__m256i v, int h) {
+  return _mm256_cvtepi8_epi16(h ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v));
 }
 #endif
 
@@ -215,20 +215,32 @@ void row_tile(const GroupX& x, int64_t K, int64_t m0, const uint8_t* w, const fl
   const int64_t groups = K / G;
   float total[T];
 #ifdef NANOQWEN_AVX2
+  constexpr int kPerChunk = 32 / G;  // groups a chunk of 32 values holds (1 or 2)
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + g * G * Bits / 8) + kRowPrefetchBytes, _MM_HINT_T0);
-    __m256i wv[G / 16];
-    for (int v = 0; v < G / 16; ++v) wv[v] = load16_weights<Bits>(w, g * (G / 16) + v);
-    const float sg = s[g];
-    for (int t = 0; t < T; ++t) {
-      const int16_t* xg = x.xq.data() + (m0 + t) * K + g * G;
-      __m256i isum = _mm256_setzero_si256();
-      for (int v = 0; v < G / 16; ++v)
-        isum = dot16_int16(isum, wv[v], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16 * v)));
-      const __m256 sd = _mm256_set1_ps(sg * x.d[(m0 + t) * groups + g]);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sd, acc[t]);
+  for (int64_t c = 0; c < K / 32; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + c * 4 * Bits) + kRowPrefetchBytes, _MM_HINT_T0);
+    __m256i wv[2];
+    if constexpr (Bits == 8) {  // (int8 widens straight from memory)
+      for (int h = 0; h < 2; ++h)
+        wv[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 * c + 16 * h)));
+    } else {
+      const __m256i packed = load32_weights<Bits>(w, c);
+      wv[0] = widen16(packed, 0);
+      wv[1] = widen16(packed, 1);
+    }
+    for (int j = 0; j < kPerChunk; ++j) {
+      const int64_t g = c * kPerChunk + j;
+      const float sg = s[g];
+      for (int t = 0; t < T; ++t) {
+        const int16_t* xg = x.xq.data() + (m0 + t) * K + g * G;
+        __m256i isum = _mm256_setzero_si256();
+        for (int v = 0; v < G / 16; ++v)
+          isum = dot16_int16(isum, wv[j * (G / 16) + v],
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16 * v)));
+        const __m256 sd = _mm256_set1_ps(sg * x.d[(m0 + t) * groups + g]);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sd, acc[t]);
+      }
     }
   }
   for (int t = 0; t < T; ++t) total[t] = hsum(acc[t]);
@@ -301,6 +313,7 @@ at::Tensor int8_group_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const
   TORCH_CHECK(scale_in.size(1) > 0 && K % scale_in.size(1) == 0, "scale must be [N, K/G], got ", scale_in.sizes());
   const int64_t groups = scale_in.size(1), G = K / groups;
   TORCH_CHECK(G == 16 || G == 32, "int8_group_gemv's group size is 16 or 32, got ", G);
+  TORCH_CHECK(K % 32 == 0, "int8_group_gemv reads 32 values at a time: K must be a multiple of 32, got ", K);
   const GroupValues scale = group_values(scale_in, super_in, N, groups, "scale", "super_scale");
   const GroupValues offset = offset_values(offset_in, super_offset_in, N, groups);
   at::Tensor x = x_in.contiguous(), q = q_in.contiguous();
@@ -330,8 +343,8 @@ at::Tensor int8_group_dequantize(const at::Tensor& q_in, const at::Tensor& scale
   const int64_t N = q_in.size(0), row_bytes = q_in.size(1);
   const int bits = bits_for(q_in, K, "int8_group_dequantize");
   const int64_t groups = scale_in.size(1);
-  TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % 16 == 0, "int8_group_dequantize: scale ",
-              scale_in.sizes(), " for K=", K);
+  TORCH_CHECK(groups > 0 && K % groups == 0 && (K / groups) % 16 == 0 && K % 32 == 0,
+              "int8_group_dequantize: scale ", scale_in.sizes(), " for K=", K, " (K a multiple of 32)");
   const int64_t G = K / groups;
   const GroupValues scale = group_values(scale_in, super_in, N, groups, "scale", "super_scale");
   const GroupValues offset = offset_values(offset_in, super_offset_in, N, groups);
@@ -346,22 +359,27 @@ at::Tensor int8_group_dequantize(const at::Tensor& q_in, const at::Tensor& scale
       const float* o = offset.present() ? offset.row(n, o_row.data()) : nullptr;
       const uint8_t* row = qp + n * row_bytes;
       float* out = wp + n * K;
-      for (int64_t c = 0; c < K / 16; ++c) {  // 16 values a step, of group c * 16 / G
-        const int64_t g = c * 16 / G;
+      for (int64_t c = 0; c < K / 32; ++c) {  // 32 values a step
 #ifdef NANOQWEN_AVX2
-        const __m256i v = bits == 8 ? load16_weights<8>(row, c) : bits == 6 ? load16_weights<6>(row, c)
-                                                                            : load16_weights<5>(row, c);
+        const __m256i v = bits == 8 ? load32_weights<8>(row, c) : bits == 6 ? load32_weights<6>(row, c)
+                                                                            : load32_weights<5>(row, c);
         for (int h = 0; h < 2; ++h) {
-          const __m128i part = h ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v);
-          __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part)), _mm256_set1_ps(s[g]));
-          // a product, then a sum, each rounded: the reference's (the empty asm keeps the compiler from fusing them)
-          asm("" : "+x"(f));
-          if (o) f = _mm256_add_ps(f, _mm256_set1_ps(o[g]));
-          _mm256_storeu_ps(out + 16 * c + 8 * h, f);
+          const __m256i v16 = widen16(v, h);
+          const int64_t g = (32 * c + 16 * h) / G;
+          for (int e = 0; e < 2; ++e) {
+            const __m128i part = e ? _mm256_extracti128_si256(v16, 1) : _mm256_castsi256_si128(v16);
+            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(part)), _mm256_set1_ps(s[g]));
+            // a product, then a sum, each rounded: the reference's (the empty asm keeps the compiler from fusing them)
+            asm("" : "+x"(f));
+            if (o) f = _mm256_add_ps(f, _mm256_set1_ps(o[g]));
+            _mm256_storeu_ps(out + 32 * c + 16 * h + 8 * e, f);
+          }
         }
 #else
-        for (int64_t k = 16 * c; k < 16 * c + 16; ++k) {
-          const int32_t value = bits == 8 ? weight_at<8>(row, k) : bits == 6 ? weight_at<6>(row, k) : weight_at<5>(row, k);
+        for (int64_t k = 32 * c; k < 32 * c + 32; ++k) {
+          const int64_t g = k / G;
+          const int32_t value =
+              bits == 8 ? weight_at<8>(row, k) : bits == 6 ? weight_at<6>(row, k) : weight_at<5>(row, k);
           volatile float product = static_cast<float>(value) * s[g];  // (rounded before the sum, as the reference)
           out[k] = o ? product + o[g] : product;
         }
