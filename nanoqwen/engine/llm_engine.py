@@ -37,7 +37,6 @@ from nanoqwen.errors import ConfigError, EngineDeadError, InvalidRequestError
 from nanoqwen.layers.pooler import make_pooler
 from nanoqwen.lora.manager import LoRAManager
 from nanoqwen.lora.request import LoRARequest
-from nanoqwen.model_loader.gguf_file import is_gguf
 from nanoqwen.model_loader.hub import resolve_model_path
 from nanoqwen.model_loader.loader import load_config, load_generation_config, load_tokenizer
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
@@ -66,9 +65,6 @@ class LLMEngine:
         self.engine_config = config
         self.quantization = config.quantization
         self.model_dir = resolve_model_path(str(config.model), config.gguf_file)
-        if is_gguf(self.model_dir) and config.tensor_parallel_size > 1:
-            raise ConfigError(f"--model {self.model_dir}: tensor parallelism does not load GGUF files yet; use "
-                              "tensor_parallel_size 1, or the model's safetensors checkpoint")
         self.config = load_config(self.model_dir)
         # "generate", or a pooling task ("embed", "score": nanoqwen/config/pooling.py)
         self.task = resolve_task(self.model_dir, config.task)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,8 +28,15 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
-        # Each rank looks up the ids in its range and gives zeros for the others: the sum is every
-        # id's row.
-        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        x = F.embedding(torch.where(mine, input_ids - self.vocab_start, 0), self.weight)
-        return all_reduce(x.masked_fill_(~mine[:, None], 0))
+        return vocab_parallel_lookup(input_ids, self.vocab_start, self.vocab_end,
+                                     lambda ids: F.embedding(ids, self.weight))
+
+
+def vocab_parallel_lookup(input_ids: torch.Tensor, vocab_start: int, vocab_end: int,
+                          lookup: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Every id's row [N, H] from ranks that each hold rows [vocab_start, vocab_end) of the table (lookup(ids):
+    rows of this rank's part): each rank looks up the ids in its range and gives zeros for the others, so the
+    sum over the ranks (one all_reduce) is every id's row."""
+    mine = (input_ids >= vocab_start) & (input_ids < vocab_end)
+    x = lookup(torch.where(mine, input_ids - vocab_start, 0))
+    return all_reduce(x.masked_fill_(~mine[:, None], 0))

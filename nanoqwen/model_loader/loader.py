@@ -311,15 +311,15 @@ def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device:
     nanoqwen/layers/pooler.py). kernels: what the model computes with (the plain functions by default;
     an engine's choice: nanoqwen/worker/kernel_selection.py)."""
     if is_gguf(model_dir):
-        return load_gguf_model(model_dir, config, dtype, device, max_model_len, tp_size, quantization, task,
-                               kernels)
+        return load_gguf_model(model_dir, config, dtype, device, max_model_len, tp_rank, tp_size, quantization,
+                               task, kernels)
     elif quantization == "gguf":
         raise ConfigError(f"--quantization gguf: {model_dir} is not a GGUF file")
     files = safetensors_files(model_dir)
     own = checkpoint_quantization(read_json(model_dir / "config.json"), model_dir / "config.json")
     if own is not None:
-        return load_prequantized_model(model_dir, files, own, config, dtype, device, max_model_len, tp_size,
-                                       quantization, task, kernels, show_progress)
+        return load_prequantized_model(model_dir, files, own, config, dtype, device, max_model_len, tp_rank,
+                                       tp_size, quantization, task, kernels, show_progress)
     if quantization in CHECKPOINT_METHODS:
         raise ConfigError(f"--quantization {quantization}: {model_dir} is not quantized with {quantization.upper()} "
                           f"(its config.json has no quantization_config with quant_method {quantization}); leave "
@@ -339,13 +339,10 @@ def load_model(model_dir: Path, config: Qwen3Config, dtype: torch.dtype, device:
 
 
 def load_gguf_model(path: Path, config: Qwen3Config, dtype: torch.dtype, device: torch.device,
-                    max_model_len: int | None, tp_size: int, quantization: str | None, task: str,
+                    max_model_len: int | None, tp_rank: int, tp_size: int, quantization: str | None, task: str,
                     kernels: Kernels) -> Qwen3ForCausalLM:
     """load_model for a GGUF file (nanoqwen/model_loader/gguf.py): its quantised matrices kept as the file holds
-    them; quantization applies only to a file of float matrices."""
-    if tp_size > 1:
-        raise ConfigError(f"--model {path}: tensor parallelism does not load GGUF files yet; use "
-                          "tensor_parallel_size 1, or the model's safetensors checkpoint")
+    them (this rank's rows or columns of them); quantization applies only to a file of float matrices."""
     if quantization in CHECKPOINT_METHODS and quantization != "gguf":
         raise ConfigError(f"--quantization {quantization}: {path} is a GGUF file, not quantized with "
                           f"{quantization.upper()}; leave the flag out (or pass --quantization gguf)")
@@ -356,7 +353,7 @@ def load_gguf_model(path: Path, config: Qwen3Config, dtype: torch.dtype, device:
         raise ConfigError(f"--model {path} is already quantized ({', '.join(kinds)}): leave out "
                           f"--quantization {quantization} (nanoqwen computes with the file's own weights)")
     with _default_dtype(dtype), torch.device("cpu"):  # (parameters left unwritten are never committed)
-        model = Qwen3ForCausalLM(config, max_model_len, 0, 1, lm_head=task != "embed", kernels=kernels)
+        model = Qwen3ForCausalLM(config, max_model_len, tp_rank, tp_size, lm_head=task != "embed", kernels=kernels)
     load_gguf_weights(model, ckpt)
     ckpt.close()
     if check_quantization(quantization) is not None:  # a file of float matrices: as load_model quantises
@@ -368,19 +365,17 @@ def load_gguf_model(path: Path, config: Qwen3Config, dtype: torch.dtype, device:
 
 
 def load_prequantized_model(model_dir: Path, files: list[Path], own: dict, config: Qwen3Config, dtype: torch.dtype,
-                            device: torch.device, max_model_len: int | None, tp_size: int, quantization: str | None,
-                            task: str, kernels: Kernels, show_progress: bool | None) -> Qwen3ForCausalLM:
+                            device: torch.device, max_model_len: int | None, tp_rank: int, tp_size: int,
+                            quantization: str | None, task: str, kernels: Kernels,
+                            show_progress: bool | None) -> Qwen3ForCausalLM:
     """load_model for an AWQ, GPTQ or FP8 checkpoint (nanoqwen/model_loader/prequantized.py): its quantised
-    projections held as they are, the rest loaded as usual."""
+    projections held as they are (this rank's rows or columns of them), the rest loaded as usual."""
     method = own["quant_method"]
     if quantization not in (None, method):
         raise ConfigError(f"--model {model_dir} is already quantized ({method}): leave out --quantization "
                           f"{quantization} (or pass --quantization {method})")
-    if tp_size > 1:
-        raise ConfigError(f"--model {model_dir}: tensor parallelism does not load {method.upper()} checkpoints yet; "
-                          "use tensor_parallel_size 1")
     with _default_dtype(dtype), torch.device("cpu"):  # (parameters replaced before they are written: never committed)
-        model = Qwen3ForCausalLM(config, max_model_len, 0, 1, lm_head=task != "embed", kernels=kernels)
+        model = Qwen3ForCausalLM(config, max_model_len, tp_rank, tp_size, lm_head=task != "embed", kernels=kernels)
     load_prequantized(model, files, own)
     load_weights(model, files, show_progress, skip=lambda name: is_quantized_tensor(name, method))
     return model.to(device).eval()

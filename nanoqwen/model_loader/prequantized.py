@@ -14,8 +14,10 @@ import torch
 from safetensors import safe_open
 
 from nanoqwen.errors import ConfigError, WeightsError
+from nanoqwen.model_loader.sharding import COLUMNS, ROWS, rank_share
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.ops.cpu.memory import release_freed_memory
+from nanoqwen.ops.gguf_quants import GroupedWeights
 from nanoqwen.ops.hf_quants import unpack_awq, unpack_gptq
 from nanoqwen.quantization.prequantized import (
     CheckpointExperts,
@@ -35,6 +37,8 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 PROJECTIONS = {part: (fused, i) for fused, parts in FUSED.items() for i, part in enumerate(parts)}
 PROJECTIONS.update({"self_attn.o_proj": ("self_attn.o_proj", 0), "mlp.down_proj": ("mlp.down_proj", 0)})
+# our modules (and MoE expert matrices) whose output rows tensor parallelism cuts; it cuts the others' inputs
+COLUMN_PARALLEL = ("self_attn.qkv_proj", "mlp.gate_up_proj", "gate_up_proj")
 EXPERT_PROJECTIONS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 
 
@@ -115,7 +119,8 @@ def load_prequantized(model: Qwen3ForCausalLM, files: list[Path], q: dict[str, A
                     continue  # (its g_idx may come after)
                 del pending[prefix]
                 layer, module, part = target
-                parts.setdefault((layer, module), {})[part] = _matrix(method, got, group, q, prefix)
+                matrix = _rank_part(model, module, part, _matrix(method, got, group, q, prefix), prefix)
+                parts.setdefault((layer, module), {})[part] = matrix
                 if _complete(model, layer, module, parts[(layer, module)]):
                     _place(model, layer, module, parts.pop((layer, module)), method, prefix)
                     release_freed_memory()
@@ -126,14 +131,46 @@ def load_prequantized(model: Qwen3ForCausalLM, files: list[Path], q: dict[str, A
 
 
 def _matrix(method: str, got: dict[str, torch.Tensor], group: int, q: dict[str, Any], where: str) -> Any:
+    """One projection's matrix: FP8 (weight, its scales one row per weight row [n, K / block]); AWQ and GPTQ
+    (GroupedWeights, GPTQ's act order or None)."""
     if method == "fp8":
-        if got["weight"].dtype != torch.float8_e4m3fn:
-            raise WeightsError(f"{where}.weight is {got['weight'].dtype}, expected float8_e4m3fn (quant_method fp8)")
-        return got["weight"], got["weight_scale_inv"]
+        weight, scale_inv = got["weight"], got["weight_scale_inv"]
+        if weight.dtype != torch.float8_e4m3fn:
+            raise WeightsError(f"{where}.weight is {weight.dtype}, expected float8_e4m3fn (quant_method fp8)")
+        block_rows = int(q.get("weight_block_size", [128, 128])[0])
+        return weight, scale_inv.repeat_interleave(block_rows, 0)[: weight.shape[0]]
     if method == "awq":
         return unpack_awq(got["qweight"], got["qzeros"], got["scales"], group), None
     zeros_minus_one = q.get("checkpoint_format", "gptq") == "gptq"
     return unpack_gptq(got["qweight"], got["qzeros"], got["scales"], got.get("g_idx"), group, zeros_minus_one)
+
+
+def _rank_part(model: Qwen3ForCausalLM, module: str, part: tuple[str, int], matrix: Any, where: str) -> Any:
+    """This tensor-parallel rank's share of one projection's matrix (_matrix's form): its 1/tp of the output rows
+    where our module is column-parallel (qkv_proj, gate_up_proj: each part cut on its own), of the input columns
+    where it is row-parallel (o_proj, down_proj). A cut inside a group of scales is a ConfigError."""
+    rank, size = model.tp_rank, model.tp_size
+    if size == 1:
+        return matrix
+    weights, extra = matrix
+    dim = ROWS if (part[0] if module == "experts" else module) in COLUMN_PARALLEL else COLUMNS
+    if isinstance(weights, GroupedWeights):  # AWQ, GPTQ
+        if extra is not None and dim == COLUMNS:
+            raise ConfigError(f"{where}: a GPTQ checkpoint with act order (desc_act: true) cannot be cut over "
+                              f"tensor_parallel_size {size} ranks (its groups run over all inputs in another "
+                              "order); use tensor_parallel_size 1, or a checkpoint without desc_act")
+        return rank_share(weights, dim, rank, size, where), extra
+    # FP8: its scales one row per weight row, one column per block of inputs
+    if dim == ROWS:
+        return rank_share(weights, ROWS, rank, size, where), rank_share(extra, ROWS, rank, size, where)
+    n = weights.shape[1]
+    block = -(-n // extra.shape[1])
+    if (n // size) % block:
+        raise ConfigError(f"{where}: tensor_parallel_size {size} cuts its {n} inputs into {n // size} a rank, not a "
+                          f"multiple of the FP8 scales' block of {block}; use a tensor_parallel_size that divides "
+                          f"{n // block}")
+    return (rank_share(weights, COLUMNS, rank, size, where).contiguous(),
+            rank_share(extra, COLUMNS, rank, size, where).contiguous())
 
 
 def _complete(model: Qwen3ForCausalLM, layer: int, module: str, got: dict) -> bool:

@@ -92,6 +92,33 @@ class GroupedWeights:
             w = w + self.offset[..., None]
         return w.view(rows, cols)
 
+    def rows(self, start: int, end: int) -> GroupedWeights:
+        """Rows [start, end) of the matrix (a tensor-parallel rank's output rows), in the same form."""
+        return self._cut(0, start, end, 1)
+
+    def columns(self, start: int, end: int) -> GroupedWeights:
+        """Columns [start, end) of the matrix (a tensor-parallel rank's inputs): start and end must fall on a
+        group's boundary, else a ValueError naming it. Two-level scales stay two-level where the cut falls on
+        super-block boundaries too; else the share keeps the same scales as one level (float32, exact)."""
+        if start % self.group or end % self.group:
+            raise ValueError(f"columns [{start}, {end}) do not start and end on a boundary of {self.group} inputs "
+                             f"(each group of {self.group} shares its scale)")
+        return self._cut(1, start, end, self.group)
+
+    def _cut(self, dim: int, start: int, end: int, per: int) -> GroupedWeights:
+        """Every tensor's slice along dim for elements [start, end) of q (per: q's elements a scale holds there;
+        the super-block values hold `groups` scales each: a cut through super-blocks keeps one level of scales)."""
+        def cut(x: torch.Tensor | None, step: int) -> torch.Tensor | None:
+            return None if x is None else x.narrow(dim, start // step, (end - start) // step).contiguous()
+
+        t = self.two_level
+        super_step = per * t.groups if t is not None else 1
+        whole_supers = t is not None and (dim == 0 or (start % super_step == 0 and end % super_step == 0))
+        two_level = None if not whole_supers else TwoLevelScales(
+            cut(t.sub_scale, per), cut(t.sub_offset, per), cut(t.super_scale, per * (t.groups if dim else 1)),
+            cut(t.super_offset, per * (t.groups if dim else 1)), t.groups)
+        return GroupedWeights(cut(self.q, 1), cut(self.scale, per), cut(self.offset, per), self.group, two_level)
+
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """Two bytes per element at the end of b ([..., 2] uint8) as float32 [...]."""

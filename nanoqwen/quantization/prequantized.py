@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoqwen.layers.embedding import vocab_parallel_lookup
 from nanoqwen.layers.experts import Experts
 from nanoqwen.layers.linear import Linear
 from nanoqwen.ops.cpu.matmul import MatmulPath
@@ -165,6 +166,8 @@ def quantized_linear(linear: Linear, w: GroupedWeights) -> QuantizedLinear:
         q = w.q if w.q.dtype == torch.int8 else w.q.to(torch.int8)
         if t is not None and t.sub_offset is None and t.sub_scale.dtype == torch.int8 and t.groups == 16:  # Q6_K
             return Int8GroupLinear.from_buffers(linear, pack_int6(q), t.sub_scale, None, t.super_scale, None)
+        if t is None and q.shape[1] % 32 == 0 and -32 <= int(q.min()) and int(q.max()) < 32:
+            q = pack_int6(q)  # (Q6_K's values with one level of scales: a tensor-parallel share, model_loader/sharding)
     if t is not None and (w.offset is None) == (t.sub_offset is None):  # two levels, as the file holds them
         return Int8GroupLinear.from_buffers(linear, q, t.sub_scale, t.sub_offset, t.super_scale, t.super_offset)
     return Int8GroupLinear.from_buffers(linear, q, as_float16_if_exact(w.scale),
@@ -215,10 +218,10 @@ class InputOrderLinear(nn.Module):
 
 
 def fp8_linear(linear: Linear, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> QuantizedLinear:
-    """The Fp8Linear version of `linear` from its parts' (weight float8 [n, K], scale_inv [n / bn, K / bk]) in order:
-    the scales one row per weight row, so the parts' rows stack."""
+    """The Fp8Linear version of `linear` from its parts' (weight float8 [n, K], scales [n, K / bk]: the checkpoint's
+    scale_inv one row per weight row) in order: their rows stacked."""
     weights = torch.cat([w for w, _ in parts])
-    scales = torch.cat([s.repeat_interleave(-(-w.shape[0] // s.shape[0]), 0)[: w.shape[0]] for w, s in parts])
+    scales = torch.cat([s for _, s in parts])
     return Fp8Linear.from_buffers(linear, weights, scales.float().contiguous())
 
 
@@ -249,19 +252,28 @@ class CheckpointExperts(Experts):
 class QuantizedEmbedding(nn.Module):
     """An embedding table held in a quantised format (`table`: an Int4Linear or Int8GroupLinear [V, H]): a lookup
     dequantises just the rows it reads, to `dtype`. `weight` is the table's matrix, so a tied LM head (the same
-    `table` module) is recognised as tied."""
+    `table` module) is recognised as tied. With tp_size > 1 the table is this rank's rows [vocab_start,
+    vocab_start + V/tp) of the vocabulary, looked up as VocabParallelEmbedding does (nanoqwen/layers/embedding.py:
+    zeros for the other ranks' ids, one all_reduce)."""
 
-    def __init__(self, table: QuantizedLinear, dtype: torch.dtype) -> None:
+    def __init__(self, table: QuantizedLinear, dtype: torch.dtype, vocab_start: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.table = table
         self.dtype = dtype
-        self.tp_size = 1
+        self.tp_size = tp_size
+        self.vocab_start, self.vocab_end = vocab_start, vocab_start + table.out_features
 
     @property
     def weight(self) -> torch.Tensor:
         return self.table.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self.lookup(input_ids)
+        return vocab_parallel_lookup(input_ids, self.vocab_start, self.vocab_end, self.lookup)
+
+    def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The table's rows `input_ids` (of this rank's table) in `dtype` [len(input_ids), H]."""
         t = self.table
         if isinstance(t, Int4Linear):  # rows stored lane by lane in blocks of 16: dequantise each id's block
             n, rows = t.weight.shape[0], INT4_BLOCK_ROWS

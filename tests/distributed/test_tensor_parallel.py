@@ -20,7 +20,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import PROMPTS as LOOPING
-from conftest import SYSTEM, make_llm
+from conftest import SYSTEM, make_llm, tiny_config
+from gguf_files import T as GGUF_TYPES
+from gguf_files import write_gguf
+from quantized_checkpoints import write_quantized
 
 import nanoqwen.distributed as distributed
 import nanoqwen.model_loader.loader as loader
@@ -83,6 +86,9 @@ def case_dir(checkpoint, tmp_path_factory):
 
 # where steps stay under the compiled kernels' 64 tokens: skip compiling them
 EAGER = {"enforce_eager": True}
+# what a llama.cpp Q4_K_M file holds beside Q4_K (tests/model_loader/test_gguf.py)
+GGUF_Q4_K_M = {"attn_v.weight": GGUF_TYPES.Q6_K, "ffn_down.weight": GGUF_TYPES.Q6_K,
+               "token_embd.weight": GGUF_TYPES.Q6_K}
 
 
 @contextlib.contextmanager
@@ -213,6 +219,29 @@ def test_tp2_ngram_speculation_gives_the_answers_of_tp1(checkpoint):
 
 
 # ---------------------------------------------------------------- sharded loading
+
+
+# quantised checkpoints whose quantisation groups (AWQ's 128, FP8's blocks of 128, K-quant super-blocks of 256) a
+# rank's share of o_proj's and down_proj's inputs does not split
+QUANTIZED_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                       head_dim=64)
+
+
+@pytest.mark.parametrize("kind", ["awq", "fp8", "gguf-q4_k_m"])
+def test_tp2_runs_a_quantized_checkpoint_as_tp1_does(checkpoint, tmp_path, kind):
+    """An AWQ or FP8 checkpoint and a Q4_K_M GGUF file (its Q6_K table tied, quantised) run over two ranks, each
+    holding its share of the file's own quantised matrices, with TP=1's tokens."""
+    if kind == "gguf-q4_k_m":
+        path, _ = write_gguf(tmp_path, tiny_config(**QUANTIZED_SHAPE), GGUF_Q4_K_M, GGUF_TYPES.Q4_K)
+    else:
+        path, _, _ = write_quantized(checkpoint("tiny", dtype="float32", **QUANTIZED_SHAPE), tmp_path, kind)
+    expected = run_all(make_llm(path, **EAGER))
+    with tp_llm(path, **EAGER) as llm:
+        got = run_all(llm)
+    for key in ("batch", "again", "forks"):
+        assert got[key] == expected[key], key
+    for a, b in zip(got["logprobs"], expected["logprobs"], strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
 
 
 def expected_shard(name: str, full: torch.Tensor, rank: int,

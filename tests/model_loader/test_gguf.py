@@ -17,6 +17,7 @@ from conftest import hf_model, prompt_logits, run_cli, tiny_config
 from gguf_files import T, random_blocks, write_gguf
 
 from nanoqwen import LLM, ConfigError, ModelNotFoundError, SamplingParams, WeightsError
+from nanoqwen.layers.linear import Linear
 from nanoqwen.model_loader.gguf_file import GGUFCheckpoint
 from nanoqwen.model_loader.hub import resolve_model_path
 from nanoqwen.model_loader.init_random import ASSETS
@@ -323,3 +324,91 @@ def test_a_model_ollama_pulled_runs_by_its_name_or_manifest(gguf_model, tmp_path
     (tmp_path / "models" / "blobs" / blob.name).unlink()
     with pytest.raises(ModelNotFoundError, match="its weights blob sha256:[0-9a-f]+ is not in the store"):
         resolve_model_path(str(manifest))
+
+
+def matrix_of(module: torch.nn.Module, in_features: int, expert: tuple[str, int] | None = None) -> torch.Tensor:
+    """The float32 matrix [out, in] a (quantised, possibly stacked) column-parallel linear, a row-parallel one's part
+    of the sum, or an expert computes with: its product with the identity (exact)."""
+    eye = torch.eye(in_features)
+    with torch.no_grad():
+        if expert is not None:
+            return module.expert_linear(eye, *expert).T
+        return (module.matmul(eye, None) if isinstance(module, Linear) else module(eye)).T
+
+
+def rank_rows(w: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
+    """Rank `rank` of 2's rows of a matrix stacked from parts of these sizes: half of each part."""
+    return torch.cat([p.chunk(2)[rank] for p in w.split(sizes)])
+
+
+# K-quant super-blocks hold 256 inputs: a rank's share of o_proj's and down_proj's inputs must be whole ones
+TP_SHAPE = {"num_attention_heads": 8}  # o_proj 512 inputs, down_proj 512: 256 a rank
+
+
+@pytest.mark.parametrize("name,types,default,overrides", [
+    ("tp-q4_k_m", Q4_K_M, T.Q4_K, TP_SHAPE),
+    ("tp-mixed", MIXED, T.Q4_K, {**TP_SHAPE, "untied": True, "tie_word_embeddings": False}),
+    ("tp-moe", {"ffn_down_exps.weight": T.Q8_0}, T.Q4_K, {**_moe(), **TP_SHAPE}),
+    ("tp-f16", {"token_embd.weight": T.F16}, T.F16, TP_SHAPE),
+], ids=["q4_k_m", "every-type-untied", "moe", "f16"])
+def test_tensor_parallel_ranks_hold_their_share_of_the_file(gguf_model, name, types, default, overrides):
+    """tensor_parallel_size 2: each rank holds its half of every matrix as the file holds it: the output rows of each
+    part of qkv_proj and gate_up_proj (each expert's gate and up), of the LM head and of the embedding table (a
+    quantised one looked up as VocabParallelEmbedding is), the input columns of o_proj and down_proj; each exactly
+    that slice of the whole matrix."""
+    path, _ = gguf_model(name, types, default, **overrides)
+    config = load_config(path)
+    cpu = torch.device("cpu")
+    whole = load_model(path, config, torch.float32, cpu)
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    vocab, hidden = config.vocab_size, config.hidden_size
+    for rank in range(2):
+        shard = load_model(path, config, torch.float32, cpu, tp_rank=rank, tp_size=2)
+        assert shard.is_tied == whole.is_tied
+        table = matrix_of(whole.lm_head, hidden)
+        assert torch.equal(matrix_of(shard.lm_head, hidden), table.chunk(2)[rank])
+        if isinstance(whole.embed_tokens, QuantizedEmbedding):
+            assert shard.embed_tokens.vocab_start == rank * vocab // 2 and shard.embed_tokens.tp_size == 2
+            rows = torch.arange(vocab // 2)
+            assert torch.equal(shard.embed_tokens.lookup(rows), whole.embed_tokens.lookup(rows + rank * vocab // 2))
+        else:
+            assert torch.equal(shard.embed_tokens.weight, whole.embed_tokens.weight.chunk(2)[rank])
+        for full, part in zip(whole.layers, shard.layers, strict=True):
+            # module: (its inputs, its parts' rows to cut, or None: cut the inputs)
+            cuts = {"self_attn.qkv_proj": (hidden, [q, kv, kv]), "self_attn.o_proj": (q, None)}
+            if hasattr(full.mlp, "experts"):
+                for e in range(config.num_experts):
+                    gate_up = matrix_of(full.mlp.experts, hidden, ("gate_up_proj", e))
+                    inter = gate_up.shape[0] // 2
+                    assert torch.equal(matrix_of(part.mlp.experts, hidden, ("gate_up_proj", e)),
+                                       rank_rows(gate_up, [inter, inter], rank))
+                    assert torch.equal(matrix_of(part.mlp.experts, inter // 2, ("down_proj", e)),
+                                       matrix_of(full.mlp.experts, inter, ("down_proj", e)).chunk(2, 1)[rank])
+                assert torch.equal(part.mlp.gate.weight, full.mlp.gate.weight)  # the router: whole
+            else:
+                inter = config.intermediate_size
+                cuts |= {"mlp.gate_up_proj": (hidden, [inter, inter]), "mlp.down_proj": (inter, None)}
+            for module, (inputs, sizes) in cuts.items():
+                a, b = full.get_submodule(module), part.get_submodule(module)
+                w = matrix_of(a, inputs)
+                want = rank_rows(w, sizes, rank) if sizes else w.chunk(2, 1)[rank]
+                assert torch.equal(matrix_of(b, want.shape[1]), want), (name, module, rank)
+
+
+def test_tensor_parallel_cuts_through_super_blocks_with_one_level_of_scales(gguf_model, tmp_path):
+    """o_proj's 256 inputs cut in two are 128 a rank, half a Q4_K super-block of 256: that share keeps the same
+    scales as one level (float32, exact: the slice of the whole matrix), while down_proj's Q6_K share (256 a rank)
+    stays two-level at 6 bits. A cut inside a group of 32 is a ConfigError naming the tensor and the fix."""
+    path, _ = gguf_model("q4_k_m", Q4_K_M, T.Q4_K)
+    config = load_config(path)
+    whole = load_model(path, config, torch.float32, torch.device("cpu"))
+    shard = load_model(path, config, torch.float32, torch.device("cpu"), tp_rank=1, tp_size=2)
+    o_proj, down_proj = shard.layers[0].self_attn.o_proj, shard.layers[0].mlp.down_proj
+    assert isinstance(o_proj, Int4Linear) and o_proj.scale.dtype == torch.float32 and o_proj.super_scale is None
+    assert torch.equal(matrix_of(o_proj, 128), matrix_of(whole.layers[0].self_attn.o_proj, 256).chunk(2, 1)[1])
+    assert isinstance(down_proj, Int8GroupLinear) and down_proj.super_scale is not None
+    assert down_proj.weight.dtype == torch.uint8  # (6 bits a value)
+    odd, _ = write_gguf(tmp_path, tiny_config(**{**SHAPE, "intermediate_size": 96}), {}, T.Q8_0)  # 48 a rank
+    with pytest.raises(ConfigError, match=r"blk\.0\.ffn_down\.weight: tensor_parallel_size 2 cuts its 96 inputs "
+                                          r"into 48 a rank.*boundary of 32.*use a tensor_parallel_size"):
+        load_model(odd, load_config(odd), torch.float32, torch.device("cpu"), tp_rank=0, tp_size=2)

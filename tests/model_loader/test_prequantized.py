@@ -128,3 +128,76 @@ def test_quantization_flag_rules(quantized, checkpoint):
     plain = checkpoint("tiny", dtype="float32", **SHAPE)
     with pytest.raises(ConfigError, match="--quantization gptq: .* is not quantized with GPTQ"):
         LLM(str(plain), quantization="gptq", max_model_len=128, kv_cache_memory=32 << 20)
+
+
+def matrix_of(module: torch.nn.Module, in_features: int, expert: tuple[str, int] | None = None) -> torch.Tensor:
+    """The float32 matrix [out, in] a quantised linear (or an expert's) computes with: its product with the
+    identity (each output one weight times 1.0: exact)."""
+    eye = torch.eye(in_features)
+    with torch.no_grad():
+        y = module.matmul(eye, None) if expert is None else module.expert_linear(eye, *expert)
+    return y.T
+
+
+def rank_rows(w: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
+    """Rank `rank` of 2's rows of a column-parallel matrix stacked from parts of these sizes: half of each part."""
+    return torch.cat([p.chunk(2)[rank] for p in w.split(sizes)])
+
+
+@pytest.mark.parametrize("method,moe", [("awq", False), ("gptq", False), ("fp8", False), ("awq", True)],
+                         ids=["awq", "gptq", "fp8", "awq-moe"])
+def test_tensor_parallel_ranks_hold_their_rows_and_columns(quantized, method, moe):
+    """tensor_parallel_size 2: each rank holds its half of every quantised matrix, in the checkpoint's format: the
+    output rows of each part of qkv_proj and gate_up_proj (each expert's gate and up), the input columns of o_proj
+    and down_proj; what each rank's matrix computes is exactly that slice of the whole one."""
+    path, _, _ = quantized(method, moe=moe)
+    config = load_config(path)
+    cpu = torch.device("cpu")
+    whole = load_model(path, config, torch.float32, cpu)
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    for rank in range(2):
+        shard = load_model(path, config, torch.float32, cpu, tp_rank=rank, tp_size=2)
+        for full, part in zip(whole.layers, shard.layers, strict=True):
+            cuts = {"self_attn.qkv_proj": lambda w: rank_rows(w, [q, kv, kv], rank),  # noqa: B023 (used at once)
+                    "self_attn.o_proj": lambda w: w.chunk(2, 1)[rank]}  # noqa: B023
+            experts = getattr(full.mlp, "experts", None)
+            if isinstance(experts, CheckpointExperts):
+                for e in range(experts.num_experts):
+                    gate_up = matrix_of(experts, config.hidden_size, ("gate_up_proj", e))
+                    inter = gate_up.shape[0] // 2
+                    assert torch.equal(matrix_of(part.mlp.experts, config.hidden_size, ("gate_up_proj", e)),
+                                       rank_rows(gate_up, [inter, inter], rank))
+                    down = matrix_of(experts, inter, ("down_proj", e))
+                    assert torch.equal(matrix_of(part.mlp.experts, inter // 2, ("down_proj", e)),
+                                       down.chunk(2, 1)[rank])
+            else:
+                inter = full.mlp.gate_up_proj.out_features // 2
+                cuts["mlp.gate_up_proj"] = lambda w: rank_rows(w, [inter, inter], rank)  # noqa: B023
+                cuts["mlp.down_proj"] = lambda w: w.chunk(2, 1)[rank]  # noqa: B023
+            for name, cut in cuts.items():
+                a, b = full.get_submodule(name), part.get_submodule(name)
+                assert isinstance(b, type(a)), name
+                want = cut(matrix_of(a, a.in_features))
+                assert torch.equal(matrix_of(b, want.shape[1]), want), (name, rank)
+        o_proj = shard.layers[0].self_attn.o_proj
+        assert isinstance(o_proj, {"awq": Int4Linear, "gptq": Int4Linear, "fp8": Fp8Linear}[method])
+        assert o_proj.tp_size == 2
+
+
+@pytest.mark.parametrize("method", ["awq", "fp8"])
+def test_tensor_parallel_refuses_cuts_a_checkpoint_cannot_take(quantized, checkpoint, tmp_path, method):
+    """No rank's cut may split a group of scales (AWQ/GPTQ's 128 inputs, FP8's blocks of 128), and GPTQ with act
+    order cannot cut its row-parallel inputs at all (its groups run over all inputs in another order): each a
+    ConfigError naming the tensor and the fix."""
+    src = checkpoint("tiny", dtype="float32", **{**SHAPE, "intermediate_size": 384})  # 192 inputs a rank
+    path, _, _ = write_quantized(src, tmp_path / method, method)
+    config = load_config(path)
+    load_model(path, config, torch.float32, torch.device("cpu"))  # whole: fine
+    for rank in range(2):
+        with pytest.raises(ConfigError, match=r"mlp.down_proj: tensor_parallel_size 2 cuts its 384 inputs into "
+                                              r"192 a rank.*128.*use a tensor_parallel_size"):
+            load_model(path, config, torch.float32, torch.device("cpu"), tp_rank=rank, tp_size=2)
+    if method == "awq":
+        path, _, _ = quantized("gptq", act_order=True)
+        with pytest.raises(ConfigError, match=r"_proj: a GPTQ checkpoint with act order .* tensor_parallel_size 1"):
+            load_model(path, load_config(path), torch.float32, torch.device("cpu"), tp_rank=0, tp_size=2)

@@ -1,0 +1,30 @@
+"""A tensor-parallel rank's share of one checkpoint matrix held as the file holds it (a float tensor, or a quantised
+one as GroupedWeights: a GGUF file's, an AWQ or GPTQ checkpoint's): its 1/tp of the output rows where the model's
+linear is column-parallel, of the input columns where it is row-parallel (nanoqwen/layers/linear.py says which is
+which). A float checkpoint's tensors are cut as they are read (loader.load_weights); these are cut whole."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoqwen.errors import ConfigError
+from nanoqwen.ops.gguf_quants import GroupedWeights
+
+ROWS, COLUMNS = 0, 1  # the dimension a share cuts
+
+
+def rank_share(matrix: torch.Tensor | GroupedWeights, dim: int, rank: int, size: int,
+               where: str) -> torch.Tensor | GroupedWeights:
+    """Rank `rank` of `size`'s share of `matrix` [rows, cols] along dim (ROWS or COLUMNS), in the same form. A cut
+    inside a group of a quantised matrix's scales is a ConfigError naming `where` and the fix."""
+    if size == 1:
+        return matrix
+    n = (matrix.q if isinstance(matrix, GroupedWeights) else matrix).shape[dim]
+    start, end = rank * n // size, (rank + 1) * n // size
+    if not isinstance(matrix, GroupedWeights):
+        return matrix.narrow(dim, start, end - start)
+    try:
+        return matrix.rows(start, end) if dim == ROWS else matrix.columns(start, end)
+    except ValueError as e:
+        raise ConfigError(f"{where}: tensor_parallel_size {size} cuts its {n} inputs into {n // size} a rank, which "
+                          f"does not fit its quantisation groups: {e}; use a tensor_parallel_size that does") from None
