@@ -24,6 +24,8 @@ INT4_GROUP_SIZE = 64  # inputs per int4 scale and offset (module docstring)
 INT4_BLOCK_ROWS = 16  # int4 rows stored lane by lane, a block at a time (module docstring)
 # The zero point of a symmetric int4 matrix (no offsets): each weight is scale * (q - 8), as a GGUF file's Q4_0 holds it
 SYMMETRIC_ZERO = 8
+# The same for 5-bit values (dequantize_int8_group): each weight scale * (q - 16), as a GGUF file's Q5_0 holds it
+SYMMETRIC_ZERO_5BIT = 16
 
 
 def scale_rounded_up(s32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -208,14 +210,19 @@ def dequantize_int8_group(q: torch.Tensor, scale: torch.Tensor, offset: torch.Te
     """q * scale + offset in float32 [out, in] (scale and offset per group of in/groups inputs): the weight an
     Int8GroupLinear computes with (quantization/int8_group.py); q int8, or uint8 packed at 5 bits (pack_int5) or 6
     (pack_int6). scale and offset float32 or float16, or two levels: small integers (int8 or uint8) with
-    super_scale / super_offset, a group's value their product (group_values)."""
+    super_scale / super_offset, a group's value their product (group_values). 5-bit values without offsets are
+    symmetric: the offset is -SYMMETRIC_ZERO_5BIT * scale (exact in float32)."""
     groups = scale.shape[1]
-    if q.dtype == torch.uint8:
-        q = unpack_int5(q) if packed_bits(q, groups) == 5 else unpack_int6(q)
+    bits = packed_bits(q, groups)
+    if bits < 8:
+        q = unpack_int5(q) if bits == 5 else unpack_int6(q)
     out_features, in_features = q.shape
-    w = q.float().view(out_features, groups, -1) * group_values(scale, super_scale)[..., None]
+    scales = group_values(scale, super_scale)
+    w = q.float().view(out_features, groups, -1) * scales[..., None]
     if offset is not None:
         w = w + group_values(offset, super_offset)[..., None]
+    elif bits == 5:
+        w = w + (-SYMMETRIC_ZERO_5BIT * scales)[..., None]
     return w.view(out_features, in_features)
 
 

@@ -10,12 +10,13 @@ For W [out, in] in groups of G consecutive inputs of a row (G = 32, or 16 for Q6
                                                        the activation dtype once
 
 Scales and offsets are the file's own values, exact: float16 where the file's are float16 (Q8_0's, Q5_0's and
-Q5_1's d and m; Q5_0's values are held as q + 16 with the offset -16 d, exact), or in two levels as the K types
+Q5_1's d and m; Q5_0's values are held as q + 16 without offsets, the symmetric 5-bit form whose offset -16 d the
+kernels make from d), or in two levels as the K types
 hold them: small integers a group (`scale`, `offset`: Q5_K's 6-bit sub-scales and mins as uint8, Q6_K's int8
 sub-scales) times a float32 per super-block of groups (`super_scale`, `super_offset`: Q5_K's d and -dmin per 8
 groups, Q6_K's d per 16). The values are packed where they fit fewer bits (ops/quantize.py): Q5's 0..31 at 5 bits
 (`weight` uint8 [out, 5 in / 8], pack_int5), Q6_K's -32..31 at 6 (uint8 [out, 3 in / 4], pack_int6). Bits a
-weight: Q8_0 8.5, Q5_0 6, Q5_1 6, Q5_K 5.75, Q6_K 6.625 (the file's: 8.5, 5.5, 6, 5.5, 6.5625).
+weight: Q8_0 8.5, Q5_0 5.5, Q5_1 6, Q5_K 5.75, Q6_K 6.625 (the file's: 8.5, 5.5, 6, 5.5, 6.5625).
 
 Kernels: for up to 16 bf16 rows on a CPU with nanoqwen's kernels (decode), `int8_group_gemv`
 (ops/cpu/kernels.py): x rounded to int16 per group (as int8_gemv rounds it per 64), integer dot products per

@@ -15,8 +15,9 @@ second quantisation).
   weight.
 - Q8_0, Q5_0, Q5_1, Q5_K, Q6_K: the grouped int8 format (int8_group.py: `Int8GroupLinear`), groups of 32 (Q6_K:
   16), scales and offsets (where the type has them) in float16 where that holds them exactly, the K types' in two
-  levels as the file holds them; values that fit 5 bits (Q5_*: 0..31, Q5_0's -16..15 as q + 16 with the offset
-  -16 d) packed at 5 bits, Q6_K's at 6: Q5_K 5.75 bits a weight (the file's 5.5), Q6_K 6.625 (6.5625).
+  levels as the file holds them; values that fit 5 bits (Q5_*: 0..31, Q5_0's -16..15 as q + 16 without offsets:
+  the symmetric 5-bit form, 5.5 bits a weight as the file) packed at 5 bits, Q6_K's at 6: Q5_K 5.75 bits a weight
+  (the file's 5.5), Q6_K 6.625 (6.5625).
 - One fused matrix made of several tensors (q/k/v, gate/up) whose formats differ (a Q4_K_M file keeps attn_v of
   some layers in Q6_K beside Q4_K attn_q and attn_k): a `StackedLinear` of the runs of parts that share a format
   (q and k as one int4 matrix, v as grouped int8), their outputs side by side.
@@ -40,6 +41,7 @@ from nanoqwen.ops.gguf_quants import GroupedWeights, TwoLevelScales
 from nanoqwen.ops.quantize import (
     INT4_BLOCK_ROWS,
     SYMMETRIC_ZERO,
+    SYMMETRIC_ZERO_5BIT,
     dequantize_int4,
     dequantize_int8_group,
     pack_int4,
@@ -162,6 +164,8 @@ def quantized_linear(linear: Linear, w: GroupedWeights) -> QuantizedLinear:
     if five is not None:
         w, t = five, five.two_level
         q = pack_int5(w.q)
+        if t is None and torch.equal(w.offset, -SYMMETRIC_ZERO_5BIT * w.scale):  # Q5_0: no offsets held
+            return Int8GroupLinear.from_buffers(linear, q, as_float16_if_exact(w.scale), None, None, None)
     else:
         q = w.q if w.q.dtype == torch.int8 else w.q.to(torch.int8)
         if t is not None and t.sub_offset is None and t.sub_scale.dtype == torch.int8 and t.groups == 16:  # Q6_K
@@ -180,7 +184,7 @@ def five_bit(w: GroupedWeights) -> GroupedWeights | None:
     if w.group % 16:
         return None
     low, high = int(w.q.min()), int(w.q.max())
-    if 0 <= low and high < 32:
+    if 0 <= low and high < 32 and w.offset is not None:  # (5-bit values without offsets are symmetric ones)
         return GroupedWeights(w.q.to(torch.uint8), w.scale, w.offset, w.group, w.two_level)
     if -16 <= low and high < 16 and w.offset is None and w.two_level is None:
         return GroupedWeights((w.q.to(torch.int16) + 16).to(torch.uint8), w.scale, -16 * w.scale, w.group)

@@ -168,6 +168,24 @@ def test_q4_0_is_held_at_its_file_size(gguf_model):
     assert weight_bytes(model) <= 1.01 * ckpt.tensor_bytes()
 
 
+def test_q5_0_is_held_at_its_file_size(gguf_model):
+    """Q5_0 matrices as symmetric 5-bit values (no offsets: each weight d * (q - 16)) with the file's float16 d: 22
+    bytes a group of 32, as the file's blocks; the tied table too; float32 logits equal transformers' on gguf's
+    dequantised weights."""
+    path, ref = gguf_model("q5_0", {}, T.Q5_0)
+    model = load_model(path, load_config(path), torch.bfloat16, torch.device("cpu"))
+    o_proj = model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, Int8GroupLinear) and o_proj.offset is None and o_proj.scale.dtype == torch.float16
+    assert o_proj.weight.dtype == torch.uint8  # (5 bits a value)
+    assert isinstance(model.embed_tokens.table, Int8GroupLinear) and model.embed_tokens.table.offset is None
+    ckpt = GGUFCheckpoint(path)
+    assert weight_bytes(o_proj) == ckpt.tensors["blk.0.attn_output.weight"].data.nbytes
+    assert weight_bytes(model) <= 1.01 * ckpt.tensor_bytes()
+    exact = load_model(path, load_config(path), torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        theirs = hf_model(ref, torch.float32)(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(prompt_logits(exact, PROMPT), theirs, atol=2e-4, rtol=1e-4)
+
 def test_moe_gguf_equals_transformers(gguf_model):
     """A Qwen3-MoE GGUF (stacked ffn_*_exps tensors, the router ffn_gate_inp in F32)."""
     path, ref = gguf_model("moe", {"ffn_down_exps.weight": T.Q8_0}, T.Q4_K, **{

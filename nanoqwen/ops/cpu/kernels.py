@@ -222,8 +222,9 @@ def int8_group_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offse
                     super_scale: torch.Tensor | None = None, super_offset: torch.Tensor | None = None) -> torch.Tensor:
     """y = x' @ (q * scale + offset).T for bf16 x [..., K] (few rows), int8 q [N, K] (or uint8: values packed at 6
     bits [N, 3K/4] or 5 bits [N, 5K/8], ops/quantize.py pack_int6 / pack_int5), scale and offset [N, K/G] (G 16 or
-    32; offset None: none) float32 or float16, or two levels: int8 or uint8 ones with float32 super_scale /
-    super_offset [N, K/(SG)] (a group's value their product); y bf16 [..., N] (int8_group_gemv_reference)."""
+    32; offset None: none, or for 5-bit values the symmetric -16 scale) float32 or float16, or two levels: int8 or
+    uint8 ones with float32 super_scale / super_offset [N, K/(SG)] (a group's value their product); y bf16 [..., N]
+    (int8_group_gemv_reference)."""
     if _ext is None:
         _require()
     y = _ext.int8_group_gemv(x.reshape(-1, x.shape[-1]), q, scale, offset, super_scale, super_offset)  # [M, N]

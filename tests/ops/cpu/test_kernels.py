@@ -927,6 +927,23 @@ def test_int5_packing_round_trips_and_the_kernel_reads_it(kernels, group):
         assert_within_one_ulp(got, kernels.int8_group_gemv_reference(x, packed, scale, offset), magnitude)
 
 
+def test_symmetric_five_bit_values_take_their_offsets_from_the_scales(kernels):
+    """5-bit values without offsets (a GGUF file's Q5_0, each weight d * (q - 16)): the kernel, its dequantise and the
+    reference compute exactly what they compute given the offsets -16 d."""
+    g = torch.Generator().manual_seed(50)
+    packed = pack_int5(torch.randint(0, 32, (37, 512), generator=g, dtype=torch.int8))
+    scale = (torch.rand(37, 16, generator=g) * 1e-2).half()
+    offset = -16 * scale.float()
+    for m in (1, 3, 16):
+        x = torch.randn(m, 512, generator=g).to(torch.bfloat16)
+        got = kernels.int8_group_gemv(x, packed, scale, None)
+        assert torch.equal(got, kernels.int8_group_gemv(x, packed, scale.float(), offset))
+        assert torch.equal(kernels.int8_group_gemv_reference(x, packed, scale, None),
+                           kernels.int8_group_gemv_reference(x, packed, scale.float(), offset))
+    want = dequantize_int8_group(packed, scale.float(), offset)
+    assert torch.equal(dequantize_int8_group(packed, scale, None), want)
+    assert torch.equal(kernels.int8_group_dequantize(packed, scale, None, None, None, 512), want)
+
 @pytest.mark.parametrize("m", (1, 5, 16))
 def test_int8_group_gemv_with_two_level_scales_and_offsets(kernels, m):
     """Q5_K's scales and offsets as the file holds them: 6-bit uint8 sub-scales and mins a group of 32 times a float32

@@ -23,7 +23,9 @@
 //   high 2 bits (byte b: values b, b + 8, b + 16, b + 24 at bits 0, 2, 4, 6), each value stored plus 32
 //   (ops/quantize.py pack_int6 and unpack_int6 are the reference);
 // - at 5 bits (uint8 [N, 5K/8]: values 0..31, as a GGUF file's Q5 types hold them), 20 bytes a chunk, the next 4
-//   their fifth bits (byte i, bit b: value 8i + b) (pack_int5 and unpack_int5).
+//   their fifth bits (byte i, bit b: value 8i + b) (pack_int5 and unpack_int5). Without offsets 5-bit values are
+//   symmetric, scale * (q - 16) (a GGUF file's Q5_0): the offset -16 scale is made from the scale as it is read
+//   (exact in float32, so the same bits as with those offsets given).
 // K tells them apart: q's bytes a row are 3K/4 or 5K/8.
 
 #include "cpu_kernels.h"
@@ -32,6 +34,7 @@ namespace nanoqwen {
 namespace {
 
 constexpr int kTile = 4;           // rows of x per register tile
+constexpr float kSymmetricZero5 = 16.0f;  // 5-bit values without offsets: scale * (q - 16)
 
 struct GroupX {
   std::vector<int16_t> xq;
@@ -132,6 +135,15 @@ GroupValues offset_values(const std::optional<at::Tensor>& offset, const std::op
                           int64_t N, int64_t groups) {
   TORCH_CHECK(offset || !super_offset, "super_offset without offset");
   return offset ? group_values(*offset, super_offset, N, groups, "offset", "super_offset") : GroupValues{};
+}
+
+// A row's offsets: the given ones (float32, into out where widened), or for symmetric 5-bit values -16 times its
+// scales s (into out); null where there are none.
+const float* row_offsets(const GroupValues& offset, int bits, int64_t n, const float* s, int64_t groups, float* out) {
+  if (offset.present()) return offset.row(n, out);
+  if (bits != 5) return nullptr;
+  for (int64_t g = 0; g < groups; ++g) out[g] = -kSymmetricZero5 * s[g];
+  return out;
 }
 
 // Bits a value of q for rows of K values: 8 (int8), 6 or 5 (uint8 rows of 3K/4 or 5K/8 bytes).
@@ -281,7 +293,7 @@ void group_passes(const GroupX& x, int64_t M, int64_t K, int64_t N, const uint8_
     std::vector<float> s_row(groups), o_row(groups);
     for (int64_t n = begin; n < end; ++n) {
       const float* s = scale.row(n, s_row.data());
-      const float* o = offset.present() ? offset.row(n, o_row.data()) : nullptr;
+      const float* o = row_offsets(offset, Bits, n, s, groups, o_row.data());
       for (int64_t m0 = 0; m0 < M; m0 += kTile)
         row_tiles<G, Bits>(static_cast<int>(std::min<int64_t>(kTile, M - m0)), x, K, m0, q + n * row_bytes, s, o,
                            N, n, y);
@@ -356,7 +368,7 @@ at::Tensor int8_group_dequantize(const at::Tensor& q_in, const at::Tensor& scale
     std::vector<float> s_row(groups), o_row(groups);
     for (int64_t n = b; n < e; ++n) {
       const float* s = scale.row(n, s_row.data());
-      const float* o = offset.present() ? offset.row(n, o_row.data()) : nullptr;
+      const float* o = row_offsets(offset, bits, n, s, groups, o_row.data());
       const uint8_t* row = qp + n * row_bytes;
       float* out = wp + n * K;
       for (int64_t c = 0; c < K / 32; ++c) {  // 32 values a step
