@@ -9,7 +9,7 @@ import torch
 from nanoqwen.errors import WeightsError
 from nanoqwen.layers.linear import Linear
 from nanoqwen.model_loader.gguf_file import GGUFCheckpoint
-from nanoqwen.model_loader.sharding import COLUMNS, ROWS, rank_share
+from nanoqwen.model_loader.sharding import model_share
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.ops.cpu.memory import release_freed_memory
 from nanoqwen.ops.gguf_quants import FLOAT_TYPES, GroupedWeights, unpack
@@ -30,17 +30,13 @@ LAYER_VECTORS = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attent
                  "attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn.k_norm.weight"}
 LAYER_EXPERTS = {"ffn_gate_exps": ("gate_up_proj", 0), "ffn_up_exps": ("gate_up_proj", 1),
                  "ffn_down_exps": ("down_proj", None)}
-# what tensor parallelism cuts of each matrix (nanoqwen/model_loader/sharding.py): the output rows of the
-# column-parallel ones (and of the vocabulary's), the input columns of the row-parallel ones; the router is whole
-TP_DIMS = {"self_attn.qkv_proj": ROWS, "mlp.gate_up_proj": ROWS, "gate_up_proj": ROWS, "output.weight": ROWS,
-           "token_embd.weight": ROWS, "self_attn.o_proj": COLUMNS, "mlp.down_proj": COLUMNS, "down_proj": COLUMNS}
 
 
 def load_gguf_weights(model: Qwen3ForCausalLM, ckpt: GGUFCheckpoint) -> None:
     """Fill the model from the file: float tensors copied into the parameters (model dtype), quantised ones as
     nanoqwen's quantised modules in place of the model's Linears, Experts and embedding (the model-dtype
     parameters they replace were never written, so on CPU their memory was never committed). With tensor
-    parallelism, this rank's share of each matrix (TP_DIMS)."""
+    parallelism, this rank's share of each matrix, cut as its parameter's module says (sharding.model_share)."""
     dtype = model.norm.weight.dtype
     seen: set[str] = set()
     layer_parts: dict[tuple[int, str], dict[int | None, torch.Tensor | GroupedWeights]] = {}
@@ -62,7 +58,8 @@ def load_gguf_weights(model: Qwen3ForCausalLM, ckpt: GGUFCheckpoint) -> None:
             copy_into(model.norm.weight, ckpt.matrix(name), name)
         elif name == "output.weight":
             if model.lm_head is not None:
-                model.lm_head = _linear(model.lm_head, _share(model, ckpt.matrix(name), name, name), name, ckpt)
+                head = model_share(model, "lm_head.weight", ckpt.matrix(name), name)
+                model.lm_head = _linear(model.lm_head, head, name, ckpt)
         elif len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[1].isdigit():
             i, kind = int(parts[1]), parts[2]
             if i >= len(model.layers):
@@ -73,12 +70,14 @@ def load_gguf_weights(model: Qwen3ForCausalLM, ckpt: GGUFCheckpoint) -> None:
                 copy_into(layer.get_parameter(LAYER_VECTORS[kind]), ckpt.matrix(name), name)
             elif kind in LAYER_LINEARS:
                 module, part = LAYER_LINEARS[kind]
-                layer_parts.setdefault((i, module), {})[part] = _share(model, ckpt.matrix(name), module, name)
+                layer_parts.setdefault((i, module), {})[part] = model_share(model, f"layers.{i}.{module}.weight",
+                                                                         ckpt.matrix(name), name)
                 _fill_linear(model, i, module, layer_parts, ckpt)
             elif kind in LAYER_EXPERTS:
                 matrix, half = LAYER_EXPERTS[kind]
                 expert_parts.setdefault((i, matrix), {})[half] = [
-                    _share(model, w, matrix, name) for w in _expert_matrices(ckpt, name)]
+                    model_share(model, f"layers.{i}.mlp.experts.{matrix}", w, name)
+                    for w in _expert_matrices(ckpt, name)]
                 _fill_experts(model, i, expert_parts, ckpt)
             else:
                 raise WeightsError(f"unexpected tensor {name!r} in {ckpt.path}: it has no place in a Qwen3 model")
@@ -93,14 +92,6 @@ def load_gguf_weights(model: Qwen3ForCausalLM, ckpt: GGUFCheckpoint) -> None:
         i, module = missing[0]
         raise WeightsError(f"{ckpt.path}: the tensors of layer {i}'s {module} are incomplete (a part is missing)")
     _check_all_filled(model, ckpt, seen)
-
-
-def _share(model: Qwen3ForCausalLM, matrix: torch.Tensor | GroupedWeights, kind: str, name: str
-           ) -> torch.Tensor | GroupedWeights:
-    """This rank's share of a matrix of `kind` (a key of TP_DIMS, or whole where it has none)."""
-    if model.tp_size == 1 or kind not in TP_DIMS:
-        return matrix
-    return rank_share(matrix, TP_DIMS[kind], model.tp_rank, model.tp_size, name)
 
 
 def _expert_matrices(ckpt: GGUFCheckpoint, name: str) -> list[torch.Tensor | GroupedWeights]:
@@ -189,7 +180,7 @@ def _as_float(w: torch.Tensor | GroupedWeights) -> torch.Tensor:
 def _fill_embedding(model: Qwen3ForCausalLM, ckpt: GGUFCheckpoint, dtype: torch.dtype) -> None:
     """The embedding table: a float one copied into embed_tokens, a quantised one held as it is (and shared with
     a tied LM head)."""
-    value = _share(model, ckpt.matrix("token_embd.weight"), "token_embd.weight", "token_embd.weight")
+    value = model_share(model, "embed_tokens.weight", ckpt.matrix("token_embd.weight"), "token_embd.weight")
     tied = model.lm_head is not None and "output.weight" not in ckpt.tensors
     embedding = model.embed_tokens
     if isinstance(value, GroupedWeights):

@@ -27,6 +27,7 @@ from nanoqwen.errors import ConfigError, WeightsError
 from nanoqwen.model_loader.gguf import load_gguf_weights
 from nanoqwen.model_loader.gguf_file import GGUFCheckpoint, is_gguf, type_name
 from nanoqwen.model_loader.prequantized import checkpoint_quantization, is_quantized_tensor, load_prequantized
+from nanoqwen.model_loader.sharding import tp_split_dim
 from nanoqwen.model_loader.weight_files import Part, iter_checkpoint, safetensors_files
 from nanoqwen.models.qwen3 import PLAIN_KERNELS, Kernels, Qwen3ForCausalLM
 from nanoqwen.ops.gguf_quants import FLOAT_TYPES
@@ -231,17 +232,6 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], show_progress: bool
     if (model.config.tie_word_embeddings and model.lm_head is not None and not model.is_tied
             and torch.equal(model.lm_head.weight, model.embed_tokens.weight)):
         model.lm_head.weight = model.embed_tokens.weight
-
-
-def tp_split_dim(model: torch.nn.Module, param: str, tensor_dims: int) -> int | None:
-    """The dimension of a checkpoint tensor (of `tensor_dims` dimensions) that tensor parallelism
-    cuts, as the parameter's module says (`tp_dims`), or None if every rank reads it whole."""
-    module_name, _, leaf = param.rpartition(".")
-    module = model.get_submodule(module_name)
-    dim = getattr(module, "tp_dims", {}).get(leaf)
-    if dim is None:
-        return None
-    return dim - (getattr(module, leaf).dim() - tensor_dims)
 
 
 def _rank0_only(model: torch.nn.Module, param: str) -> bool:

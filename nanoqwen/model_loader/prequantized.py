@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from nanoqwen.errors import ConfigError, WeightsError
-from nanoqwen.model_loader.sharding import COLUMNS, ROWS, rank_share
+from nanoqwen.model_loader.sharding import COLUMNS, ROWS, rank_share, tp_split_dim
 from nanoqwen.models.qwen3 import Qwen3ForCausalLM
 from nanoqwen.ops.cpu.memory import release_freed_memory
 from nanoqwen.ops.gguf_quants import GroupedWeights
@@ -37,8 +37,6 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 PROJECTIONS = {part: (fused, i) for fused, parts in FUSED.items() for i, part in enumerate(parts)}
 PROJECTIONS.update({"self_attn.o_proj": ("self_attn.o_proj", 0), "mlp.down_proj": ("mlp.down_proj", 0)})
-# our modules (and MoE expert matrices) whose output rows tensor parallelism cuts; it cuts the others' inputs
-COLUMN_PARALLEL = ("self_attn.qkv_proj", "mlp.gate_up_proj", "gate_up_proj")
 EXPERT_PROJECTIONS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 
 
@@ -119,7 +117,8 @@ def load_prequantized(model: Qwen3ForCausalLM, files: list[Path], q: dict[str, A
                     continue  # (its g_idx may come after)
                 del pending[prefix]
                 layer, module, part = target
-                matrix = _rank_part(model, module, part, _matrix(method, got, group, q, prefix), prefix)
+                param = f"layers.{layer}." + (f"mlp.experts.{part[0]}" if module == "experts" else f"{module}.weight")
+                matrix = _rank_part(model, param, _matrix(method, got, group, q, prefix), prefix)
                 parts.setdefault((layer, module), {})[part] = matrix
                 if _complete(model, layer, module, parts[(layer, module)]):
                     _place(model, layer, module, parts.pop((layer, module)), method, prefix)
@@ -145,15 +144,16 @@ def _matrix(method: str, got: dict[str, torch.Tensor], group: int, q: dict[str, 
     return unpack_gptq(got["qweight"], got["qzeros"], got["scales"], got.get("g_idx"), group, zeros_minus_one)
 
 
-def _rank_part(model: Qwen3ForCausalLM, module: str, part: tuple[str, int], matrix: Any, where: str) -> Any:
-    """This tensor-parallel rank's share of one projection's matrix (_matrix's form): its 1/tp of the output rows
-    where our module is column-parallel (qkv_proj, gate_up_proj: each part cut on its own), of the input columns
-    where it is row-parallel (o_proj, down_proj). A cut inside a group of scales is a ConfigError."""
+def _rank_part(model: Qwen3ForCausalLM, param: str, matrix: Any, where: str) -> Any:
+    """This tensor-parallel rank's share of one projection's matrix (_matrix's form) for our parameter `param`, cut
+    as its module says (sharding.tp_split_dim): its 1/tp of the output rows where the module is column-parallel
+    (qkv_proj, gate_up_proj: each part cut on its own), of the input columns where it is row-parallel (o_proj,
+    down_proj). A cut inside a group of scales is a ConfigError."""
     rank, size = model.tp_rank, model.tp_size
-    if size == 1:
+    dim = tp_split_dim(model, param, 2) if size > 1 else None
+    if dim is None:
         return matrix
     weights, extra = matrix
-    dim = ROWS if (part[0] if module == "experts" else module) in COLUMN_PARALLEL else COLUMNS
     if isinstance(weights, GroupedWeights):  # AWQ, GPTQ
         if extra is not None and dim == COLUMNS:
             raise ConfigError(f"{where}: a GPTQ checkpoint with act order (desc_act: true) cannot be cut over "
