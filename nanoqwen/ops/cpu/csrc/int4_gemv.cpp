@@ -470,13 +470,14 @@ void pack_panel(const uint8_t* wp, const Int4Product& p, int64_t N, int64_t K, i
   const int L = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
   const uint8_t* w = wp + n0 * (K / 2);
   const Scales<S> sc = p.scales<S>(n0, L);
-  for (int64_t g = 0; g < groups; ++g)
-    for (int lane = 0; lane < kBlockRows; ++lane) {
-      panel_scale[g * kBlockRows + lane] = lane < L ? sc.scale_at(g, lane) : 0.0f;
-      panel_offset[g * kBlockRows + lane] = lane < L ? sc.offset_at(g, lane) : 0.0f;
-    }
 #ifdef NANOQWEN_AVX2
   if (L == kBlockRows) {
+    // (the vector loads compute scale_at / offset_at's values: the same products, so the same bits)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int v = 0; v < kBlockVectors; ++v) {
+        _mm256_storeu_ps(panel_scale + g * kBlockRows + 8 * v, sc.scale8(g, v));
+        _mm256_storeu_ps(panel_offset + g * kBlockRows + 8 * v, sc.offset8(g, v));
+      }
     const __m256i nibble = _mm256_set1_epi8(0xF);
     for (int64_t g = 0; g < groups; ++g)
       for (int64_t c = 0; c < chunks; ++c)
@@ -491,6 +492,11 @@ void pack_panel(const uint8_t* wp, const Int4Product& p, int64_t N, int64_t K, i
   }
 #endif
   for (int64_t g = 0; g < groups; ++g)  // the last, partial block (and any block without AVX2)
+    for (int lane = 0; lane < kBlockRows; ++lane) {
+      panel_scale[g * kBlockRows + lane] = lane < L ? sc.scale_at(g, lane) : 0.0f;
+      panel_offset[g * kBlockRows + lane] = lane < L ? sc.offset_at(g, lane) : 0.0f;
+    }
+  for (int64_t g = 0; g < groups; ++g)
     for (int64_t c = 0; c < chunks; ++c)
       for (int lane = 0; lane < kBlockRows; ++lane)
         for (int i = 0; i < 4; ++i) {
@@ -500,18 +506,23 @@ void pack_panel(const uint8_t* wp, const Int4Product& p, int64_t N, int64_t K, i
         }
 }
 
-// y[m, n0 ..] for rows m0 .. m0 + T - 1 of x over one panel; cols = how many of its rows are real.
+// y[m, n0 ..] for rows m0 .. m0 + T - 1 of x over one panel; cols = how many of its rows are real. ahead (or null):
+// ahead_bytes of packed weights to fetch into the cache meanwhile, a share each group (the next panel's).
 template <int T>
 void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* panel,
                 const float* panel_scale, const float* panel_offset, int64_t N, int64_t n0, int cols,
-                at::BFloat16* y) {
+                at::BFloat16* y, const uint8_t* ahead, int64_t ahead_bytes) {
 #ifdef NANOQWEN_AVX2
   const int64_t groups = K / G, quads = G / 4;
   constexpr int V = kBlockVectors;
   __m256 acc[T][V];
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < V; ++v) acc[t][v] = _mm256_setzero_ps();
+  const int64_t ahead_share = (ahead_bytes + groups - 1) / groups;
   for (int64_t g = 0; g < groups; ++g) {
+    if (ahead)
+      for (int64_t b = g * ahead_share; b < std::min(ahead_bytes, (g + 1) * ahead_share); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T1);
     __m256i isum[T][V], sum16[T][V];  // sum16: without VNNI, the last quads' int16 pair sums (widen16)
     for (int t = 0; t < T; ++t)
       for (int v = 0; v < V; ++v) isum[t][v] = sum16[t][v] = _mm256_setzero_si256();
@@ -549,12 +560,13 @@ void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
 template <int T = kTileRows>
 void panel_tiles(int rows, const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* panel,
                  const float* panel_scale, const float* panel_offset, int64_t N, int64_t n0, int cols,
-                 at::BFloat16* y) {
+                 at::BFloat16* y, const uint8_t* ahead, int64_t ahead_bytes) {
   if constexpr (T > 1) {
     if (rows < T)
-      return panel_tiles<T - 1>(rows, x, K, G, m0, panel, panel_scale, panel_offset, N, n0, cols, y);
+      return panel_tiles<T - 1>(rows, x, K, G, m0, panel, panel_scale, panel_offset, N, n0, cols, y, ahead,
+                                ahead_bytes);
   }
-  panel_tile<T>(x, K, G, m0, panel, panel_scale, panel_offset, N, n0, cols, y);
+  panel_tile<T>(x, K, G, m0, panel, panel_scale, panel_offset, N, n0, cols, y, ahead, ahead_bytes);
 }
 
 template <typename S>
@@ -573,9 +585,13 @@ void int4_panels(const Int4Product& p) {
       const int64_t n0 = i * kBlockRows;
       const int cols = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
       pack_panel<S>(p.wp(), p, N, K, G, n0, panel.data(), panel_scale.data(), panel_offset.data());
+      // the next block's packed weights, fetched while the first tile of rows computes: unpacking it then reads
+      // from the cache, not from memory with nothing else to do
+      const int64_t next = n0 + kBlockRows, next_rows = i + 1 < end ? std::min(N, next + kBlockRows) - next : 0;
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
         panel_tiles(static_cast<int>(std::min<int64_t>(kTileRows, M - m0)), rows, K, G, m0, panel.data(),
-                    panel_scale.data(), panel_offset.data(), N, n0, cols, p.yp());
+                    panel_scale.data(), panel_offset.data(), N, n0, cols, p.yp(),
+                    m0 == 0 && next_rows > 0 ? p.wp() + next * (K / 2) : nullptr, next_rows * (K / 2));
     }
   });
 #endif
