@@ -506,6 +506,17 @@ void pack_panel(const uint8_t* wp, const Int4Product& p, int64_t N, int64_t K, i
         }
 }
 
+#ifdef NANOQWEN_AVX2
+// Share g of `groups` of the bytes at ahead (none if null) asked for into L2: a panel tile fetches the next panel's
+// packed weights a share a group while it computes.
+inline void fetch_share(const uint8_t* ahead, int64_t bytes, int64_t g, int64_t groups) {
+  if (ahead == nullptr) return;
+  const int64_t share = (bytes + groups - 1) / groups;
+  for (int64_t b = g * share; b < std::min(bytes, (g + 1) * share); b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T1);
+}
+#endif
+
 // y[m, n0 ..] for rows m0 .. m0 + T - 1 of x over one panel; cols = how many of its rows are real. ahead (or null):
 // ahead_bytes of packed weights to fetch into the cache meanwhile, a share each group (the next panel's).
 template <int T>
@@ -518,11 +529,8 @@ void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
   __m256 acc[T][V];
   for (int t = 0; t < T; ++t)
     for (int v = 0; v < V; ++v) acc[t][v] = _mm256_setzero_ps();
-  const int64_t ahead_share = (ahead_bytes + groups - 1) / groups;
   for (int64_t g = 0; g < groups; ++g) {
-    if (ahead)
-      for (int64_t b = g * ahead_share; b < std::min(ahead_bytes, (g + 1) * ahead_share); b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T1);
+    fetch_share(ahead, ahead_bytes, g, groups);
     __m256i isum[T][V], sum16[T][V];  // sum16: without VNNI, the last quads' int16 pair sums (widen16)
     for (int t = 0; t < T; ++t)
       for (int v = 0; v < V; ++v) isum[t][v] = sum16[t][v] = _mm256_setzero_si256();
@@ -556,8 +564,57 @@ void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
 #endif
 }
 
-// panel_tile for T = rows (1 .. kTileRows) rows of x.
-template <int T = kTileRows>
+#if defined(NANOQWEN_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define NANOQWEN_INT4_PANELS512
+// panel_tile on 512-bit vectors, where the CPU has AVX-512 VNNI: a quad's 16 weight rows are one vector (its 16 int32
+// lanes the 16 output rows) and one vpdpbusd adds 64 products, where the 256-bit kernel needs two instructions (AMD's
+// Zen 4 adds more products a cycle so; bench/bench_batch_decode.py --formats int4 measures the steps). The same
+// integers and the same float32 operations lane by lane as panel_tile, so the same bits.
+constexpr int kPanelTileRows = 8;  // rows of x per register tile: 8 sums and 8 accumulators of the 32 registers
+
+template <int T>
+void panel_tile512(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* panel,
+                   const float* panel_scale, const float* panel_offset, int64_t N, int64_t n0, int cols,
+                   at::BFloat16* y, const uint8_t* ahead, int64_t ahead_bytes) {
+  const int64_t groups = K / G, quads = G / 4;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    fetch_share(ahead, ahead_bytes, g, groups);
+    __m512i isum[T];
+    for (int t = 0; t < T; ++t) isum[t] = _mm512_setzero_si512();
+    const uint8_t* pg = panel + g * quads * kBlockRows * 4;
+    for (int64_t kq = 0; kq < quads; ++kq) {
+      const __m512i w = _mm512_loadu_si512(pg + kq * kBlockRows * 4);
+      for (int t = 0; t < T; ++t) {
+        int32_t four;
+        std::memcpy(&four, x.xq + (m0 + t) * K + g * G + 4 * kq, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        isum[t] = _mm512_dpbusd_epi32(isum[t], w, xb);
+      }
+    }
+    const __m512 sc = _mm512_loadu_ps(panel_scale + g * kBlockRows);
+    const __m512 off = _mm512_loadu_ps(panel_offset + g * kBlockRows);
+    const float* d = x.d + m0 * groups + g;
+    const float* xs = x.xs + m0 * groups + g;
+    for (int t = 0; t < T; ++t) {  // add_group's operations
+      const __m512 sd = _mm512_mul_ps(sc, _mm512_set1_ps(d[t * groups]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]), sd, acc[t]);
+      acc[t] = _mm512_fmadd_ps(off, _mm512_set1_ps(xs[t * groups]), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {  // (the 256-bit halves: lanes 0-7 and 8-15)
+    const __m256 row[1][kBlockVectors] = {
+        {_mm512_castps512_ps256(acc[t]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1))}};
+    store_tile<1>(row, N, m0 + t, n0, cols, y);
+  }
+}
+#else
+constexpr int kPanelTileRows = kTileRows;
+#endif
+
+// panel_tile (panel_tile512 where built) for T = rows (1 .. kPanelTileRows) rows of x.
+template <int T = kPanelTileRows>
 void panel_tiles(int rows, const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const uint8_t* panel,
                  const float* panel_scale, const float* panel_offset, int64_t N, int64_t n0, int cols,
                  at::BFloat16* y, const uint8_t* ahead, int64_t ahead_bytes) {
@@ -566,7 +623,11 @@ void panel_tiles(int rows, const QuantizedRows& x, int64_t K, int64_t G, int64_t
       return panel_tiles<T - 1>(rows, x, K, G, m0, panel, panel_scale, panel_offset, N, n0, cols, y, ahead,
                                 ahead_bytes);
   }
+#ifdef NANOQWEN_INT4_PANELS512
+  panel_tile512<T>(x, K, G, m0, panel, panel_scale, panel_offset, N, n0, cols, y, ahead, ahead_bytes);
+#else
   panel_tile<T>(x, K, G, m0, panel, panel_scale, panel_offset, N, n0, cols, y, ahead, ahead_bytes);
+#endif
 }
 
 template <typename S>
@@ -588,10 +649,11 @@ void int4_panels(const Int4Product& p) {
       // the next block's packed weights, fetched while the first tile of rows computes: unpacking it then reads
       // from the cache, not from memory with nothing else to do
       const int64_t next = n0 + kBlockRows, next_rows = i + 1 < end ? std::min(N, next + kBlockRows) - next : 0;
-      for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
-        panel_tiles(static_cast<int>(std::min<int64_t>(kTileRows, M - m0)), rows, K, G, m0, panel.data(),
-                    panel_scale.data(), panel_offset.data(), N, n0, cols, p.yp(),
-                    m0 == 0 && next_rows > 0 ? p.wp() + next * (K / 2) : nullptr, next_rows * (K / 2));
+      const uint8_t* ahead = next_rows > 0 ? p.wp() + next * (K / 2) : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += kPanelTileRows)
+        panel_tiles(static_cast<int>(std::min<int64_t>(kPanelTileRows, M - m0)), rows, K, G, m0, panel.data(),
+                    panel_scale.data(), panel_offset.data(), N, n0, cols, p.yp(), m0 == 0 ? ahead : nullptr,
+                    next_rows * (K / 2));
     }
   });
 #endif
