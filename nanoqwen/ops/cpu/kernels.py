@@ -10,7 +10,7 @@ a good kernel reads them at close to the machine's read bandwidth. On CPUs witho
 (`torch.ops.aten._weight_int8pack_mm`) are far from that: they are built for many rows, and for one row they
 spend their time converting and reshuffling rather than reading.
 
-The kernels in csrc/ (gemv.cpp, int4_gemv.cpp, decode_ops.cpp, kv_cache_ops.cpp; module.cpp binds them;
+The kernels in csrc/ (gemv.cpp, int4_gemv.cpp, int4_gemm.cpp, decode_ops.cpp, kv_cache_ops.cpp; module.cpp binds them;
 cpu_kernels.h says what each holds) do the simple thing, as llama.cpp and vLLM do for this case: each weight row is
 read once, widened to float32 in AVX2 registers, multiplied with all rows of x with FMA into several float32
 accumulators, and each output is rounded to bf16 once. Threads split the output rows. `bf16_gemv` computes

@@ -16,7 +16,7 @@
 // the sums in another order. int8_gemv, which rounds x to int16 and runs integer dot products a row of x at a time,
 // is bound by arithmetic from some 16 rows on; the tiles multiply 16 rows of x at once.
 //
-// int4_gemm (int4_gemv.cpp) unpacks each block of 16 weight rows into a panel laid out for an integer dot product:
+// int4_gemm (int4_gemm.cpp) unpacks each block of 16 weight rows into a panel laid out for an integer dot product:
 // for each 4 consecutive elements of a group (a quad), the 16 rows' 4 values side by side, 64 bytes. That is
 // exactly the layout AMX's B operand takes (a row of a B tile: 4 consecutive depths of 16 columns), so a group of
 // G = 64 weights of 16 rows is one B tile of 16 rows x 64 bytes, and the same group of x's int8 values (16 rows of
@@ -28,7 +28,7 @@
 // The code is compiled with per-function target attributes where the compiler knows AMX (GCC 11 and later), so
 // the rest of the extension keeps its flags, and runs only where amx_int8_ready(): the CPU reports AMX-INT8 and
 // AVX-512BW and Linux granted the process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, once a process).
-// int4_gemv.cpp's int4_amx takes the rows of x from its amx_min_rows argument on (nanoqwen/ops/cpu/selection.py
+// int4_gemv.cpp's int4_gemv takes the rows of x from its amx_min_rows argument on (nanoqwen/ops/cpu/selection.py
 // measures where the tiles are faster; bench/bench_batch_decode.py measures a model's decode with them).
 
 #include <type_traits>
@@ -136,7 +136,7 @@ NANOQWEN_AMX_TARGET void amx_int4_tile(const int8_t* xq, const float* d, const f
     }
     _tile_stored(3, dots[0], 64);
     if (np == 2) _tile_stored(4, dots[1], 64);
-    for (int j = 0; j < np; ++j) {  // int4_gemv.cpp add_group's float work, 16 columns a vector
+    for (int j = 0; j < np; ++j) {  // int4.h add_group's float work, 16 columns a vector
       const __m512 sc = _mm512_loadu_ps(scale + j * 16 * groups + g * 16);
       const __m512 of = _mm512_loadu_ps(offset + j * 16 * groups + g * 16);
       for (int t = 0; t < rows; ++t) {

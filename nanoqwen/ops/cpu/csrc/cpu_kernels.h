@@ -6,8 +6,9 @@
 //   gemm.cpp        bf16_gemm, int8_gemm: y = x @ w.T for many rows of x in float32 from bf16 / int8 weights;
 //                   prefill_attention: a prompt chunk's attention, its two products through the same kernel;
 //                   causal_softmax_: the softmax between torch's two products on the bf16 path
-//   int4_gemv.cpp   int4_gemv, int4_gemm: group-wise int4 weights times int8-quantised x (decode and prefill);
-//                   int4_amx: the same product on AMX tiles (amx.cpp), where the CPU has them
+//   int4_gemv.cpp   int4_gemv: group-wise int4 weights times int8-quantised x (decode; more rows to int4_gemm)
+//   int4_gemm.cpp   int4_gemm: the same product on unpacked panels (prompts, batches); int4_amx: on AMX tiles
+//                   (amx.cpp), where the CPU has them; int4.h: what the int4 kernels share
 //   decode_ops.cpp  rms_norm, add_rms_norm, apply_rope, swiglu: a decode step's elementwise rest; argmax: the
 //                   sampler's greedy choice; top_p_threshold, exponential_race: its top-p filter and its draw
 //   kv_cache_ops.cpp  paged_decode_attention, attention_inputs: attention over the paged KV cache and a decode
@@ -391,7 +392,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_cached,
                              double scale, int64_t block);
 void causal_softmax_(const at::Tensor& scores, int64_t block);
-// int4_gemv.cpp
+// int4_gemv.cpp, int4_gemm.cpp
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                      const std::optional<at::Tensor>& offset,
                      const std::optional<at::Tensor>& super_scale = std::nullopt,
@@ -404,7 +405,7 @@ at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& packed, const at::Ten
                     const std::optional<at::Tensor>& offset,
                     const std::optional<at::Tensor>& super_scale = std::nullopt,
                     const std::optional<at::Tensor>& super_offset = std::nullopt);
-// amx.cpp: AMX tiles for int4_gemv.cpp's int4_amx (amx_int4_tile's comment says what it computes)
+// amx.cpp: AMX tiles for int4_gemm.cpp's int4_amx (amx_int4_tile's comment says what it computes)
 bool amx_int8_ready();
 // From how many rows decode_model's int4 products run on AMX tiles (0, the default: never): the process's choice
 // (nanoqwen/ops/cpu/selection.py sets it with its int4_amx_min_rows). The tiles compute the same bits as the other
