@@ -35,26 +35,40 @@ def alone(path) -> list[dict[int, Logprob] | None]:
     return llm.generate([PROMPT], PARAMS, use_tqdm=False)[0].prompt_logprobs
 
 
-def assert_same(got: list, expected: list, tol: float = TOL) -> None:
-    """The same entries (token ids, ranks) with logprobs within tol."""
+@pytest.fixture(scope="module")
+def reference(path) -> torch.Tensor:
+    """transformers' log_softmax over PROMPT's logits in float32, [len(PROMPT), vocab]: row p - 1 is position p's."""
+    with torch.inference_mode():
+        return hf_model(path, torch.float32)(torch.tensor([PROMPT])).logits[0].float().log_softmax(-1)
+
+
+def ranks_within(row: torch.Tensor, token: int, tol: float = TOL) -> range:
+    """The ranks token may take in row: a token whose logprob lies within tol of its own may count either way."""
+    return range((row > row[token] + tol).sum().item() + 1, (row > row[token] - tol).sum().item() + 2)
+
+
+def assert_same(got: list, expected: list, reference: torch.Tensor, tol: float = TOL) -> None:
+    """The same entries (token ids, ranks) with logprobs within tol. A rank may differ only where the reference row
+    has a tie within tol around the token (float32 sums added in another order, as another chunking adds them, may
+    order near-equal tokens either way: the tail of 151,936 random logits holds many)."""
     assert len(got) == len(expected) == len(PROMPT) and got[0] is None and expected[0] is None
     for position, (mine, theirs) in enumerate(zip(got[1:], expected[1:], strict=True), start=1):
         assert mine.keys() == theirs.keys(), position
         for token, lp in mine.items():
-            assert lp.rank == theirs[token].rank and lp.decoded_token == theirs[token].decoded_token, (position, token)
+            assert lp.decoded_token == theirs[token].decoded_token, (position, token)
+            if lp.rank != theirs[token].rank:
+                allowed = ranks_within(reference[position - 1], token, tol)
+                assert lp.rank in allowed and theirs[token].rank in allowed, (position, token, allowed)
             assert lp.logprob == pytest.approx(theirs[token].logprob, abs=tol), (position, token)
 
 
-def test_prompt_logprobs_equal_transformers_log_softmax(path, alone):
-    with torch.inference_mode():
-        reference = hf_model(path, torch.float32)(torch.tensor([PROMPT])).logits[0].float().log_softmax(-1)
+def test_prompt_logprobs_equal_transformers_log_softmax(path, alone, reference):
     assert len(alone) == len(PROMPT) and alone[0] is None
     for position in range(1, len(PROMPT)):
         entry, row, token = alone[position], reference[position - 1], PROMPT[position]
         # the prompt token's own logprob, and its rank among all tokens (a tie within TOL may count either way)
         assert entry[token].logprob == pytest.approx(row[token].item(), abs=TOL)
-        above = ((row > row[token] + TOL).sum().item(), (row > row[token] - TOL).sum().item())
-        assert above[0] + 1 <= entry[token].rank <= above[1] + 1
+        assert entry[token].rank in ranks_within(row, token)
         # the top K, best first, with ranks 1..K
         top = sorted((lp for t, lp in entry.items() if lp.rank <= K), key=lambda lp: lp.rank)
         assert [lp.rank for lp in top] == list(range(1, K + 1))
@@ -81,14 +95,14 @@ def test_off_by_default_and_a_one_token_prompt_gets_one_none(path):
     assert llm.generate([[40]], PARAMS, use_tqdm=False)[0].prompt_logprobs == [None]
 
 
-def test_chunked_prefill_gives_the_same_entries(path, alone):
+def test_chunked_prefill_gives_the_same_entries(path, alone, reference):
     """7-token chunks: each chunk's positions give their entries, a chunk's last position the next chunk's
     first token's."""
     llm = make_llm(path, enable_prefix_caching=False, max_num_batched_tokens=7)
-    assert_same(llm.generate([PROMPT], PARAMS, use_tqdm=False)[0].prompt_logprobs, alone)
+    assert_same(llm.generate([PROMPT], PARAMS, use_tqdm=False)[0].prompt_logprobs, alone, reference)
 
 
-def test_a_prefix_cache_hit_still_gives_every_entry(path, alone):
+def test_a_prefix_cache_hit_still_gives_every_entry(path, alone, reference):
     """A request with prompt_logprobs skips the prefix-cache lookup (as vLLM): the same prompt a second time, or
     after a request that cached it, still gets every entry; a request without them does hit the cache."""
     llm = make_llm(path, max_num_batched_tokens=7)
@@ -97,11 +111,11 @@ def test_a_prefix_cache_hit_still_gives_every_entry(path, alone):
     for _ in range(2):
         out = llm.generate([PROMPT], PARAMS, use_tqdm=False)[0]
         assert out.num_cached_tokens == 0
-        assert_same(out.prompt_logprobs, alone)
+        assert_same(out.prompt_logprobs, alone, reference)
     assert llm.generate([PROMPT], plain, use_tqdm=False)[0].num_cached_tokens == 20  # its blocks were cached
 
 
-def test_other_requests_of_the_batch_are_unchanged(path, alone):
+def test_other_requests_of_the_batch_are_unchanged(path, alone, reference):
     """The same batch with and without PROMPT's prompt_logprobs: the others' answers and logprobs bit for bit."""
     llm = make_llm(path, enable_prefix_caching=False)
     plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
@@ -109,22 +123,22 @@ def test_other_requests_of_the_batch_are_unchanged(path, alone):
     prompts = [OTHERS[0], PROMPT, OTHERS[1]]
     without = llm.generate(prompts, plain, use_tqdm=False)
     mixed = llm.generate(prompts, [plain, asking, plain], use_tqdm=False)
-    assert_same(mixed[1].prompt_logprobs, alone)
+    assert_same(mixed[1].prompt_logprobs, alone, reference)
     for before, after in zip(without, mixed, strict=True):
         assert after.token_ids == before.token_ids
         assert after.logprobs == before.logprobs
     assert mixed[0].prompt_logprobs is None and mixed[2].prompt_logprobs is None
 
 
-def test_n_answers_share_one_list(path, alone):
+def test_n_answers_share_one_list(path, alone, reference):
     llm = make_llm(path, enable_prefix_caching=False)
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True, prompt_logprobs=K)
     out = llm.generate([PROMPT], params, use_tqdm=False)[0]
     assert len(out.outputs) == 3
-    assert_same(out.prompt_logprobs, alone)
+    assert_same(out.prompt_logprobs, alone, reference)
 
 
-def test_preemption_neither_duplicates_nor_loses_entries(path, alone):
+def test_preemption_neither_duplicates_nor_loses_entries(path, alone, reference):
     """Preempted after its first chunk (then recomputed from the start), and again after its prompt (while
     decoding): every entry once, the same values."""
     llm = make_llm(path, enable_prefix_caching=False, max_num_batched_tokens=7)
@@ -143,10 +157,10 @@ def test_preemption_neither_duplicates_nor_loses_entries(path, alone):
     while engine.has_unfinished_requests():
         outputs = engine.step() or outputs
     assert seq.num_preemptions == 2 and outputs[0].finished
-    assert_same(outputs[0].prompt_logprobs, alone)
+    assert_same(outputs[0].prompt_logprobs, alone, reference)
 
 
-def test_a_step_run_again_request_by_request_adds_each_entry_once(path, alone):
+def test_a_step_run_again_request_by_request_adds_each_entry_once(path, alone, reference):
     """A step that raises runs again one request at a time (LLMEngine._execute_each): its chunks' prompt
     logprobs, computed by the failed run too, are added once."""
     llm = make_llm(path, enable_prefix_caching=False, max_num_batched_tokens=64)
@@ -164,7 +178,7 @@ def test_a_step_run_again_request_by_request_adds_each_entry_once(path, alone):
     plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     out = llm.generate([PROMPT, OTHERS[0]], [PARAMS, plain], use_tqdm=False)
     assert failed == [2] and all(o.error is None for o in out)
-    assert_same(out[0].prompt_logprobs, alone)
+    assert_same(out[0].prompt_logprobs, alone, reference)
 
 
 @pytest.mark.parametrize("value", [-1, MAX_LOGPROBS + 1, 1.5, True, "2"])
