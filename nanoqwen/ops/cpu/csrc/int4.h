@@ -22,6 +22,7 @@
 // instruction with x's 4 int8 of those elements broadcast adds each row's 4 products into that row's own lane:
 // the lanes are output rows, so no sum crosses lanes, and a group's scales and offsets load as vectors of 8
 // rows. (Rows one after the other, each summed along K inside a vector, take three times the instructions
+// per weight byte, and such a kernel is slower from cache; bench/bench_gemv.py measures the kernels.)
 
 #pragma once
 
