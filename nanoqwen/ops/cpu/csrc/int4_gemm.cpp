@@ -11,7 +11,7 @@
 // kBlockRows * 4 bytes, lane by lane: weight row n0 + lane, elements g * G + 4 * kq .. + 3, each 0..15 (rows past
 // N as zeros); its scales and offsets as float32 [groups][kBlockRows]. The packed block's 4 bytes c of each row
 // unpack to quads c (low nibbles) and G/8 + c (high): one AND, or a shift and an AND, per 32 bytes. A register
-// tile is kTileRows rows of x times the panel's 16 rows (2 vectors).
+// tile is kPanelTileRows rows of x times the panel's 16 rows (two 256-bit vectors, or one 512-bit one).
 
 #include "int4.h"
 
@@ -19,7 +19,8 @@ namespace nanoqwen {
 namespace int4 {
 namespace {
 
-constexpr int kTileRows = 4;  // rows of x per register tile (measured against 3, 5 and 6, and panels of 24, 32)
+// rows of x per 256-bit register tile (measured against 3, 5 and 6, and panels of 24, 32)
+constexpr int kTileRows = 4;
 
 // Unpacks the block of weight rows n0 .. (L = min(16, N - n0) of them) into panel, panel_scale, panel_offset.
 template <typename S>
@@ -115,8 +116,10 @@ void panel_tile(const QuantizedRows& x, int64_t K, int64_t G, int64_t m0, const 
           }
     }
     __m256 s[V], o[V];
-    for (int v = 0; v < V; ++v)
-      s[v] = _mm256_loadu_ps(panel_scale + g * kBlockRows + 8 * v), o[v] = _mm256_loadu_ps(panel_offset + g * kBlockRows + 8 * v);
+    for (int v = 0; v < V; ++v) {
+      s[v] = _mm256_loadu_ps(panel_scale + g * kBlockRows + 8 * v);
+      o[v] = _mm256_loadu_ps(panel_offset + g * kBlockRows + 8 * v);
+    }
     add_group<T>(acc, isum, s, o, x.d + m0 * groups + g, x.xs + m0 * groups + g, groups);
   }
   store_tile<T>(acc, N, m0, n0, cols, y);
@@ -244,9 +247,9 @@ void int4_amx_panels(const Int4Product& p) {
       const int64_t next = std::min(N, n0 + 2 * kBlockRows), next_rows = std::min(N, next + 2 * kBlockRows) - next;
       const uint8_t* ahead = i + 1 < end ? p.wp() + next * (K / 2) : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += 16)
-        amx_int4_tile(xq.data(), p.xq.d.data(), p.xq.xs.data(), K, G, m0, static_cast<int>(std::min<int64_t>(16, M - m0)),
-                      panel.data(), panel_scale.data(), panel_offset.data(), np, cols, N, n0, p.yp(),
-                      m0 == 0 ? ahead : nullptr, next_rows * (K / 2));
+        amx_int4_tile(xq.data(), p.xq.d.data(), p.xq.xs.data(), K, G, m0,
+                      static_cast<int>(std::min<int64_t>(16, M - m0)), panel.data(), panel_scale.data(),
+                      panel_offset.data(), np, cols, N, n0, p.yp(), m0 == 0 ? ahead : nullptr, next_rows * (K / 2));
     }
     amx_end();
   });
