@@ -19,6 +19,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 from nanoqwen import LLM  # noqa: E402
 from nanoqwen.attention.kv_cache import KVCache  # noqa: E402
 from nanoqwen.attention.metadata import AttentionMetadata, PrefillRow  # noqa: E402
+from nanoqwen.layers.linear import Linear  # noqa: E402
 from nanoqwen.model_loader.init_random import preset_config, write_random_model  # noqa: E402
 
 # Small shapes covering what the math must get right (names are used as test ids).
@@ -222,6 +223,21 @@ def shuffled_decode_rows(block_size: int, num_blocks: int, generator: torch.Gene
         decode.append(DecodeRow(perm[used: used + nb], n))
         used += nb
     return decode
+
+
+def matrix_of(module: torch.nn.Module, in_features: int, expert: tuple[str, int] | None = None) -> torch.Tensor:
+    """The float32 matrix [out, in] a (quantised, possibly stacked) linear, a row-parallel one's part of the sum, or
+    an expert computes with: its product with the identity (each output one weight times 1.0: exact)."""
+    eye = torch.eye(in_features)
+    with torch.no_grad():
+        if expert is not None:
+            return module.expert_linear(eye, *expert).T
+        return (module.matmul(eye, None) if isinstance(module, Linear) else module(eye)).T
+
+
+def rank_rows(w: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
+    """Rank `rank` of 2's rows of a column-parallel matrix stacked from parts of these sizes: half of each part."""
+    return torch.cat([p.chunk(2)[rank] for p in w.split(sizes)])
 
 
 @pytest.fixture(scope="module")

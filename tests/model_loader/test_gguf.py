@@ -13,11 +13,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import hf_model, prompt_logits, run_cli, tiny_config
+from conftest import hf_model, matrix_of, prompt_logits, rank_rows, run_cli, tiny_config
 from gguf_files import T, random_blocks, write_gguf
 
 from nanoqwen import LLM, ConfigError, ModelNotFoundError, SamplingParams, WeightsError
-from nanoqwen.layers.linear import Linear
 from nanoqwen.model_loader.gguf_file import GGUFCheckpoint
 from nanoqwen.model_loader.hub import resolve_model_path
 from nanoqwen.model_loader.init_random import ASSETS
@@ -342,21 +341,6 @@ def test_a_model_ollama_pulled_runs_by_its_name_or_manifest(gguf_model, tmp_path
     (tmp_path / "models" / "blobs" / blob.name).unlink()
     with pytest.raises(ModelNotFoundError, match="its weights blob sha256:[0-9a-f]+ is not in the store"):
         resolve_model_path(str(manifest))
-
-
-def matrix_of(module: torch.nn.Module, in_features: int, expert: tuple[str, int] | None = None) -> torch.Tensor:
-    """The float32 matrix [out, in] a (quantised, possibly stacked) column-parallel linear, a row-parallel one's part
-    of the sum, or an expert computes with: its product with the identity (exact)."""
-    eye = torch.eye(in_features)
-    with torch.no_grad():
-        if expert is not None:
-            return module.expert_linear(eye, *expert).T
-        return (module.matmul(eye, None) if isinstance(module, Linear) else module(eye)).T
-
-
-def rank_rows(w: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
-    """Rank `rank` of 2's rows of a matrix stacked from parts of these sizes: half of each part."""
-    return torch.cat([p.chunk(2)[rank] for p in w.split(sizes)])
 
 
 # K-quant super-blocks hold 256 inputs: a rank's share of o_proj's and down_proj's inputs must be whole ones

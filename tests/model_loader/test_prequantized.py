@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROMPTS, hf_model, prompt_logits
+from conftest import PROMPTS, hf_model, matrix_of, prompt_logits, rank_rows
 from quantized_checkpoints import awq_tensors, gptq_tensors, write_quantized
 
 from nanoqwen import LLM, ConfigError, SamplingParams
@@ -128,20 +128,6 @@ def test_quantization_flag_rules(quantized, checkpoint):
     plain = checkpoint("tiny", dtype="float32", **SHAPE)
     with pytest.raises(ConfigError, match="--quantization gptq: .* is not quantized with GPTQ"):
         LLM(str(plain), quantization="gptq", max_model_len=128, kv_cache_memory=32 << 20)
-
-
-def matrix_of(module: torch.nn.Module, in_features: int, expert: tuple[str, int] | None = None) -> torch.Tensor:
-    """The float32 matrix [out, in] a quantised linear (or an expert's) computes with: its product with the
-    identity (each output one weight times 1.0: exact)."""
-    eye = torch.eye(in_features)
-    with torch.no_grad():
-        y = module.matmul(eye, None) if expert is None else module.expert_linear(eye, *expert)
-    return y.T
-
-
-def rank_rows(w: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
-    """Rank `rank` of 2's rows of a column-parallel matrix stacked from parts of these sizes: half of each part."""
-    return torch.cat([p.chunk(2)[rank] for p in w.split(sizes)])
 
 
 @pytest.mark.parametrize("method,moe", [("awq", False), ("gptq", False), ("fp8", False), ("awq", True)],
