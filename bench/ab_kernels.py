@@ -9,7 +9,8 @@ step's decode_model call timed (worker/fused_decoder.py). Neighbouring steps see
 machine's read bandwidth moves between levels for tens of seconds at a time), so the ratio of neighbouring steps'
 times shows small differences that A/B runs seconds apart drown in noise (two identical builds read level; the
 figures are in docs/tried-and-not-kept.md). Greedy tokens must be the same whichever version runs a step; the
-script says if they are not.
+script says if they are not. Long contexts: --prompt-len (each call processes the prompt anew, then 128 steps) and
+--kv-cache-dtype (int8 etc.: the quantized cache's kernels).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to keep decoding")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1, help="sequences decoding together")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's type (EngineConfig.kv_cache_dtype)")
     args = parser.parse_args()
     if len(args.folders) < 2:
         parser.error("give at least two folders (the baseline first)")
@@ -55,7 +57,7 @@ def main() -> None:
     # gemv kernels) instead of the prompt's many-row one, another rounding of x in int8 (int16 activations against
     # bf16 ones), which flipped a near-tied first token and made identical builds read as "DIFFER".
     llm = LLM(str(model_dir), quantization=None if args.quantization == "none" else args.quantization,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.llm_engine.runner
     if runner.fused_decoder is None:
         sys.exit("this engine does not decode through decode_model (worker/fused_decoder.py): nothing to compare")
