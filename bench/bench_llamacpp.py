@@ -225,21 +225,21 @@ class Child:
 class ReadBandwidth:
     """The read bandwidth now (GB/s): a torch sum over 1 GiB of float32 (bench_model.read_bandwidth's measure), the
     best of three, the tensor kept between readings (so a reading takes a fraction of a second). Also, where the
-    kernel gives 2 MiB pages (transparent huge pages), the same sum over a buffer in them, as nanoqwen's weights lie
-    (worker/huge_pages.py): where a plain buffer's 4 KiB pages land moves its sum, so the weights' own kind of
+    kernel gives 2 MiB pages (transparent huge pages), the same sum over a buffer in them, as nanoqwen's weights and
+    KV cache lie (ops/cpu/memory.py): where a plain buffer's 4 KiB pages land moves its sum, so their own kind of
     memory is read too."""
 
     def __init__(self) -> None:
         import torch
 
-        from nanoqwen.worker import huge_pages
+        from nanoqwen.ops.cpu import memory
 
         self.x = torch.ones(1 << 28, dtype=torch.float32)
         self.x.sum()
         self.readings: list[float] = []
         self.x_huge = None
-        if huge_pages.transparent_huge_pages() in ("always", "madvise"):
-            self.x_huge = huge_pages.huge_page_buffer(1 << 30).view(torch.float32).fill_(1.0)
+        if memory.transparent_huge_pages() in ("always", "madvise"):
+            self.x_huge = memory.huge_page_buffer(1 << 30).view(torch.float32).fill_(1.0)
             self.x_huge.sum()
         self.huge_readings: list[float] = []
 

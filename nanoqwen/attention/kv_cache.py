@@ -15,7 +15,9 @@ model's dtype.
 The pool starts as zeros, never as uninitialised memory: attention reads (and masks) the unused
 positions of a sequence's last block and of shorter sequences' padding, and a masked NaN left in
 memory would still poison the output (0 * NaN = NaN). On CPU the zeros come from an anonymous
-memory map, so the pool takes RAM only as blocks are first written.
+memory map, so the pool takes RAM only as blocks are first written; it is advised for 2 MiB pages (a page
+walk every 2 MiB, not every 4 KiB, as a long context's decode step streams the cache: ops/cpu/memory.py),
+so RAM is then taken 2 MiB at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from nanoqwen.attention.metadata import DecodeGroup, PrefillChunk, consecutive
+from nanoqwen.ops.cpu.memory import huge_page_buffer, huge_pages_enabled
 
 
 class KVQuantization(NamedTuple):
@@ -167,10 +170,16 @@ def _as_stored(like: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor; on CPU backed by an anonymous mmap, so pages take RAM only once written."""
+    """A zero tensor; on CPU an anonymous memory map, so pages take RAM only once written: advised for 2 MiB
+    pages where nanoqwen uses them (ops/cpu/memory.py), as a long context's decode step streams its cache."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
-    buffer = mmap.mmap(-1, max(1, numel * dtype.itemsize))
-    # the tensor keeps the map alive
-    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+    nbytes = max(1, numel * dtype.itemsize)
+    if huge_pages_enabled():
+        try:
+            return huge_page_buffer(nbytes).view(dtype)[:numel].view(shape)
+        except OSError:  # (a kernel built without transparent huge pages refuses the advice)
+            pass
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # (the tensor keeps the map alive)

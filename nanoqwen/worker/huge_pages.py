@@ -1,16 +1,12 @@
-"""A CPU model's weights moved into memory the kernel backs with 2 MiB pages (transparent huge pages).
+"""A CPU model's weights moved into memory the kernel backs with 2 MiB pages (ops/cpu/memory.py says why).
 
-A CPU decode step streams every weight from memory once (hundreds of MB a token). In 4 KiB pages that is a TLB
-miss, a page walk, every 4 KiB; in 2 MiB pages it is one every 2 MiB, and an int4 decode step runs faster
-(bench/bench_model.py measures it, with and without NANOQWEN_HUGE_PAGES=0). Linux gives a process huge pages
-where it asks for them with madvise(MADV_HUGEPAGE) when /sys/kernel/mm/transparent_hugepage/enabled is
-"madvise" (the usual default) or "always"; torch's allocator never asks. So, once the model is loaded (and
-quantised), its tensors from MIN_BYTES to MAX_BYTES are copied into one anonymous
-mapping advised for huge pages, and each parameter and buffer is pointed at its copy (the values, shapes,
-strides and tied weights stay as they were). One storage at a time: the old one is freed as its copy is made (and
-malloc's heap trimmed every TRIM_BYTES), so memory peaks at the model plus one tensor and TRIM_BYTES. A tensor over
-MAX_BYTES (an embedding table; a tied LM head, which is that table) stays where it is, so the peak is at most the
-model plus MAX_BYTES and TRIM_BYTES.
+A CPU decode step streams every weight from memory once (hundreds of MB a token), and an int4 decode step runs
+faster from 2 MiB pages (bench/bench_model.py measures it, with and without NANOQWEN_HUGE_PAGES=0). So, once the
+model is loaded (and quantised), its tensors from MIN_BYTES to MAX_BYTES are copied into one huge_page_buffer, and
+each parameter and buffer is pointed at its copy (the values, shapes, strides and tied weights stay as they were).
+One storage at a time: the old one is freed as its copy is made (and malloc's heap trimmed every TRIM_BYTES), so
+memory peaks at the model plus one tensor and TRIM_BYTES. A tensor over MAX_BYTES (an embedding table; a tied LM
+head, which is that table) stays where it is, so the peak is at most the model plus MAX_BYTES and TRIM_BYTES.
 
 NANOQWEN_HUGE_PAGES=0 turns this off; where the kernel has no transparent huge pages ("never", or not Linux) it is
 skipped.
@@ -19,61 +15,27 @@ skipped.
 from __future__ import annotations
 
 import logging
-import mmap
-import os
-import weakref
 
 import torch
 from torch import nn
 
-from nanoqwen.ops.cpu.memory import release_freed_memory
+from nanoqwen.ops.cpu.memory import huge_page_buffer, huge_pages_enabled, in_huge_page_memory, release_freed_memory
 
 logger = logging.getLogger("nanoqwen")
-HUGE_PAGE = 2 << 20
 MIN_BYTES = 64 << 10  # smaller storages (norms) stay where they are
 MAX_BYTES = 256 << 20  # and bigger ones, whose copy would raise the peak of memory by as much
 ALIGN = 64  # each copy starts on a cache line
 TRIM_BYTES = 64 << 20  # the heap is trimmed each time this much has been freed (release_freed_memory)
-THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def transparent_huge_pages() -> str | None:
-    """The kernel's setting ("always", "madvise" or "never"), None where it cannot be read."""
-    try:
-        with open(THP_SETTING) as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
-
-
-# each buffer made here: its mapping (weakly: it lives as long as some tensor views it), first address, end
-_buffers: list[tuple[weakref.ref, int, int]] = []
-
-
-def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """uint8 [nbytes] in a fresh anonymous mapping, 2 MiB-aligned and advised for huge pages (untouched
-    pages cost no memory until written). The tensor keeps the mapping alive."""
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
-    mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
-    buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
-    _buffers.append((weakref.ref(mapping), buffer.data_ptr(), buffer.data_ptr() + nbytes))
-    return buffer
-
-
-def in_huge_page_memory(storage: torch.UntypedStorage) -> bool:
-    """Whether a storage is already in a live buffer made here (a draft model shares its target's embedding)."""
-    _buffers[:] = [b for b in _buffers if b[0]() is not None]  # (a freed one's addresses may be reused)
-    return any(first <= storage.data_ptr() < end for _, first, end in _buffers)
 
 
 def move_to_huge_pages(model: nn.Module) -> int:
     """Point the model's parameters and buffers of MIN_BYTES to MAX_BYTES at copies in huge-page memory;
     returns the bytes moved (0 when off or not supported)."""
-    if os.environ.get("NANOQWEN_HUGE_PAGES", "1") == "0" or transparent_huge_pages() not in ("always", "madvise"):
+    if not huge_pages_enabled():
         return 0
-    # the storages to move (tied weights share one), each with the slots viewing it: (module, name, is_parameter,
-    # the view's offset in the storage; read here, before a tied Parameter's first slot repoints it)
+    # the storages to move (tied weights share one; none already moved, as a draft's embedding shared with its
+    # target), each with the slots viewing it: (module, name, is_parameter, the view's offset in the storage; read
+    # here, before a tied Parameter's first slot repoints it)
     moves: dict[int, tuple[torch.UntypedStorage, list[tuple[nn.Module, str, bool, int]]]] = {}
     for module in model.modules():
         for table, is_parameter in ((module._parameters, True), (module._buffers, False)):
