@@ -175,11 +175,11 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
-    nbytes = max(1, numel * dtype.itemsize)
+    nbytes = max(1, numel) * dtype.itemsize  # (an empty pool still maps one element)
     if huge_pages_enabled():
         try:
             return huge_page_buffer(nbytes).view(dtype)[:numel].view(shape)
         except OSError:  # (a kernel built without transparent huge pages refuses the advice)
             pass
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # (the tensor keeps the map alive)
+    return torch.frombuffer(buffer, dtype=dtype)[:numel].view(shape)  # (the tensor keeps the map alive)

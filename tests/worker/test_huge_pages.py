@@ -110,3 +110,10 @@ def test_cpu_kv_cache_is_zeros_in_huge_page_memory_unless_turned_off(monkeypatch
     monkeypatch.setattr(memory, "transparent_huge_pages", lambda: "never")
     never = KVCache(2, 8, 16, 2, 64, torch.bfloat16, torch.device("cpu"))
     assert not memory.in_huge_page_memory(never.k.untyped_storage()) and not never.v.any()
+
+
+def test_an_empty_cpu_kv_cache_pool_is_made_in_either_memory(monkeypatch):
+    for setting in ("1", "0"):
+        monkeypatch.setenv("NANOQWEN_HUGE_PAGES", setting)
+        empty = KVCache(2, 0, 16, 2, 64, torch.bfloat16, torch.device("cpu"), cache_dtype="int8")
+        assert empty.k.shape == (2, 0, 16, 2, 64) and empty.k_scale.shape == (2, 0, 16, 2)
