@@ -90,6 +90,7 @@ def test_cpu_kv_cache_is_zeros_in_huge_page_memory_unless_turned_off(monkeypatch
     def pools(cache: KVCache) -> list[torch.Tensor]:
         return [cache.k, cache.v, cache.k_scale, cache.v_scale]
 
+    monkeypatch.delenv("NANOQWEN_HUGE_PAGES", raising=False)  # (on by default)
     cache = KVCache(2, 1024, 16, 2, 64, torch.bfloat16, torch.device("cpu"), cache_dtype="int8")  # codes 4 MiB
     if memory.transparent_huge_pages() in ("always", "madvise"):
         for pool in pools(cache):
