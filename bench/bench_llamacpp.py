@@ -238,7 +238,7 @@ class ReadBandwidth:
         self.x.sum()
         self.readings: list[float] = []
         self.x_huge = None
-        if memory.transparent_huge_pages() in ("always", "madvise"):
+        if memory.kernel_gives_huge_pages():
             self.x_huge = memory.huge_page_buffer(1 << 30).view(torch.float32).fill_(1.0)
             self.x_huge.sum()
         self.huge_readings: list[float] = []

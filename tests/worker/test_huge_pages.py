@@ -41,7 +41,7 @@ def test_cpu_engine_moves_its_weights_into_huge_page_memory_unchanged(checkpoint
     assert torch.equal(prompt_logits(plain, PROMPTS[3]), prompt_logits(moved, PROMPTS[3]))
 
     weights = [p.data_ptr() for p in moved.parameters()]
-    if memory.transparent_huge_pages() in ("always", "madvise"):
+    if memory.kernel_gives_huge_pages():
         assert all(mapping_field(w, "THPeligible") == 1 for w in weights)
         assert max(weights) - min(weights) < sum(p.nbytes + 64 for p in moved.parameters())  # one mapping
     # with NANOQWEN_HUGE_PAGES=0 nothing moved: each weight is where the loader's allocation put it (that mapping is
@@ -76,7 +76,7 @@ def test_a_table_over_the_size_limit_stays_and_nothing_moves_twice(checkpoint, m
     layer = model.layers[0].mlp.down_proj.weight
     layer_was = layer.data_ptr()
     moved = huge_pages.move_to_huge_pages(model)
-    if memory.transparent_huge_pages() not in ("always", "madvise"):
+    if not memory.kernel_gives_huge_pages():
         assert moved == 0
         return
     assert moved > 0 and table.data_ptr() == where and torch.equal(table, values)
@@ -92,7 +92,7 @@ def test_cpu_kv_cache_is_zeros_in_huge_page_memory_unless_turned_off(monkeypatch
 
     monkeypatch.delenv("NANOQWEN_HUGE_PAGES", raising=False)  # (on by default)
     cache = KVCache(2, 1024, 16, 2, 64, torch.bfloat16, torch.device("cpu"), cache_dtype="int8")  # codes 4 MiB
-    if memory.transparent_huge_pages() in ("always", "madvise"):
+    if memory.kernel_gives_huge_pages():
         for pool in pools(cache):
             assert memory.in_huge_page_memory(pool.untyped_storage())
             if pool.nbytes >= memory.HUGE_PAGE:  # (a mapping holding no whole 2 MiB page is never eligible)

@@ -47,9 +47,14 @@ def transparent_huge_pages() -> str | None:
         return None
 
 
+def kernel_gives_huge_pages() -> bool:
+    """Whether the kernel backs advised memory with huge pages (its setting "always" or "madvise")."""
+    return transparent_huge_pages() in ("always", "madvise")
+
+
 def huge_pages_enabled() -> bool:
     """Whether nanoqwen asks for huge pages: not turned off (NANOQWEN_HUGE_PAGES=0) and the kernel gives them."""
-    return os.environ.get("NANOQWEN_HUGE_PAGES", "1") != "0" and transparent_huge_pages() in ("always", "madvise")
+    return os.environ.get("NANOQWEN_HUGE_PAGES", "1") != "0" and kernel_gives_huge_pages()
 
 
 # each buffer made here: its mapping (weakly: it lives as long as some tensor views it), first address, end
