@@ -22,6 +22,7 @@ so RAM is then taken 2 MiB at a time.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 from typing import NamedTuple
@@ -30,6 +31,8 @@ import torch
 
 from nanoqwen.attention.metadata import DecodeGroup, PrefillChunk, consecutive
 from nanoqwen.ops.cpu.memory import huge_page_buffer, huge_pages_enabled
+
+logger = logging.getLogger("nanoqwen")
 
 
 class KVQuantization(NamedTuple):
@@ -179,7 +182,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if huge_pages_enabled():
         try:
             return huge_page_buffer(nbytes).view(dtype)[:numel].view(shape)
-        except OSError:  # (a kernel built without transparent huge pages refuses the advice)
-            pass
+        except OSError as e:  # (a kernel built without transparent huge pages refuses the advice)
+            logger.debug("KV cache stays in 4 KiB pages: madvise(MADV_HUGEPAGE) failed: %s", e)
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buffer, dtype=dtype)[:numel].view(shape)  # (the tensor keeps the map alive)

@@ -4,9 +4,12 @@ mappings the kernel may back with huge pages; NANOQWEN_HUGE_PAGES=0 leaves both 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from conftest import PROMPTS, make_llm, prompt_logits
 
+from nanoqwen.attention import kv_cache
 from nanoqwen.attention.kv_cache import KVCache
 from nanoqwen.ops.cpu import memory
 from nanoqwen.worker import huge_pages
@@ -111,6 +114,22 @@ def test_cpu_kv_cache_is_zeros_in_huge_page_memory_unless_turned_off(monkeypatch
     monkeypatch.setattr(memory, "transparent_huge_pages", lambda: "never")
     never = KVCache(2, 8, 16, 2, 64, torch.bfloat16, torch.device("cpu"))
     assert not memory.in_huge_page_memory(never.k.untyped_storage()) and not never.v.any()
+
+
+def test_cpu_kv_cache_where_the_kernel_refuses_the_advice_is_ordinary_memory_and_says_so(monkeypatch, caplog):
+    """A kernel built without transparent huge pages refuses MADV_HUGEPAGE (OSError): the pool is made in ordinary
+    zeroed memory as with NANOQWEN_HUGE_PAGES=0, and a debug line says why."""
+    def refuse(nbytes: int) -> torch.Tensor:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setenv("NANOQWEN_HUGE_PAGES", "1")
+    monkeypatch.setattr(memory, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.setattr(kv_cache, "huge_page_buffer", refuse)
+    with caplog.at_level(logging.DEBUG, logger="nanoqwen"):
+        cache = KVCache(2, 8, 16, 2, 64, torch.bfloat16, torch.device("cpu"), cache_dtype="int8")
+    assert cache.k.shape == (2, 8, 16, 2, 64) and not cache.k.any() and not cache.v_scale.any()
+    assert not memory.in_huge_page_memory(cache.k.untyped_storage())
+    assert "KV cache stays in 4 KiB pages" in caplog.text and "Invalid argument" in caplog.text
 
 
 def test_an_empty_cpu_kv_cache_pool_is_made_in_either_memory(monkeypatch):
