@@ -20,6 +20,10 @@ The two bounds of a decode step of B rows, measured in the same run:
   kernels quantise x to int8, the fastest of those, int8 x int8 -> int32 (torch._int_mm) and the vector unit's
   int8 dot products alone (INT8_PEAK_SOURCE: torch's int8 product is far below them on an AVX2-only CPU).
 The roofline is the lower of the two; "of roofline" is the measured rate's share of it.
+
+Beside each row, a step's matrix products alone (products_ms: every projection and the LM head once on B rows,
+through the model's modules): their time and its share of the measured step, and their rate against the matrix
+unit's peak. Where the step is far from its roofline they say whether the kernels or the rest of the step is why.
 """
 
 from __future__ import annotations
@@ -154,6 +158,27 @@ def int4_projections_ms(model, batches: list[int], repeats: int) -> dict[int, tu
     return times
 
 
+def products_ms(matrices: list, batch: int, repeats: int) -> float:
+    """ms a decode step's matrix products of `batch` rows take alone: every projection and the LM head once, through
+    the modules (so the kernels the engine takes for that many rows), on random bf16 x; best of 2 * repeats + 1.
+    Beside the step's time it says how much of the step the products are, and beside the matrix unit's peak how
+    near the kernels run to it."""
+    import torch
+
+    xs = {}
+    for m in matrices:
+        k = getattr(m, "in_features", None) or m.weight.shape[1]
+        xs.setdefault(k, torch.randn(batch, k).bfloat16())
+
+    def step() -> None:
+        with torch.inference_mode():
+            for m in matrices:
+                m(xs[getattr(m, "in_features", None) or m.weight.shape[1]])
+
+    step()
+    return 1e3 * bench_model.best_of(step, 2 * repeats + 1)
+
+
 def run_format(model_dir: str, fmt: str, batches: list[int], tokens: int, repeats: int, amx_ab: bool = False) -> dict:
     """tok/s for each batch of one format, and the model's bytes read a step and weights a token. amx_ab (int4 on a
     CPU with AMX tiles): each timing alternates a run without the tiles and one with them from 2 rows on, in this
@@ -194,8 +219,10 @@ def run_format(model_dir: str, fmt: str, batches: list[int], tokens: int, repeat
                 full[key] = min(full[key], bench_model.best_of(gen(p, 1 + tokens), 1))
         for key in variants:
             result[key][batch] = batch * tokens / (full[key] - first[key])
+        result.setdefault("products_ms", {})[batch] = products_ms(matrices, batch, repeats)
         shown = ", ".join(f"{key} {result[key][batch]:.1f}" for key in variants)
-        print(f"  {fmt} batch {batch}: {shown}", file=sys.stderr, flush=True)
+        print(f"  {fmt} batch {batch}: {shown}; products alone {result['products_ms'][batch]:.1f} ms", file=sys.stderr,
+              flush=True)
     return result
 
 
@@ -230,8 +257,9 @@ def matrix_unit_peak(fmt: str, ceil: dict) -> float:
 def table(results: dict[str, dict], ceil: dict) -> str:
     """One row per format (and run: "int4 NANOQWEN_CPU_AMX=0" a --baseline-env one) and batch: tok/s, both bounds,
     the roofline's share."""
-    lines = ["| weights | batch | tok/s | weights-once bound | matrix-unit bound | of roofline |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| weights | batch | tok/s | weights-once bound | matrix-unit bound | of roofline | products alone, ms "
+             "(of the step) | products of matrix-unit peak |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         fmt = name.split()[0]
         peak = matrix_unit_peak(fmt, ceil) * 1e12
@@ -242,9 +270,16 @@ def table(results: dict[str, dict], ceil: dict) -> str:
         for batch in r["tok_s"]:
             read = int(batch) * ceil["read_gb_s"] * 1e9 / r["read_bytes"]
             roof = min(read, compute)
-            for label, rates in runs:
+            products = ""
+            if batch in r.get("products_ms", {}):  # the default run's products (the last of `runs`)
+                ms = r["products_ms"][batch]
+                products = (f"{ms:.1f} ({ms / (1e3 * int(batch) / r['tok_s'][batch]):.0%}) | "
+                            f"{2 * r['params'] * int(batch) / (ms / 1e3) / peak:.0%}")
+            for i, (label, rates) in enumerate(runs):
                 rate = rates[batch]
-                lines.append(f"| {label} | {batch} | {rate:.1f} | {read:.0f} | {compute:.0f} | {rate / roof:.0%} |")
+                shown = products if i == len(runs) - 1 else " | "
+                lines.append(f"| {label} | {batch} | {rate:.1f} | {read:.0f} | {compute:.0f} | {rate / roof:.0%} | "
+                             f"{shown} |")
     return "\n".join(lines)
 
 

@@ -18,6 +18,13 @@ generate of 33 tokens minus one of 1 on the same prompt, both served from its pr
 ReadBandwidth: the higher of its two readings, just before the timing) over the bytes one step reads: the weights
 (nanoqwen: every matrix once; llama.cpp: the file's tensors) and the keys and values of the L + 16 positions (on
 average) it attends to.
+
+    python bench/bench_long_context.py --prompt-attention [--lengths 2048 16384]
+
+times instead one layer's attention of the last prompt chunk (nanoqwen's bf16 kernel, prefill_attention_bf16:
+PREFILL_CHUNK queries after L - PREFILL_CHUNK cached positions, the model's heads) beside a bf16 matmul of
+bench_batch_decode's PEAK_SIZE: how near prompt attention at L runs to the matrix products' pace, which sets how
+a long prompt's rate compares with a short one's.
 """
 
 from __future__ import annotations
@@ -49,6 +56,39 @@ SYSTEMS = {  # name: (engine, weights, cache)
 }
 # bytes a cached value takes: llama.cpp's q8_0 holds 32 values in 34 bytes
 LLAMA_CACHE_BYTES = {"f16": 2.0, "q8_0": 34 / 32}
+PREFILL_CHUNK = 2048  # the engine's default prompt step (max_num_batched_tokens)
+PEAK_SIZE = 2048  # the square bf16 product --prompt-attention compares with (bench_batch_decode's)
+
+
+def prompt_attention(model_dir: Path, lengths: list[int], repeats: int) -> None:
+    """--prompt-attention: for each length L, ms and GFLOP/s of one layer's attention of a PREFILL_CHUNK-query
+    chunk after L - PREFILL_CHUNK positions (min(L, PREFILL_CHUNK) queries, none cached, for short L), its keys and
+    values views of a [L, kv heads, D] tensor as the paged cache holds them; then a bf16 PEAK_SIZE^3 matmul's rate.
+    The FLOPs count the visible keys only (query i of the chunk sees num_cached + i + 1): 2 * D for its scores and
+    2 * D for its weighted sums, each query head."""
+    import torch
+
+    from nanoqwen.attention.backends.cpu_prefill import prefill_attention_bf16
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hq, hkv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config.get("head_dim") or config["hidden_size"] // hq
+    torch.manual_seed(0)
+    for length in lengths:
+        t = min(length, PREFILL_CHUNK)
+        cached = length - t
+        q = torch.randn(hq, t, d).bfloat16()
+        k = torch.randn(length, hkv, d).bfloat16().transpose(0, 1)  # [Hkv, L, D] views of the cache's layout
+        v = torch.randn(length, hkv, d).bfloat16().transpose(0, 1)
+        prefill_attention_bf16(q, k, v, cached)  # warm-up
+        seconds = bench_model.best_of(lambda q=q, k=k, v=v, n=cached: prefill_attention_bf16(q, k, v, n), repeats)
+        flops = 4 * hq * d * (t * cached + t * (t + 1) // 2)
+        print(f"prompt attention at {length:,}: {t} queries after {cached:,} positions, one layer "
+              f"({hq} query / {hkv} kv heads of {d}): {seconds * 1e3:.0f} ms, {flops / seconds / 1e9:.0f} GFLOP/s")
+    a = torch.randn(PEAK_SIZE, PEAK_SIZE).bfloat16()
+    a @ a
+    seconds = bench_model.best_of(lambda: a @ a, max(repeats, 3))
+    print(f"bf16 matmul {PEAK_SIZE}^3: {2 * PEAK_SIZE**3 / seconds / 1e9:.0f} GFLOP/s")
 
 
 def load_nanoqwen(model_dir: str, quantization: str | None, cache: str, max_len: int):
@@ -175,12 +215,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timings per figure (the best counts)")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS), metavar="SYSTEM")
     parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
+    parser.add_argument("--prompt-attention", action="store_true",
+                        help="time one layer's attention of the last prompt chunk at each length instead (bf16)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.model, args.lengths, args.repeats)
     model_dir = Path(args.model) if args.model else bench_model.DEFAULT_DIR
     bench_model.ensure_checkpoint(model_dir)
+    if args.prompt_attention:
+        return prompt_attention(model_dir, args.lengths, args.repeats)
     llama_wanted = any(SYSTEMS[s][0] == "llama" for s in args.systems)
     files = {}
     if llama_wanted:
