@@ -25,6 +25,14 @@ times instead one layer's attention of the last prompt chunk (nanoqwen's bf16 ke
 PREFILL_CHUNK queries after L - PREFILL_CHUNK cached positions, the model's heads) beside a bf16 matmul of
 bench_batch_decode's PEAK_SIZE: how near prompt attention at L runs to the matrix products' pace, which sets how
 a long prompt's rate compares with a short one's.
+
+    python bench/bench_long_context.py --lengths 16384 --alternate 8 \
+        --systems "nanoqwen int4, cache bf16" "nanoqwen int4, cache int8"
+
+loads the named nanoqwen systems in one process and, at each length, prefills the prompt in each, then times their
+decodes taking turns, --alternate rounds: each system's median and, against the first, the median of the rounds'
+speed ratios with their quartiles. Run one after the other, systems can meet the machine in different states (on
+some hosts the read bandwidth moves by a fifth between minutes); taking turns compares them on the same one.
 """
 
 from __future__ import annotations
@@ -89,6 +97,41 @@ def prompt_attention(model_dir: Path, lengths: list[int], repeats: int) -> None:
     a @ a
     seconds = bench_model.best_of(lambda: a @ a, max(repeats, 3))
     print(f"bf16 matmul {PEAK_SIZE}^3: {2 * PEAK_SIZE**3 / seconds / 1e9:.0f} GFLOP/s")
+
+
+def alternate(model_dir: Path, systems: list[str], lengths: list[int], rounds: int) -> str:
+    """--alternate: the nanoqwen systems in this process, their decodes at each length taking turns; a table."""
+    import statistics
+
+    max_len = max(lengths) + DECODE_TOKENS + 16
+    loaded = {}
+    for system in systems:
+        _, weights, cache = SYSTEMS[system]
+        print(f"loading {system} ...", file=sys.stderr, flush=True)
+        loaded[system] = load_nanoqwen(str(model_dir), weights, cache, max_len)
+    for prefill, decode, _ in loaded.values():  # warm-up
+        prefill(bench_model.prompts(1, 64)[0])
+        decode(bench_model.prompts(1, 64)[0])
+    lines = [f"| context | system | decode tok/s (median of {rounds}) | speed against the first (median, quartiles) |",
+             "|---|---|---:|---|"]
+    for length in lengths:
+        prompt = [1000 + (7 * i + length) % 50000 for i in range(length)]
+        for system, (prefill, _, _) in loaded.items():
+            print(f"prefilling {length:,} tokens in {system}: {prefill(prompt):.0f} s", file=sys.stderr, flush=True)
+        times: dict[str, list[float]] = {system: [] for system in loaded}
+        for r in range(rounds):
+            for system, (_, decode, _) in loaded.items():
+                times[system].append(decode(prompt))
+            print(f"  round {r + 1}: " + ", ".join(f"{DECODE_TOKENS / t[-1]:.1f}" for t in times.values()),
+                  file=sys.stderr, flush=True)
+        first = times[systems[0]]
+        for system, t in times.items():
+            ratios = sorted(a / b for a, b in zip(first, t, strict=True))
+            quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+            against = (f"{statistics.median(ratios):.2f}x ({quartiles[0]:.2f}-{quartiles[2]:.2f})"
+                       if system != systems[0] else "-")
+            lines.append(f"| {length:,} | {system} | {DECODE_TOKENS / statistics.median(t):.1f} | {against} |")
+    return "\n".join(lines)
 
 
 def load_nanoqwen(model_dir: str, quantization: str | None, cache: str, max_len: int):
@@ -217,6 +260,8 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="record the table in BENCHMARKS.md")
     parser.add_argument("--prompt-attention", action="store_true",
                         help="time one layer's attention of the last prompt chunk at each length instead (bf16)")
+    parser.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                        help="nanoqwen systems only: all in one process, their decodes taking turns for ROUNDS rounds")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -225,6 +270,15 @@ def main() -> None:
     bench_model.ensure_checkpoint(model_dir)
     if args.prompt_attention:
         return prompt_attention(model_dir, args.lengths, args.repeats)
+    if args.alternate:
+        others = [s for s in args.systems if SYSTEMS[s][0] != "nanoqwen"]
+        if others or len(args.systems) < 2:
+            sys.exit("--alternate compares two or more nanoqwen systems in one process: name them with --systems"
+                     + (f" (llama.cpp's run in processes of their own: {', '.join(others)})" if others else ""))
+        print(f"`{bench_model.command_line('bench_long_context.py', sys.argv[1:])}`, {os.cpu_count()} threads\n\n"
+              f"{bench_model.machine_line('cpu')}\n\n" + alternate(model_dir, args.systems, args.lengths,
+                                                                     args.alternate))
+        return None
     llama_wanted = any(SYSTEMS[s][0] == "llama" for s in args.systems)
     files = {}
     if llama_wanted:
