@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -319,7 +320,7 @@ def command_line(script: str, argv: list[str]) -> str:
             continue
         skip = arg == "--model"
         if not skip:
-            shown.append(arg)
+            shown.append(shlex.quote(arg))  # (a --systems name with spaces, as a shell takes it)
     return " ".join(shown)
 
 
