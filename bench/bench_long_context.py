@@ -269,15 +269,16 @@ def main() -> None:
     model_dir = Path(args.model) if args.model else bench_model.DEFAULT_DIR
     bench_model.ensure_checkpoint(model_dir)
     if args.prompt_attention or args.alternate:  # (printed, for the record, not written to BENCHMARKS.md)
-        print(f"`{bench_model.command_line('bench_long_context.py', sys.argv[1:])}`, {os.cpu_count()} threads\n\n"
-              f"{bench_model.machine_line('cpu')}\n", flush=True)
-    if args.prompt_attention:
-        return prompt_attention(model_dir, args.lengths, args.repeats)
-    if args.alternate:
+        if args.write:
+            sys.exit("--write records the standard run's table; --prompt-attention and --alternate print theirs")
         others = [s for s in args.systems if SYSTEMS[s][0] != "nanoqwen"]
-        if others or len(args.systems) < 2:
+        if args.alternate and (others or len(args.systems) < 2):
             sys.exit("--alternate compares two or more nanoqwen systems in one process: name them with --systems"
                      + (f" (llama.cpp's run in processes of their own: {', '.join(others)})" if others else ""))
+        print(f"`{bench_model.command_line('bench_long_context.py', sys.argv[1:])}`, {os.cpu_count()} threads\n\n"
+              f"{bench_model.machine_line('cpu')}\n", flush=True)
+        if args.prompt_attention:
+            return prompt_attention(model_dir, args.lengths, args.repeats)
         print(alternate(model_dir, args.systems, args.lengths, args.alternate))
         return None
     llama_wanted = any(SYSTEMS[s][0] == "llama" for s in args.systems)
