@@ -43,7 +43,6 @@ import bench_model  # noqa: E402
 FORMATS = ("bf16", "int8", "int4")
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_LEN = 16
-PEAK_SIZE = 2048  # square products that measure the matrix unit's peak
 
 
 # The int8 dot products of the int4 kernels at their peak, with nothing else: 8 independent chains of u8 x s8 products
@@ -80,9 +79,7 @@ double int8_dot_peak(int64_t iters) {
       STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7)
     }
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    volatile int32_t sink;  // (the sums stay observable)
-    for (int j = 0; j < 8; ++j) std::memcpy(const_cast<int32_t*>(&sink), &a[j], sizeof sink);
-    total += 8.0 * sizeof(Vec) * iters / seconds;
+    total += 8.0 * sizeof(Vec) * iters / seconds;  // (asm volatile: the products run though nothing reads a)
   }
   return total;
 }
@@ -109,16 +106,8 @@ def peaks() -> dict:
     import torch
 
     read = bench_model.read_bandwidth()
-    n = PEAK_SIZE
-    a = torch.randn(n, n).bfloat16()
-    once = bench_model.best_of(lambda: a @ a, 1)  # (warm-up: oneDNN picks its kernel)
-    bf16 = 2 * n**3 / (once if once > 1 else bench_model.best_of(lambda: a @ a, 5)) / 1e12
-    f = a.float()
-    f @ f
-    float32 = 2 * n**3 / bench_model.best_of(lambda: f @ f, 5) / 1e12
-    q = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-    torch._int_mm(q, q)
-    int8 = 2 * n**3 / bench_model.best_of(lambda: torch._int_mm(q, q), 5) / 1e12
+    bf16, float32 = bench_model.square_matmul_tops(torch.bfloat16), bench_model.square_matmul_tops(torch.float32)
+    int8 = bench_model.square_matmul_tops(torch.int8)
     return {"read_gb_s": read, "bf16_tflop_s": bf16, "float32_tflop_s": float32, "int8_tops": int8,
             "int8_dot_tops": int8_dot_peak()}
 
@@ -179,10 +168,12 @@ def products_ms(matrices: list, batch: int, repeats: int) -> float:
         k = getattr(m, "in_features", None) or m.weight.shape[1]
         xs.setdefault(k, torch.randn(batch, k).bfloat16())
 
+    calls = [(m, xs[getattr(m, "in_features", None) or m.weight.shape[1]]) for m in matrices]
+
     def step() -> None:
         with torch.inference_mode():
-            for m in matrices:
-                m(xs[getattr(m, "in_features", None) or m.weight.shape[1]])
+            for m, x in calls:
+                m(x)
 
     step()
     return 1e3 * bench_model.best_of(step, 2 * repeats + 1)
@@ -342,12 +333,12 @@ def main() -> None:
             f": B prompts of {PROMPT_LEN} tokens, {args.tokens} new tokens each (greedy, EOS ignored), best of "
             f"{args.repeats}, {args.threads} threads. Weights-once bound: B x read bandwidth "
             f"({ceil['read_gb_s']:.1f} GB/s, a torch sum over "
-            f"1 GiB) / bytes of the projections and LM head; matrix-unit bound: the measured peak of a {PEAK_SIZE}^3 "
-            f"product (bf16: {ceil['bf16_tflop_s']:.2f}, float32: {ceil['float32_tflop_s']:.2f} TFLOP/s, the faster "
-            f"for bf16 and int8 weights; for int4 weights, whose kernels quantise x to int8, the faster of those and "
-            f"int8 x int8 torch._int_mm: {ceil['int8_tops']:.2f} TOP/s, and the vector unit's int8 dot products "
-            f"alone: {ceil['int8_dot_tops']:.2f} TOP/s) / 2 x weights a token. "
-            f"Kernels: {results[formats[0]]['kernel_path']}\n\n"
+            f"1 GiB) / bytes of the projections and LM head; matrix-unit bound: the measured peak of a "
+            f"{bench_model.PEAK_SIZE}^3 product (bf16: {ceil['bf16_tflop_s']:.2f}, float32: "
+            f"{ceil['float32_tflop_s']:.2f} TFLOP/s, the faster for bf16 and int8 weights; for int4 weights, whose "
+            f"kernels quantise x to int8, the faster of those and int8 x int8 torch._int_mm: {ceil['int8_tops']:.2f} "
+            f"TOP/s, and the vector unit's int8 dot products alone: {ceil['int8_dot_tops']:.2f} TOP/s) / 2 x weights "
+            f"a token. Kernels: {results[formats[0]]['kernel_path']}\n\n"
             f"{bench_model.machine_line('cpu')}\n\n" + table(results, ceil))
     for r in results.values():
         if "projections_ms" in r:

@@ -23,7 +23,7 @@ average) it attends to.
 
 times instead one layer's attention of the last prompt chunk (nanoqwen's bf16 kernel, prefill_attention_bf16:
 PREFILL_CHUNK queries after L - PREFILL_CHUNK cached positions, the model's heads) beside a bf16 matmul of
-bench_batch_decode's PEAK_SIZE: how near prompt attention at L runs to the matrix products' pace, which sets how
+bench_model's PEAK_SIZE: how near prompt attention at L runs to the matrix products' pace, which sets how
 a long prompt's rate compares with a short one's.
 
     python bench/bench_long_context.py --lengths 16384 --alternate 8 \
@@ -65,13 +65,13 @@ SYSTEMS = {  # name: (engine, weights, cache)
 # bytes a cached value takes: llama.cpp's q8_0 holds 32 values in 34 bytes
 LLAMA_CACHE_BYTES = {"f16": 2.0, "q8_0": 34 / 32}
 PREFILL_CHUNK = 2048  # the engine's default prompt step (max_num_batched_tokens)
-PEAK_SIZE = 2048  # the square bf16 product --prompt-attention compares with (bench_batch_decode's)
 
 
 def prompt_attention(model_dir: Path, lengths: list[int], repeats: int) -> None:
     """--prompt-attention: for each length L, ms and GFLOP/s of one layer's attention of a PREFILL_CHUNK-query
     chunk after L - PREFILL_CHUNK positions (min(L, PREFILL_CHUNK) queries, none cached, for short L), its keys and
-    values views of a [L, kv heads, D] tensor as the paged cache holds them; then a bf16 PEAK_SIZE^3 matmul's rate.
+    values views of a [L, kv heads, D] tensor as the paged cache holds them; then a bf16 PEAK_SIZE^3 matmul's rate
+    (bench_model.square_matmul_tops).
     The FLOPs count the visible keys only (query i of the chunk sees num_cached + i + 1): 2 * D for its scores and
     2 * D for its weighted sums, each query head."""
     import torch
@@ -93,10 +93,8 @@ def prompt_attention(model_dir: Path, lengths: list[int], repeats: int) -> None:
         flops = 4 * hq * d * (t * cached + t * (t + 1) // 2)
         print(f"prompt attention at {length:,}: {t} queries after {cached:,} positions, one layer "
               f"({hq} query / {hkv} kv heads of {d}): {seconds * 1e3:.0f} ms, {flops / seconds / 1e9:.0f} GFLOP/s")
-    a = torch.randn(PEAK_SIZE, PEAK_SIZE).bfloat16()
-    a @ a
-    seconds = bench_model.best_of(lambda: a @ a, max(repeats, 3))
-    print(f"bf16 matmul {PEAK_SIZE}^3: {2 * PEAK_SIZE**3 / seconds / 1e9:.0f} GFLOP/s")
+    tflops = bench_model.square_matmul_tops(torch.bfloat16, max(repeats, 3))
+    print(f"bf16 matmul {bench_model.PEAK_SIZE}^3: {tflops * 1e3:.0f} GFLOP/s")
 
 
 def alternate(model_dir: Path, systems: list[str], lengths: list[int], rounds: int) -> str:

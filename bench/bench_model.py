@@ -133,6 +133,25 @@ def measure(gen, repeats: int, batches: tuple[int, ...] = (1, 16)) -> dict:
     return result
 
 
+PEAK_SIZE = 2048  # the square products that measure a matmul's peak (bench_batch_decode, bench_long_context)
+
+
+def square_matmul_tops(dtype, repeats: int = 5) -> float:
+    """TFLOP/s (TOP/s for int8, through torch._int_mm) of a PEAK_SIZE^3 product on CPU: best of `repeats` after a
+    warm-up, or the warm-up alone where it takes over a second (bf16 on a CPU without bf16 instructions)."""
+    import torch
+
+    n = PEAK_SIZE
+    if dtype == torch.int8:
+        a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        product = lambda: torch._int_mm(a, a)  # noqa: E731
+    else:
+        a = torch.randn(n, n).to(dtype)
+        product = lambda: a @ a  # noqa: E731
+    once = best_of(product, 1)  # (warm-up: oneDNN picks its kernel)
+    return 2 * n**3 / (once if once > 1 else best_of(product, repeats)) / 1e12
+
+
 def read_bandwidth(device: str = "cpu") -> float:
     """GB/s of a torch sum over 1 GiB of float32, best of five after a warm-up: the read bandwidth that
     bounds decode."""
