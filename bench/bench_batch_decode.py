@@ -6,10 +6,14 @@ weights, beside what the machine allows.
     python bench/bench_batch_decode.py --batches 1,16 --formats int4
     python bench/bench_batch_decode.py --baseline-env NANOQWEN_CPU_AMX=0   # each format also without AMX tiles
     python bench/bench_batch_decode.py --amx-ab        # int4 without and with AMX tiles, alternating in one process
+    python bench/bench_batch_decode.py --llama         # also llama.cpp's batched decode on the same weights
 
 Each format runs in its own subprocess on the same checkpoint (bench_model.py's random Qwen3-0.6B one), the same
 token ids and the same procedure: B prompts of PROMPT_LEN tokens, a generate call with 1 new token each and one with
-1 + N (greedy, EOS ignored); B * N / (difference) is the decode rate. Best of --repeats.
+1 + N (greedy, EOS ignored); B * N / (difference) is the decode rate. Best of --repeats. With --llama, llama.cpp
+decodes the same B prompts on the same weights as GGUF files (bench_llamacpp.py makes them and says how to build
+llama-cpp-python; bf16, q8_0 and q4_0 beside bf16, int8 and int4), B sequences in one context, N greedy steps
+after the prompts' pass (bench_llamacpp.LlamaBatchDecode), in a process of its own after each nanoqwen format.
 
 The two bounds of a decode step of B rows, measured in the same run:
 - reading the weights once a step: B * read bandwidth / (bytes of the projections and the LM head), the read
@@ -38,11 +42,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_llamacpp  # noqa: E402  (its GGUF files and llama.cpp's batched decode)
 import bench_model  # noqa: E402
 
 FORMATS = ("bf16", "int8", "int4")
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_LEN = 16
+LLAMA_TYPES = {"bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # the GGUF type beside each format
 
 
 # The int8 dot products of the int4 kernels at their peak, with nothing else: 8 independent chains of u8 x s8 products
@@ -226,12 +232,32 @@ def run_format(model_dir: str, fmt: str, batches: list[int], tokens: int, repeat
     return result
 
 
+def run_llama(model_dir: Path, gguf_type: str, batches: list[int], tokens: int, repeats: int) -> dict:
+    """As run_format, for llama.cpp on the checkpoint's GGUF file of `gguf_type` (bench_llamacpp.gguf_files): tok/s
+    for each batch and the file's tensor bytes (what a step reads)."""
+    gguf = bench_llamacpp.gguf_files(model_dir, (gguf_type,))[gguf_type]
+    decode = bench_llamacpp.LlamaBatchDecode(str(gguf), tokens)
+    result = {"read_bytes": bench_llamacpp.gguf_tensor_bytes(gguf), "tok_s": {}}
+    for batch in batches:
+        p = bench_model.prompts(batch, PROMPT_LEN)
+        decode(p)  # warm-up
+        result["tok_s"][batch] = batch * tokens / min(decode(p) for _ in range(repeats))
+        print(f"  llama.cpp {gguf_type} batch {batch}: {result['tok_s'][batch]:.1f}", file=sys.stderr, flush=True)
+    decode.close()
+    return result
+
+
 def child(what: str, args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    result = peaks() if what == "peaks" else run_format(
-        args.model, what, [int(b) for b in args.batches.split(",")], args.tokens, args.repeats, args.amx_ab)
+    batches = [int(b) for b in args.batches.split(",")]
+    if what == "peaks":
+        result = peaks()
+    elif what.startswith("llama.cpp "):
+        result = run_llama(Path(args.model), what.split()[1], batches, args.tokens, args.repeats)
+    else:
+        result = run_format(args.model, what, batches, args.tokens, args.repeats, args.amx_ab)
     print("RESULT " + json.dumps(result))
 
 
@@ -255,13 +281,13 @@ def matrix_unit_peak(fmt: str, ceil: dict) -> float:
 
 
 def table(results: dict[str, dict], ceil: dict) -> str:
-    """One row per format (and run: "int4 NANOQWEN_CPU_AMX=0" a --baseline-env one) and batch: tok/s, both bounds,
-    the roofline's share."""
+    """One row per format (and run: "int4 NANOQWEN_CPU_AMX=0" a --baseline-env one; "llama.cpp q4_0" llama.cpp's, with
+    its "peak_format") and batch: tok/s, both bounds, the roofline's share, the products alone (nanoqwen's)."""
     lines = ["| weights | batch | tok/s | weights-once bound | matrix-unit bound | of roofline | products alone, ms "
              "(of the step) | products of matrix-unit peak |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
-        fmt = name.split()[0]
+        fmt = r.get("peak_format", name.split()[0])
         peak = matrix_unit_peak(fmt, ceil) * 1e12
         compute = peak / (2 * r["params"])
         runs = [(name, r["tok_s"])]
@@ -270,7 +296,7 @@ def table(results: dict[str, dict], ceil: dict) -> str:
         for batch in r["tok_s"]:
             read = int(batch) * ceil["read_gb_s"] * 1e9 / r["read_bytes"]
             roof = min(read, compute)
-            products = ""
+            products = " | "
             if batch in r.get("products_ms", {}):  # the default run's products (the last of `runs`)
                 ms = r["products_ms"][batch]
                 products = (f"{ms:.1f} ({ms / (1e3 * int(batch) / r['tok_s'][batch]):.0%}) | "
@@ -299,6 +325,9 @@ def main() -> None:
     parser.add_argument("--amx-ab", action="store_true",
                         help="int4 on a CPU with AMX tiles: time each batch without and with the tiles, alternating "
                              "in one process (rows of their own)")
+    parser.add_argument("--llama", action="store_true",
+                        help="also llama.cpp's batched decode on the same weights (GGUF bf16, q8_0, q4_0; needs "
+                             "llama-cpp-python, as bench_llamacpp.py's docstring says)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -309,6 +338,14 @@ def main() -> None:
         sys.exit(f"--formats: {', '.join(unknown)} is not one of {', '.join(FORMATS)}")
     model_dir = Path(args.model) if args.model else bench_model.DEFAULT_DIR
     bench_model.ensure_checkpoint(model_dir)
+    llama_cpp_version = None
+    if args.llama:
+        try:
+            import llama_cpp
+        except ImportError:
+            sys.exit("--llama needs llama-cpp-python (bench/bench_llamacpp.py's docstring says how to build it)")
+        llama_cpp_version = llama_cpp.__version__
+        bench_llamacpp.gguf_files(model_dir, tuple(LLAMA_TYPES[f] for f in formats))  # (made once)
     args.model_given, args.model = args.model is not None, str(model_dir)
     start = time.perf_counter()
     ceil = run_child("peaks", args)
@@ -326,7 +363,21 @@ def main() -> None:
             results[f"{fmt} {args.baseline_env}"] = run_child(fmt, args, baseline)
         print(f"running {fmt} ...", file=sys.stderr, flush=True)
         results[fmt] = run_child(fmt, args)
+        if args.llama:
+            peer = f"llama.cpp {LLAMA_TYPES[fmt]}"
+            print(f"running {peer} ...", file=sys.stderr, flush=True)
+            # the same model (weights a token), and the matrix unit its kernels use: bf16 dot products for bf16,
+            # int8 ones (x quantised to q8_0) for q8_0 and q4_0
+            results[peer] = {**run_child(peer, args), "params": results[fmt]["params"],
+                             "peak_format": "bf16" if fmt == "bf16" else "int4"}
     name = "a random checkpoint with the exact Qwen3-0.6B shape" if not args.model_given else model_dir.name
+    peers = ""
+    if args.llama:
+        peers = (f". llama.cpp (llama-cpp-python {llama_cpp_version}, built for: "
+                 f"{' '.join(bench_llamacpp.llama_instructions()) or '-'}): the same prompts on GGUF files of the "
+                 "same weights, B sequences in one context (n_seq_max B, flash attention on), greedy steps after the "
+                 "prompts' pass; its rows' weights-once bound is over the file's tensor bytes, its matrix-unit bound "
+                 "bf16's (bf16 file) or the int8 one (q8_0, q4_0: int8 dot products)")
     body = (f"### Batched decode against the roofline ({', '.join(formats)} weights)\n\n"
             f"`{bench_model.command_line('bench_batch_decode.py', sys.argv[1:])}` on "
             f"{name}"
@@ -338,7 +389,7 @@ def main() -> None:
             f"{ceil['float32_tflop_s']:.2f} TFLOP/s, the faster for bf16 and int8 weights; for int4 weights, whose "
             f"kernels quantise x to int8, the faster of those and int8 x int8 torch._int_mm: {ceil['int8_tops']:.2f} "
             f"TOP/s, and the vector unit's int8 dot products alone: {ceil['int8_dot_tops']:.2f} TOP/s) / 2 x weights "
-            f"a token. Kernels: {results[formats[0]]['kernel_path']}\n\n"
+            f"a token. Kernels: {results[formats[0]]['kernel_path']}{peers}\n\n"
             f"{bench_model.machine_line('cpu')}\n\n" + table(results, ceil))
     for r in results.values():
         if "projections_ms" in r:

@@ -33,22 +33,24 @@ figure is its best round. Prompt processing is one 512-token forward (llama.cpp:
 512; nanoqwen: a generate of 1 token); batch-1 decode is 64 tokens after a 32-token prompt (llama.cpp: 64 one-token
 `eval` calls, as llama-bench's tg does, no sampling; nanoqwen: generate 65 tokens minus generate 1, greedy, with
 num_scheduler_steps 8 unless --num-scheduler-steps says otherwise: up to 8 greedy steps in one C++ call;
-bench/bench_multi_step.py measures what that buys). Each round also times nanoqwen's three formats at batch 16 (16
-such prompts at once), for int8 and int4 against bf16 there. The bound of a decode row is the read bandwidth (a sum
-of 1 GiB) over the bytes a step reads (every matrix once, the tied embedding as the LM head); of prefill, the faster
-of the bf16 and float32 matmul rates over its FLOPs. The bandwidth is read twice for each decode timing, just before
-and just after it, and that timing's bound uses the higher reading; each system's decode fraction of its bound is
-the median of its rounds' fractions. The table also gives the best round over the highest reading of the whole
-run: two extremes of a drifting machine, taken minutes apart, so an
-underestimate wherever the drift is large. Where the kernel gives transparent huge pages, each reading also sums a
-second 1 GiB buffer in 2 MiB pages, the kind of memory nanoqwen's weights are in, and the table gives the decode
-fraction against that too (a plain buffer's reading moves with where its pages land).
+bench/bench_multi_step.py measures what that buys). Each round also times every system at batch 16 (16 such prompts at
+once, 64 greedy steps; llama.cpp in one context of 16 sequences, LlamaBatchDecode), for nanoqwen against llama.cpp,
+and int8 and int4 against bf16, there (not with --gguf). The bound of a decode row is the read bandwidth (a sum of 1
+GiB) over the bytes a step reads (every matrix once, the tied embedding as the LM head); of prefill, the faster of the
+bf16 and float32 matmul rates over its FLOPs. The bandwidth is read twice for each decode timing, just before and just
+after it, and that timing's bound uses the higher reading; each system's decode fraction of its bound is the median of
+its rounds' fractions. The table also gives the best round over the highest reading of the whole run: two extremes of
+a drifting machine, taken minutes apart, so an underestimate wherever the drift is large. Where the kernel gives
+transparent huge pages, each reading also sums a second 1 GiB buffer in 2 MiB pages, the kind of memory nanoqwen's
+weights are in, and the table gives the decode fraction against that too (a plain buffer's reading moves with where
+its pages land).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -125,9 +127,85 @@ def gguf_tensor_bytes(path: Path) -> int:
     return GGUFCheckpoint(path).tensor_bytes()
 
 
+class LlamaBatchDecode:
+    """llama.cpp decoding several sequences together on one GGUF file, through llama-cpp-python's C API (its `Llama`
+    class decodes one sequence). Called with B prompts of one length, it makes a context of B sequences (n_seq_max,
+    each its own cache; flash attention on, all threads), passes the prompts in one llama_decode, then decodes one
+    token a sequence a step, each the argmax of its logits (greedy, no end of sequence), and returns the seconds of
+    `tokens` such steps (the first new token comes from the prompts' pass, as in nanoqwen's generate of 1 + tokens
+    minus one of 1)."""
+
+    def __init__(self, gguf: str, tokens: int) -> None:
+        import llama_cpp
+
+        self.llama_cpp, self.gguf, self.tokens = llama_cpp, gguf, tokens
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # (the logger of llama.cpp's log lines)
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(gguf.encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            sys.exit(f"llama.cpp could not load {gguf}")
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.ctx = self.tokens_in = None
+        self.shape = (0, 0)  # (sequences, prompt length) the context was made for
+
+    def _context(self, batch: int, prompt_len: int) -> None:
+        lc = self.llama_cpp
+        self._free_context()
+        params = lc.llama_context_default_params()
+        params.n_ctx = batch * (prompt_len + self.tokens + 8)
+        params.n_batch = params.n_ubatch = max(512, batch * prompt_len)  # all prompts in one pass
+        params.n_seq_max = batch
+        params.n_threads = params.n_threads_batch = os.cpu_count() or 1
+        params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        self.ctx = lc.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            sys.exit(f"llama.cpp could not make a context of {batch} sequences for {self.gguf}")
+        self.tokens_in = lc.llama_batch_init(params.n_batch, 0, 1)
+        self.shape = (batch, prompt_len)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """One llama_decode of (token, position, sequence, wants logits) entries -> the argmax of each output."""
+        import numpy as np
+
+        b = self.tokens_in
+        b.n_tokens = len(entries)
+        for i, (token, pos, seq, out) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, out
+            b.seq_id[i][0] = seq
+        if self.llama_cpp.llama_decode(self.ctx, b) != 0:
+            sys.exit(f"llama_decode failed on a batch of {len(entries)} tokens ({self.gguf})")
+        outputs = sum(1 for *_, out in entries if out)
+        logits = np.ctypeslib.as_array(self.llama_cpp.llama_get_logits(self.ctx), shape=(outputs, self.n_vocab))
+        return logits.argmax(axis=1).tolist()
+
+    def __call__(self, prompts: list[list[int]]) -> float:
+        n = len(prompts[0])
+        if any(len(p) != n for p in prompts):
+            raise ValueError("LlamaBatchDecode takes prompts of one length")
+        if self.shape != (len(prompts), n):
+            self._context(len(prompts), n)
+        self.llama_cpp.llama_memory_clear(self.llama_cpp.llama_get_memory(self.ctx), True)
+        last = self._decode([(t, i, s, i == n - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)])
+        start = time.perf_counter()
+        for step in range(self.tokens):
+            last = self._decode([(token, n + step, s, True) for s, token in enumerate(last)])
+        return time.perf_counter() - start
+
+    def _free_context(self) -> None:
+        if self.ctx:
+            self.llama_cpp.llama_batch_free(self.tokens_in)
+            self.llama_cpp.llama_free(self.ctx)
+            self.ctx = self.tokens_in = None
+
+    def close(self) -> None:
+        self._free_context()
+        self.llama_cpp.llama_model_free(self.model)
+
+
 def load_llama(gguf: str):
-    """llama.cpp on one GGUF file (in this child process): calls timing one prompt processing and one batch-1
-    decode (seconds), no batch-16 call (None), and its facts (the file's size)."""
+    """llama.cpp on one GGUF file (in this child process): calls timing one prompt processing, one batch-1 decode
+    and one batch-16 decode (seconds; LlamaBatchDecode, on a second load of the file), and its facts (the file's
+    size)."""
     from llama_cpp import Llama
 
     threads = os.cpu_count() or 1
@@ -150,7 +228,8 @@ def load_llama(gguf: str):
             llm.eval([1000 + i])
         return time.perf_counter() - start
 
-    return prefill, decode, None, {"file_bytes": os.path.getsize(gguf)}
+    batch = LlamaBatchDecode(gguf, DECODE_TOKENS)
+    return prefill, decode, lambda: batch(bench_model.prompts(16, DECODE_PROMPT)), {"file_bytes": os.path.getsize(gguf)}
 
 
 def load_nanoqwen(model: str, quantization: str | None, num_scheduler_steps: int):
@@ -168,7 +247,7 @@ def load_nanoqwen(model: str, quantization: str | None, num_scheduler_steps: int
     def decode(prompts: list[list[int]] = short) -> float:  # 64 steps: 65 tokens minus the first (the prefill)
         return timed(gen(prompts, 1 + DECODE_TOKENS)) - timed(gen(prompts, 1))
 
-    def decode16() -> float:  # nanoqwen's formats only: 16 sequences at once (their 64 steps)
+    def decode16() -> float:  # 16 sequences at once (their 64 steps)
         return decode(bench_model.prompts(16, DECODE_PROMPT))
 
     return lambda: timed(gen(long_prompt, 1)), decode, decode16, info
@@ -176,7 +255,7 @@ def load_nanoqwen(model: str, quantization: str | None, num_scheduler_steps: int
 
 def child(system: str, model: str, num_scheduler_steps: int) -> None:
     """Load one system, warm it up, print READY and its facts, then time what each line of stdin names
-    ("prefill", "decode" or, nanoqwen only, "decode16"), one RESULT line each, until stdin closes."""
+    ("prefill", "decode" or "decode16"), one RESULT line each, until stdin closes."""
     if system.startswith("nanoqwen-gguf"):  # the GGUF file itself: its own weights, no --quantization
         prefill, decode, decode16, info = load_nanoqwen(model, None, num_scheduler_steps)
     elif system.startswith("nanoqwen"):
@@ -185,8 +264,7 @@ def child(system: str, model: str, num_scheduler_steps: int) -> None:
         prefill, decode, decode16, info = load_llama(model)
     calls = {"prefill": prefill, "decode": decode, "decode16": decode16}
     for call in calls.values():  # warm-up
-        if call is not None:
-            call()
+        call()
     print("READY " + json.dumps(info), flush=True)
     for line in sys.stdin:
         what = line.strip()
@@ -252,16 +330,16 @@ class ReadBandwidth:
         return self.readings[-1], self.huge_readings[-1]
 
 
-def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds: int
+def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds: int, batch16: bool = True
                ) -> tuple[dict[str, dict], list[float], list[float]]:
     """Per system: its facts, its best rates, every round's rates, the read bandwidth beside each decode timing
     (the higher of the readings just before and just after it; also over 2 MiB pages, where there are) and
     (nanoqwen) the sorted per-round ratios against its llama.cpp pair; and every read bandwidth reading of the run
-    (GB/s), plain and over 2 MiB pages."""
+    (GB/s), plain and over 2 MiB pages. batch16: each round also times every system at batch 16, in turn."""
     rates = {name: {"prefill_tok_s": [], "decode_b1_tok_s": []} for name in children}
     beside = {name: [] for name in children}
     beside_huge = {name: [] for name in children}  # the same over the 2 MiB-page buffer, where there is one
-    ours = [name for _, name in pairs if name in children]
+    batched = [name for pair in pairs for name in pair if name in children] if batch16 else []
     read_bandwidth = ReadBandwidth()
     for r in range(rounds):
         for pair in pairs:
@@ -276,8 +354,8 @@ def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds:
                             beside[name].append(max(before[0], after[0]))
                             if after[1] is not None:
                                 beside_huge[name].append(max(before[1], after[1]))
-        turn = r % max(1, len(ours))
-        for name in ours[turn:] + ours[:turn]:  # nanoqwen's formats at batch 16, in turn
+        turn = r % max(1, len(batched))
+        for name in batched[turn:] + batched[:turn]:  # every system at batch 16, in turn
             rates[name].setdefault("decode_b16_tok_s", []).append(16 * DECODE_TOKENS / children[name].time("decode16"))
         print(f"round {r + 1} of {rounds}: " + json.dumps({n: {k: round(v[-1], 1) for k, v in x.items() if v}
                                                             for n, x in rates.items()}), file=sys.stderr, flush=True)
@@ -288,7 +366,8 @@ def run_rounds(children: dict[str, Child], pairs: list[tuple[str, str]], rounds:
     for llama, ours in pairs:
         if llama in children and ours in children:
             results[ours]["paired"] = {k: sorted(a / b for a, b in zip(rates[ours][k], rates[llama][k], strict=True))
-                                       for k in ("prefill_tok_s", "decode_b1_tok_s")}
+                                       for k in ("prefill_tok_s", "decode_b1_tok_s", "decode_b16_tok_s")
+                                       if k in rates[ours]}
     return results, read_bandwidth.readings, read_bandwidth.huge_readings
 
 
@@ -355,9 +434,16 @@ def table(results: dict[str, dict], bandwidth: list[float], huge: list[float], c
                       for k in ("prefill_tok_s", "decode_b1_tok_s", "decode_b16_tok_s")}
             quantized.append(f"{name} prefill {ratios['prefill_tok_s']:.2f}×, batch-1 decode "
                              f"{ratios['decode_b1_tok_s']:.2f}×, batch-16 decode {ratios['decode_b16_tok_s']:.2f}×")
-    b16 = ", ".join(f"{label.split()[-1]} {results[key]['decode_b16_tok_s']:.1f}"
-                    for _, _, _, label, key in rows if key in results)
-    lines += ["", f"nanoqwen at batch 16 (16 sequences of 32-token prompts, 64 steps, tok/s, best round): {b16}."]
+    b16 = []
+    for bits, llama_label, llama_key, our_label, our_key in rows:
+        shown = [f"{label} {results[key]['decode_b16_tok_s']:.1f}" for label, key in ((llama_label, llama_key),
+                                                                                      (our_label, our_key))
+                 if key in results]
+        paired = results.get(our_key, {}).get("paired", {}).get("decode_b16_tok_s")
+        b16.append(f"{bits}: {', '.join(shown)}" + (f" ({statistics.median(paired):.2f}×)" if paired else ""))
+    lines += ["", "At batch 16 (16 sequences of 32-token prompts at once, 64 greedy steps; llama.cpp in one context of "
+              "16 sequences, bench_llamacpp.LlamaBatchDecode), tok/s, best round (nanoqwen against llama.cpp: the "
+              "median of the rounds' ratios): " + "; ".join(b16) + "."]
     if quantized:
         lines += ["", "nanoqwen's int8 and int4 against its bf16 (the median of the rounds' ratios): "
                   + "; ".join(quantized) + "."]
@@ -431,7 +517,7 @@ def main() -> None:
                     print(e, file=sys.stderr)
         if not any(name.startswith("nanoqwen") for name in children):
             sys.exit("no table: nanoqwen failed to load")
-        results, bandwidth, huge = run_rounds(children, pairs, args.rounds)
+        results, bandwidth, huge = run_rounds(children, pairs, args.rounds, batch16=not args.gguf)
     finally:
         for c in children.values():
             c.close()
