@@ -11,9 +11,9 @@ weights, beside what the machine allows.
 Each format runs in its own subprocess on the same checkpoint (bench_model.py's random Qwen3-0.6B one), the same
 token ids and the same procedure: B prompts of PROMPT_LEN tokens, a generate call with 1 new token each and one with
 1 + N (greedy, EOS ignored); B * N / (difference) is the decode rate. Best of --repeats. With --llama, llama.cpp
-decodes the same B prompts on the same weights as GGUF files (bench_llamacpp.py makes them and says how to build
-llama-cpp-python; bf16, q8_0 and q4_0 beside bf16, int8 and int4), B sequences in one context, N greedy steps
-after the prompts' pass (bench_llamacpp.LlamaBatchDecode), in a process of its own after each nanoqwen format.
+decodes the same B prompts on the same weights as GGUF files (llamacpp_peer.py makes them; bench_llamacpp.py says how
+to build llama-cpp-python; bf16, q8_0 and q4_0 beside bf16, int8 and int4), B sequences in one context, N greedy steps
+after the prompts' pass (llamacpp_peer.LlamaBatchDecode), in a process of its own after each nanoqwen format.
 
 The two bounds of a decode step of B rows, measured in the same run:
 - reading the weights once a step: B * read bandwidth / (bytes of the projections and the LM head), the read
@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_llamacpp  # noqa: E402  (its GGUF files and llama.cpp's batched decode)
 import bench_model  # noqa: E402
+import llamacpp_peer  # noqa: E402  (llama.cpp's GGUF files, build and batched decode)
 
 FORMATS = ("bf16", "int8", "int4")
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -233,11 +233,11 @@ def run_format(model_dir: str, fmt: str, batches: list[int], tokens: int, repeat
 
 
 def run_llama(model_dir: Path, gguf_type: str, batches: list[int], tokens: int, repeats: int) -> dict:
-    """As run_format, for llama.cpp on the checkpoint's GGUF file of `gguf_type` (bench_llamacpp.gguf_files): tok/s
+    """As run_format, for llama.cpp on the checkpoint's GGUF file of `gguf_type` (llamacpp_peer.gguf_files): tok/s
     for each batch and the file's tensor bytes (what a step reads)."""
-    gguf = bench_llamacpp.gguf_files(model_dir, (gguf_type,))[gguf_type]
-    decode = bench_llamacpp.LlamaBatchDecode(str(gguf), tokens)
-    result = {"read_bytes": bench_llamacpp.gguf_tensor_bytes(gguf), "tok_s": {}}
+    gguf = llamacpp_peer.gguf_files(model_dir, (gguf_type,))[gguf_type]
+    decode = llamacpp_peer.LlamaBatchDecode(str(gguf), tokens)
+    result = {"read_bytes": llamacpp_peer.gguf_tensor_bytes(gguf), "tok_s": {}}
     for batch in batches:
         p = bench_model.prompts(batch, PROMPT_LEN)
         decode(p)  # warm-up
@@ -345,7 +345,7 @@ def main() -> None:
         except ImportError:
             sys.exit("--llama needs llama-cpp-python (bench/bench_llamacpp.py's docstring says how to build it)")
         llama_cpp_version = llama_cpp.__version__
-        bench_llamacpp.gguf_files(model_dir, tuple(LLAMA_TYPES[f] for f in formats))  # (made once)
+        llamacpp_peer.gguf_files(model_dir, tuple(LLAMA_TYPES[f] for f in formats))  # (made once)
     args.model_given, args.model = args.model is not None, str(model_dir)
     start = time.perf_counter()
     ceil = run_child("peaks", args)
@@ -374,7 +374,7 @@ def main() -> None:
     peers = ""
     if args.llama:
         peers = (f". llama.cpp (llama-cpp-python {llama_cpp_version}, built for: "
-                 f"{' '.join(bench_llamacpp.llama_instructions()) or '-'}): the same prompts on GGUF files of the "
+                 f"{' '.join(llamacpp_peer.llama_instructions()) or '-'}): the same prompts on GGUF files of the "
                  "same weights, B sequences in one context (n_seq_max B, flash attention on), greedy steps after the "
                  "prompts' pass; its rows' weights-once bound is over the file's tensor bytes, its matrix-unit bound "
                  "bf16's (bf16 file) or the int8 one (q8_0, q4_0: int8 dot products)")

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_llamacpp  # noqa: E402  (its GGUF conversion and llama.cpp build)
 import bench_model  # noqa: E402  (its machine line and BENCHMARKS.md writer)
+import llamacpp_peer  # noqa: E402  (its GGUF conversion)
 
 STD = 0.08
 MODEL_DIR = bench_model.ROOT / "bench" / ".models" / f"qwen3-0.6b-random-bf16-std{STD}"
@@ -120,7 +120,7 @@ def main() -> None:
         print(f"nanoqwen, cache {cache} ...", file=sys.stderr, flush=True)
         logprobs[("nanoqwen", cache)] = nanoqwen_logprobs(tokens, args.prompt_len, cache)
     if llama_cpp is not None:
-        gguf = bench_llamacpp.gguf_files(MODEL_DIR, ("bf16",))["bf16"]
+        gguf = llamacpp_peer.gguf_files(MODEL_DIR, ("bf16",))["bf16"]
         for cache in LLAMA_CACHES:
             print(f"llama.cpp, cache {cache} ...", file=sys.stderr, flush=True)
             logprobs[("llama.cpp", cache)] = llama_logprobs(gguf, tokens, args.prompt_len, cache)

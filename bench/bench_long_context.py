@@ -8,7 +8,7 @@ Systems (each in a process of its own, one after the other, all threads):
 - nanoqwen on the bf16 checkpoint with kv_cache_dtype auto (bf16), int8 and fp8_e4m3, and with int4 weights and a
   bf16 and an int8 cache (with bf16 weights the weights' bytes cap what a smaller cache can gain: at 16k tokens of
   Qwen3-0.6B an int8 cache reads 0.70x the bytes a step of a bf16 one reads, with int4 weights 0.59x);
-- llama.cpp (llama-cpp-python, built as bench/bench_llamacpp.py's docstring says, whose GGUF files it reuses) on
+- llama.cpp (llama-cpp-python, built as bench/bench_llamacpp.py's docstring says, on llamacpp_peer.py's GGUF files) on
   the bf16 GGUF with an f16 cache and with a q8_0 cache, and on the q4_0 GGUF with a q8_0 cache.
 
 At each length L, a system processes a fresh prompt of L tokens (nanoqwen: generate 1 token, its default chunked
@@ -48,8 +48,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_llamacpp  # noqa: E402  (its GGUF files and llama.cpp build)
+import bench_llamacpp  # noqa: E402  (its bandwidth reading)
 import bench_model  # noqa: E402  (its checkpoint, bandwidth and BENCHMARKS.md writer)
+import llamacpp_peer  # noqa: E402  (llama.cpp's GGUF files and build)
 
 DECODE_TOKENS = 32
 SYSTEMS = {  # name: (engine, weights, cache)
@@ -190,7 +191,7 @@ def load_llama(gguf: str, cache: str, max_len: int):
             llm.eval([1000 + i])
         return time.perf_counter() - start
 
-    facts = {"step_weight_bytes": bench_llamacpp.gguf_tensor_bytes(Path(gguf)), "kv_bytes_per_token": per_token}
+    facts = {"step_weight_bytes": llamacpp_peer.gguf_tensor_bytes(Path(gguf)), "kv_bytes_per_token": per_token}
     return prefill, decode, facts
 
 
@@ -287,7 +288,7 @@ def main() -> None:
         except ImportError:
             sys.exit("llama-cpp-python is not installed (bench/bench_llamacpp.py's docstring says how), or leave "
                      "the llama.cpp systems out with --systems")
-        files = bench_llamacpp.gguf_files(model_dir)
+        files = llamacpp_peer.gguf_files(model_dir)
     results = {}
     for system in args.systems:
         engine, weights, _ = SYSTEMS[system]
@@ -299,7 +300,7 @@ def main() -> None:
             print(json.dumps(result), file=sys.stderr)
     if not results:
         sys.exit("no system ran")
-    instructions = bench_llamacpp.llama_instructions() if llama_wanted else []
+    instructions = llamacpp_peer.llama_instructions() if llama_wanted else []
     body = (f"### Long contexts: nanoqwen's KV cache types vs llama.cpp's, CPU\n\n"
             f"`{bench_model.command_line('bench_long_context.py', sys.argv[1:])}` on "
             f"{'a random checkpoint with the exact Qwen3-0.6B shape' if not args.model else model_dir.name}; "
