@@ -340,11 +340,7 @@ def main() -> None:
     bench_model.ensure_checkpoint(model_dir)
     llama_cpp_version = None
     if args.llama:
-        try:
-            import llama_cpp
-        except ImportError:
-            sys.exit("--llama needs llama-cpp-python (bench/bench_llamacpp.py's docstring says how to build it)")
-        llama_cpp_version = llama_cpp.__version__
+        llama_cpp_version = llamacpp_peer.import_llama_cpp("; or leave out --llama").__version__
         llamacpp_peer.gguf_files(model_dir, tuple(LLAMA_TYPES[f] for f in formats))  # (made once)
     args.model_given, args.model = args.model is not None, str(model_dir)
     start = time.perf_counter()

@@ -353,11 +353,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.model, args.num_scheduler_steps)
-    try:
-        import llama_cpp
-    except ImportError:
-        sys.exit("llama-cpp-python is not installed: CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python "
-                 "sentencepiece (15-25 minutes on 2 cores, once)")
+    llama_cpp = llamacpp_peer.import_llama_cpp()
     model_dir = Path(args.model) if args.model else bench_model.DEFAULT_DIR
     bench_model.ensure_checkpoint(model_dir)
     files = llamacpp_peer.gguf_files(model_dir)

@@ -283,11 +283,7 @@ def main() -> None:
     llama_wanted = any(SYSTEMS[s][0] == "llama" for s in args.systems)
     files = {}
     if llama_wanted:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            sys.exit("llama-cpp-python is not installed (bench/bench_llamacpp.py's docstring says how), or leave "
-                     "the llama.cpp systems out with --systems")
+        llamacpp_peer.import_llama_cpp("; or leave the llama.cpp systems out with --systems")
         files = llamacpp_peer.gguf_files(model_dir)
     results = {}
     for system in args.systems:

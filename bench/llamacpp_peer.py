@@ -22,6 +22,18 @@ SRC_DIR = ROOT / "bench" / ".models" / "llama-cpp-src"
 FORMATS = ("bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m")
 
 
+def import_llama_cpp(fix: str = ""):
+    """The llama_cpp module, or an exit that says how to build it (bench_llamacpp.py's docstring has the AVX2-only and
+    no-AMX builds), then `fix`: what else the caller's user can do."""
+    try:
+        import llama_cpp
+    except ImportError:
+        sys.exit("llama-cpp-python is not installed: CMAKE_ARGS=\"-DGGML_NATIVE=ON\" pip install llama-cpp-python "
+                 "sentencepiece (15-25 minutes on 2 cores, once; bench/bench_llamacpp.py's docstring has other builds)"
+                 + fix)
+    return llama_cpp
+
+
 def llama_instructions() -> list[str]:
     """The x86 instruction sets the installed llama.cpp was built to use (from llama_print_system_info),
     e.g. ["AVX2", "FMA", "F16C", "AVX512", ...]: a GGML_NATIVE build on an AVX-512 CPU uses AVX-512 even
