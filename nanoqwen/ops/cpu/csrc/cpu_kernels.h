@@ -273,7 +273,7 @@ inline void parallel_rows(int64_t N, int64_t grain, const F& body) {
 // own equal share, taking `claim` rows at a time; a thread whose share is done takes the back half of what is
 // left of the fullest other share, which becomes its own. Each thread reads one long sequential stream, then a
 // few shorter ones, and the threads end within a claim of each other. Used where body reads each claim as one
-// stream (int4_gemv), where it decodes faster than parallel_rows, whose tail is many small chunks
+// stream (int4_gemv; int4_gemm's panels), where it decodes faster than parallel_rows, whose tail is many small chunks
 // (bench/ab_kernels.py measures it). bf16 and int8 keep parallel_rows: their body cuts its range into three
 // streams, which needs long ranges. Where the ranges are cut changes from call to call, so a row's result must
 // not depend on it (int4: blocks of 16 rows, each computed alone).

@@ -201,16 +201,24 @@ void int4_panels(const Int4Product& p) {
   const int64_t M = p.M, K = p.K, N = p.N, G = p.G, groups = K / G;
   const QuantizedRows rows{p.xq.xq.data(), p.xq.d.data(), p.xq.xs.data()};
   const int64_t panels = (N + kBlockRows - 1) / kBlockRows;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> panel(kBlockRows * K);  // this thread's panel: 16 KB for K = 1024
-    std::vector<float> panel_scale(kBlockRows * groups), panel_offset(kBlockRows * groups);
+  // The panels shared out by work stealing (as int4_gemv's blocks): with static halves one thread waited for the
+  // other at the end of most products (docs/tried-and-not-kept.md). A panel's result does not depend on which
+  // thread computes it.
+  const int64_t claim = std::max<int64_t>(1, kClaimBytes / (kBlockRows * K / 2));
+  parallel_rows_stealing(panels, 1, claim, [&](int64_t begin, int64_t end) {
+    // this thread's panel (16 KB for K = 1024), kept from claim to claim
+    thread_local std::vector<uint8_t> panel;
+    thread_local std::vector<float> panel_scale, panel_offset;
+    panel.resize(kBlockRows * K);
+    panel_scale.resize(kBlockRows * groups);
+    panel_offset.resize(kBlockRows * groups);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * kBlockRows;
       const int cols = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
       pack_panel<S>(p.wp(), p, N, K, G, n0, panel.data(), panel_scale.data(), panel_offset.data());
-      // the next block's packed weights, fetched while the first tile of rows computes: unpacking it then reads
-      // from the cache, not from memory with nothing else to do
-      const int64_t next = n0 + kBlockRows, next_rows = i + 1 < end ? std::min(N, next + kBlockRows) - next : 0;
+      // the next block's packed weights (this thread's next claim, usually), fetched while the first tile of rows
+      // computes: unpacking it then reads from the cache, not from memory with nothing else to do
+      const int64_t next = n0 + kBlockRows, next_rows = i + 1 < panels ? std::min(N, next + kBlockRows) - next : 0;
       const uint8_t* ahead = next_rows > 0 ? p.wp() + next * (K / 2) : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += kPanelTileRows)
         panel_tiles(static_cast<int>(std::min<int64_t>(kPanelTileRows, M - m0)), rows, K, G, m0, panel.data(),
