@@ -1,9 +1,9 @@
 """A/B of versions of nanoqwen's CPU kernels (nanoqwen/ops/cpu/csrc), decode step by decode step.
 
     cp -r nanoqwen/ops/cpu/csrc /tmp/try/csrc     # then edit /tmp/try/csrc
-    python bench/ab_kernels.py nanoqwen/ops /tmp/try --quantization int4 --seconds 90
+    python bench/ab_kernels.py nanoqwen/ops/cpu /tmp/try --quantization int4 --seconds 90
 
-Each folder holds a csrc/ (the first is the baseline; name the repository's own as nanoqwen/ops). Each is built
+Each folder holds a csrc/ (the first is the baseline; name the repository's own as nanoqwen/ops/cpu). Each is built
 as its own extension; one LLM decodes (batch 1, or --batch) with the versions taking turns step by step, each
 step's decode_model call timed (worker/fused_decoder.py). Neighbouring steps see the same memory phase (this
 machine's read bandwidth moves between levels for tens of seconds at a time), so the ratio of neighbouring steps'
