@@ -329,10 +329,23 @@ def section_name(script: str, device: str) -> str:
     return f"{script}-cpu-{cpu_class}"
 
 
+# Environment variables that change what a run measures, shown before its command where set: the llama-cpp-python
+# build on the path, and the limits that make a bigger CPU run as an AVX2-only one.
+RUN_ENV = ("PYTHONPATH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def command_line(script: str, argv: list[str]) -> str:
     """A run's command for the record, without --write and the model path (named in the text
-    instead)."""
-    shown, skip = [f"python bench/{script}"], False
+    instead), after the RUN_ENV variables it ran with (paths inside the repository relative to it)."""
+    env = []
+    for name in RUN_ENV:
+        value = os.environ.get(name)
+        if value and name == "PYTHONPATH":
+            inside = [Path(v).resolve() for v in value.split(":")]
+            value = ":".join(str(v.relative_to(ROOT)) if v.is_relative_to(ROOT) else str(v) for v in inside)
+        if value:
+            env.append(f"{name}={shlex.quote(value)}")
+    shown, skip = [*env, f"python bench/{script}"], False
     for arg in argv:
         if skip or arg == "--write" or arg.startswith("--model="):
             skip = False

@@ -33,6 +33,10 @@ namespace nanoqwen::int4 {
 constexpr int kBlockRows = 16;  // weight rows stored lane by lane (the layout above)
 constexpr int kBlockVectors = kBlockRows / 8;
 
+// Blocks of kBlockRows weight rows (K / 2 packed bytes each) a work-stealing claim takes: at least kClaimBytes of
+// packed weights (parallel_rows_stealing; int4_gemv's blocks and int4_gemm's panels).
+inline int64_t claim_blocks(int64_t K) { return std::max<int64_t>(1, kClaimBytes / (kBlockRows * K / 2)); }
+
 // ---- x quantised to int8 (the q4 x q8 dot product llama.cpp uses).
 //
 // A float FMA per weight makes the int4 kernel compute-bound, far below the read bandwidth (bench/bench_gemv.py

@@ -204,8 +204,7 @@ void int4_panels(const Int4Product& p) {
   // The panels shared out by work stealing (as int4_gemv's blocks): with static halves one thread waited for the
   // other at the end of most products (docs/tried-and-not-kept.md). A panel's result does not depend on which
   // thread computes it.
-  const int64_t claim = std::max<int64_t>(1, kClaimBytes / (kBlockRows * K / 2));
-  parallel_rows_stealing(panels, 1, claim, [&](int64_t begin, int64_t end) {
+  parallel_rows_stealing(panels, 1, claim_blocks(K), [&](int64_t begin, int64_t end) {
     // this thread's panel (16 KB for K = 1024), kept from claim to claim
     thread_local std::vector<uint8_t> panel;
     thread_local std::vector<float> panel_scale, panel_offset;

@@ -167,8 +167,7 @@ void int4_passes(const Int4Product& p) {
   const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, kBlockRows * K / 2));
   const QuantizedRows x{p.xq.xq.data(), p.xq.d.data(), p.xq.xs.data()};
-  const int64_t claim = std::max<int64_t>(1, kClaimBytes / (kBlockRows * K / 2));
-  parallel_rows_stealing(blocks, grain, claim, [&](int64_t begin, int64_t end) {
+  parallel_rows_stealing(blocks, grain, claim_blocks(K), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBlockRows;
       const int L = static_cast<int>(std::min<int64_t>(kBlockRows, N - n0));
